@@ -1,0 +1,7 @@
+"""``python -m exitlm`` (also what ``torchrun -m exitlm`` runs)."""
+
+import sys
+
+from exitlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The early-exit transformer, its exit heads and its KV cache."""

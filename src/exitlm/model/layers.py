@@ -1,0 +1,162 @@
+"""Building blocks of the transformer: norms, rotary embedding, attention, MLP, block.
+
+Weights follow ``nn.Linear``'s ``(out_features, in_features)`` convention so checkpoints map
+one-to-one; :func:`exitlm.model.layout.optimize_layout` may re-stride them for fast batch-1
+decoding on CPU without changing their values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exitlm.config import ModelConfig, RopeScaling
+from exitlm.model.kv_cache import KVCache, WritePlan
+
+
+class Norm(nn.Module):
+    """RMSNorm (Llama family) or LayerNorm (GPT-2), chosen by ``ModelConfig.norm``."""
+
+    def __init__(self, dim: int, kind: str, eps: float) -> None:
+        super().__init__()
+        self.kind = kind
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            # Normalise in fp32 like the reference Llama implementation, then scale.
+            y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+            return y * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Rotary inverse frequencies ``theta^(-2i/d)``, with optional Llama-3 / linear scaling."""
+    # float32 arithmetic, as the reference implementations do, so angles match bit-for-bit.
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, interpolate between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return torch.where(mid, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` by the angles of its positions (half-split convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query causal self-attention with a fused q,k,v projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.hdim
+        self.use_rope = cfg.pos == "rope"
+        qkv_out = (cfg.num_heads + 2 * cfg.n_kv_heads) * cfg.hdim
+        self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.hdim, cfg.dim, bias=cfg.out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None,
+        slot: int,
+        plan: WritePlan | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
+        q = q.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, hkv, d).transpose(1, 2)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        if cache is not None and plan is not None:
+            k, v = cache.write(slot, k, v, plan)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=hkv != h
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=hkv != h
+            )
+        out = out.transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
+        return self.wo(out)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class MLP(nn.Module):
+    """SwiGLU (fused gate+up projection) or a plain two-layer GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        self.hidden = cfg.hidden_dim
+        width = 2 * cfg.hidden_dim if self.gated else cfg.hidden_dim
+        self.w_in = nn.Linear(cfg.dim, width, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)
+        self.act = _ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.w_in(x)
+        if self.gated:
+            gate, up = y.split(self.hidden, dim=-1)
+            return self.w_out(self.act(gate) * up)
+        return self.w_out(self.act(y))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm_attn = Norm(cfg.dim, cfg.norm, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm_mlp = Norm(cfg.dim, cfg.norm, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None,
+        slot: int,
+        plan: WritePlan | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask)
+        return h + self.mlp(self.norm_mlp(h))
