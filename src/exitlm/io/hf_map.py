@@ -1,0 +1,302 @@
+"""Mapping between Hugging Face ``transformers`` checkpoints and exitlm's parameters.
+
+Covers the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``;
+SmolLM checkpoints are Llama) and ``GPT2LMHeadModel``. Tensors are converted one at a time
+(a layer's q/k/v or gate/up are buffered only until the layer's set is complete), so loading
+never holds more than one copy of the weights plus one layer.
+
+exitlm fuses q/k/v into ``attn.wqkv`` and SwiGLU's gate/up into ``mlp.w_in``; GPT-2's
+``Conv1D`` weights are stored ``(in, out)`` and are transposed to ``nn.Linear``'s ``(out, in)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from exitlm.config import ConfigError, ModelConfig, RopeScaling
+
+LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GPT2_ARCHS = ("GPT2LMHeadModel",)
+SUPPORTED_ARCHS = LLAMA_ARCHS + GPT2_ARCHS
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is corrupt, incomplete or does not match its configuration."""
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    for arch in archs:
+        if arch in SUPPORTED_ARCHS:
+            return arch
+    by_type = {"llama": LLAMA_ARCHS[0], "mistral": LLAMA_ARCHS[1], "qwen2": LLAMA_ARCHS[2],
+               "gpt2": GPT2_ARCHS[0]}
+    if model_type in by_type:
+        return by_type[model_type]
+    raise CheckpointError(
+        f"unknown architecture {archs or model_type!r}; exitlm loads {list(SUPPORTED_ARCHS)}"
+    )
+
+
+def _eos(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
+    """Translate a ``config.json`` dictionary into a :class:`ModelConfig`."""
+    arch = architecture_of(hf)
+    try:
+        if arch in GPT2_ARCHS:
+            act = hf.get("activation_function", "gelu_new")
+            act_map = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                       "gelu": "gelu", "relu": "relu"}
+            if act not in act_map:
+                raise CheckpointError(f"unsupported GPT-2 activation_function {act!r}")
+            return ModelConfig(
+                vocab_size=hf["vocab_size"], dim=hf["n_embd"], num_layers=hf["n_layer"],
+                num_heads=hf["n_head"], hidden_dim=hf.get("n_inner") or 4 * hf["n_embd"],
+                max_seq_len=hf["n_positions"], norm="layernorm",
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5), pos="learned", mlp="gelu",
+                activation=act_map[act], qkv_bias=True, out_bias=True, mlp_bias=True,
+                tie_embeddings=hf.get("tie_word_embeddings", True),
+                bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos(hf.get("eos_token_id")),
+                pad_token_id=hf.get("pad_token_id"), name=name,
+            )
+        scaling = None
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+        theta = hf.get("rope_theta")
+        if isinstance(rs, dict):
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            theta = rs.get("rope_theta", theta)
+            if kind == "llama3":
+                scaling = RopeScaling(
+                    kind="llama3", factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                    high_freq_factor=rs["high_freq_factor"],
+                    original_max_position_embeddings=rs["original_max_position_embeddings"],
+                )
+            elif kind == "linear":
+                scaling = RopeScaling(kind="linear", factor=rs["factor"])
+            elif kind != "default":
+                raise CheckpointError(
+                    f"unsupported rope scaling {kind!r}; exitlm supports default, linear, llama3"
+                )
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "gelu", "relu", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"unsupported hidden_act {act!r}")
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+            hidden_dim=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
+            norm_eps=hf.get("rms_norm_eps", 1e-6), pos="rope",
+            rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
+            mlp="swiglu", activation="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
+            qkv_bias=qkv_bias, out_bias=bool(hf.get("attention_bias", False))
+            and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"), name=name,
+        )
+    except KeyError as err:
+        raise CheckpointError(f"config.json lacks the key {err.args[0]!r} for {arch}") from err
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A ``config.json`` for ``transformers`` describing the backbone of ``cfg``."""
+    if cfg.pos == "learned":
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_embd": cfg.dim, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads, "n_inner": cfg.hidden_dim, "n_positions": cfg.max_seq_len,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.activation,
+                                                                  cfg.activation),
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": _eos_out(cfg), "torch_dtype": "float32",
+        }
+    d: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hdim,
+        "intermediate_size": cfg.hidden_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+        "attention_bias": cfg.out_bias, "mlp_bias": cfg.mlp_bias,
+        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": _eos_out(cfg), "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        d["rope_scaling"] = (
+            {"rope_type": "linear", "factor": rs.factor} if rs.kind == "linear" else
+            {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+             "high_freq_factor": rs.high_freq_factor,
+             "original_max_position_embeddings": rs.original_max_position_embeddings}
+        )
+    return d
+
+
+def _eos_out(cfg: ModelConfig) -> int | list[int] | None:
+    if not cfg.eos_token_ids:
+        return None
+    return cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+
+
+# ----- tensors: HF -> exitlm -------------------------------------------------------------------
+
+_LLAMA_SIMPLE = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_LLAMA_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LLAMA_LAYER_SIMPLE = {
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "self_attn.o_proj.bias": "attn.wo.bias",
+    "mlp.down_proj.weight": "mlp.w_out.weight",
+    "mlp.down_proj.bias": "mlp.w_out.bias",
+    "input_layernorm.weight": "norm_attn.weight",
+    "post_attention_layernorm.weight": "norm_mlp.weight",
+}
+_LLAMA_FUSED = {
+    # exitlm name -> HF parts in concatenation order
+    "attn.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                         "self_attn.v_proj.weight"),
+    "attn.wqkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                       "self_attn.v_proj.bias"),
+    "mlp.w_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.w_in.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+}
+_LLAMA_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+_GPT2_SIMPLE = {
+    "wte.weight": "embed_tokens.weight", "wpe.weight": "embed_positions.weight",
+    "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias",
+}
+_GPT2_LAYER = re.compile(r"h\.(\d+)\.(.+)")
+_GPT2_LAYER_MAP = {
+    "ln_1.weight": "norm_attn.weight", "ln_1.bias": "norm_attn.bias",
+    "ln_2.weight": "norm_mlp.weight", "ln_2.bias": "norm_mlp.bias",
+    "attn.c_attn.weight": "attn.wqkv.weight", "attn.c_attn.bias": "attn.wqkv.bias",
+    "attn.c_proj.weight": "attn.wo.weight", "attn.c_proj.bias": "attn.wo.bias",
+    "mlp.c_fc.weight": "mlp.w_in.weight", "mlp.c_fc.bias": "mlp.w_in.bias",
+    "mlp.c_proj.weight": "mlp.w_out.weight", "mlp.c_proj.bias": "mlp.w_out.bias",
+}
+_GPT2_IGNORED = re.compile(r"h\.\d+\.attn\.(masked_)?bias$")
+
+
+def hf_to_exitlm(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, source: str = "checkpoint"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Translate ``(hf_name, tensor)`` pairs into ``(exitlm_name, tensor)`` pairs."""
+    if cfg.pos == "learned":
+        yield from _gpt2_to_exitlm(tensors, source)
+    else:
+        yield from _llama_to_exitlm(tensors, source)
+
+
+def _llama_to_exitlm(
+    tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    part_of = {part: fused for fused, parts in _LLAMA_FUSED.items() for part in parts}
+    for name, t in tensors:
+        if name in _LLAMA_SIMPLE:
+            yield _LLAMA_SIMPLE[name], t
+            continue
+        if _LLAMA_IGNORED.match(name):
+            continue
+        m = _LLAMA_LAYER.fullmatch(name)
+        if not m:
+            raise CheckpointError(f"{source}: unexpected tensor {name!r} for a Llama-family model")
+        layer, rest = int(m.group(1)), m.group(2)
+        if rest in _LLAMA_LAYER_SIMPLE:
+            yield f"layers.{layer}.{_LLAMA_LAYER_SIMPLE[rest]}", t
+        elif rest in part_of:
+            fused = part_of[rest]
+            got = pending.setdefault((layer, fused), {})
+            got[rest] = t
+            if len(got) == len(_LLAMA_FUSED[fused]):
+                del pending[(layer, fused)]
+                yield f"layers.{layer}.{fused}", torch.cat([got[p] for p in _LLAMA_FUSED[fused]])
+        else:
+            raise CheckpointError(f"{source}: unexpected tensor {name!r} for a Llama-family model")
+    for (layer, fused), got in pending.items():
+        missing = sorted(set(_LLAMA_FUSED[fused]) - set(got))
+        raise CheckpointError(
+            f"{source}: layer {layer} is missing {['model.layers.%d.%s' % (layer, p) for p in missing]}"
+        )
+
+
+def _gpt2_to_exitlm(
+    tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in tensors:
+        if name == "lm_head.weight":
+            yield "lm_head.weight", t
+            continue
+        short = name.removeprefix("transformer.")
+        if _GPT2_IGNORED.match(short):
+            continue
+        if short in _GPT2_SIMPLE:
+            yield _GPT2_SIMPLE[short], t
+            continue
+        m = _GPT2_LAYER.fullmatch(short)
+        if not m or m.group(2) not in _GPT2_LAYER_MAP:
+            raise CheckpointError(f"{source}: unexpected tensor {name!r} for a GPT-2 model")
+        ours = _GPT2_LAYER_MAP[m.group(2)]
+        if ours.endswith(".weight") and t.dim() == 2:
+            t = t.t().contiguous()  # Conv1D stores (in, out)
+        yield f"layers.{m.group(1)}.{ours}", t
+
+
+# ----- tensors: exitlm -> HF -------------------------------------------------------------------
+
+def exitlm_to_hf(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Translate backbone tensors into ``transformers`` names (exit heads are skipped: they
+    have no ``transformers`` equivalent and are exported separately)."""
+    h, hkv, d = cfg.num_heads, cfg.n_kv_heads, cfg.hdim
+    gpt2 = cfg.pos == "learned"
+    inv_simple = {v: k for k, v in (_GPT2_SIMPLE if gpt2 else _LLAMA_SIMPLE).items()}
+    for name, t in tensors:
+        if name.startswith("exits."):
+            continue
+        if name == "lm_head.weight":
+            yield "lm_head.weight", t
+            continue
+        if name in inv_simple:
+            yield ("transformer." + inv_simple[name]) if gpt2 else inv_simple[name], t
+            continue
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if not m:
+            raise CheckpointError(f"cannot export tensor {name!r}")
+        layer, rest = int(m.group(1)), m.group(2)
+        if gpt2:
+            hf = {v: k for k, v in _GPT2_LAYER_MAP.items()}[rest]
+            if rest.endswith(".weight") and t.dim() == 2:
+                t = t.t()
+            yield f"transformer.h.{layer}.{hf}", t.contiguous()
+            continue
+        if rest in _LLAMA_FUSED:
+            sizes = (h * d, hkv * d, hkv * d) if rest.startswith("attn") else (
+                cfg.hidden_dim, cfg.hidden_dim)
+            for part, piece in zip(_LLAMA_FUSED[rest], t.split(sizes), strict=True):
+                yield f"model.layers.{layer}.{part}", piece.contiguous()
+        else:
+            hf = {v: k for k, v in _LLAMA_LAYER_SIMPLE.items()}[rest]
+            yield f"model.layers.{layer}.{hf}", t.contiguous()
