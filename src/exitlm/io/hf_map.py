@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from exitlm.config import ConfigError, ModelConfig, RopeScaling
+from exitlm.config import ModelConfig, RopeScaling
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
@@ -236,9 +236,8 @@ def _llama_to_exitlm(
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a Llama-family model")
     for (layer, fused), got in pending.items():
         missing = sorted(set(_LLAMA_FUSED[fused]) - set(got))
-        raise CheckpointError(
-            f"{source}: layer {layer} is missing {['model.layers.%d.%s' % (layer, p) for p in missing]}"
-        )
+        names = [f"model.layers.{layer}.{p}" for p in missing]
+        raise CheckpointError(f"{source}: layer {layer} is missing {names}")
 
 
 def _gpt2_to_exitlm(

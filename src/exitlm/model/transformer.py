@@ -195,7 +195,7 @@ class EarlyExitLM(nn.Module):
         """
         if layer == self.num_layers:
             return self.final_logits(h)
-        head = self.exits[str(layer)] if str(layer) in self.exits else None
+        head = self.exits[str(layer)] if str(layer) in self.exits else None  # noqa: SIM401
         if head is None:
             if not self.config.exits.every_layer:
                 raise ValueError(
