@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from exitlm.config import ModelConfig
-from exitlm.model.layers import MLP, Block, Norm
+from exitlm.model.layers import MLP, Block, Linear, Norm
 
 
 class ExitHead(nn.Module):
@@ -29,4 +29,4 @@ class ExitHead(nn.Module):
         self.mlp_norm = Norm(cfg.dim, cfg.norm, cfg.norm_eps) if ex.head == "mlp" else None
         self.mlp = MLP(cfg) if ex.head == "mlp" else None
         self.norm = Norm(cfg.dim, cfg.norm, cfg.norm_eps) if ex.norm == "own" else None
-        self.proj = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if ex.output == "own" else None
+        self.proj = Linear(cfg.dim, cfg.vocab_size, bias=False) if ex.output == "own" else None

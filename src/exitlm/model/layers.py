@@ -17,6 +17,25 @@ from exitlm.config import ModelConfig, RopeScaling
 from exitlm.model.kv_cache import KVCache, WritePlan
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that avoids CPU fp16 GEMM, which is ~50x slower than fp32 there.
+
+    Batch-1 decoding (one row) stays in fp16, where CPU GEMV is fast; prefill-sized inputs are
+    computed in fp32 and cast back. Results equal fp16 matmul up to rounding.
+    """
+    if x.dtype == torch.float16 and x.device.type == "cpu" and x.numel() > 8 * x.shape[-1]:
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.float16)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed through :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Norm(nn.Module):
     """RMSNorm (Llama family) or LayerNorm (GPT-2), chosen by ``ModelConfig.norm``."""
 
@@ -76,8 +95,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.hdim
         self.use_rope = cfg.pos == "rope"
         qkv_out = (cfg.num_heads + 2 * cfg.n_kv_heads) * cfg.hdim
-        self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.num_heads * cfg.hdim, cfg.dim, bias=cfg.out_bias)
+        self.wqkv = Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.num_heads * cfg.hdim, cfg.dim, bias=cfg.out_bias)
 
     def forward(
         self,
@@ -127,8 +146,8 @@ class MLP(nn.Module):
         self.gated = cfg.mlp == "swiglu"
         self.hidden = cfg.hidden_dim
         width = 2 * cfg.hidden_dim if self.gated else cfg.hidden_dim
-        self.w_in = nn.Linear(cfg.dim, width, bias=cfg.mlp_bias)
-        self.w_out = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)
+        self.w_in = Linear(cfg.dim, width, bias=cfg.mlp_bias)
+        self.w_out = Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from exitlm.config import ModelConfig
 from exitlm.model.exits import ExitHead
 from exitlm.model.kv_cache import KVCache, WritePlan
-from exitlm.model.layers import Block, Norm, rope_inv_freq
+from exitlm.model.layers import Block, Linear, Norm, linear, rope_inv_freq
 
 
 @dataclass
@@ -59,7 +58,7 @@ class EarlyExitLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = Norm(cfg.dim, cfg.norm, cfg.norm_eps)
         self.lm_head = (
-            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
         self.exits = nn.ModuleDict({str(layer): ExitHead(cfg, layer) for layer in cfg.exits.layers})
         self._block_exit_slots = {
@@ -178,7 +177,7 @@ class EarlyExitLM(nn.Module):
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the last layer (final norm + LM head)."""
-        return F.linear(self.norm(h), self.output_embedding())
+        return linear(self.norm(h), self.output_embedding())
 
     def exit_logits(
         self,
@@ -223,7 +222,7 @@ class EarlyExitLM(nn.Module):
             weight = self.embed_tokens.weight
         else:
             weight = self.output_embedding()
-        return F.linear(h, weight)
+        return linear(h, weight)
 
     def forward(
         self,

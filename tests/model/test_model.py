@@ -1,0 +1,159 @@
+"""Unit tests of the early-exit transformer: exits, KV cache, layer slicing, layout, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exitlm.config import ConfigError, ExitConfig, ModelConfig, preset
+from exitlm.model.layout import optimize_layout
+from exitlm.model.transformer import EarlyExitLM
+
+
+def _model(**exit_kw: object) -> EarlyExitLM:
+    cfg = preset("debug", exits=ExitConfig(**exit_kw))  # type: ignore[arg-type]
+    return EarlyExitLM(cfg).eval()
+
+
+@pytest.mark.parametrize("head", ["linear", "mlp", "block"])
+@pytest.mark.parametrize("norm", ["none", "own", "final"])
+@pytest.mark.parametrize("output", ["tied_embedding", "final_head", "own"])
+def test_exit_heads_compose_from_pieces(head: str, norm: str, output: str) -> None:
+    """forward()'s exit logits equal embed -> run_layers -> exit_logits composed by hand."""
+    model = _model(layers=(1, 3), head=head, norm=norm, output=output)
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        out = model(tokens)
+        h = model.embed(tokens)
+        h1 = model.run_layers(h, 0, 1)
+        h3 = model.run_layers(h1, 1, 3)
+        torch.testing.assert_close(out.exit_logits[1], model.exit_logits(h1, 1))
+        torch.testing.assert_close(out.exit_logits[3], model.exit_logits(h3, 3))
+        hl = model.run_layers(h3, 3, 4)
+        torch.testing.assert_close(out.logits, model.final_logits(hl))
+        torch.testing.assert_close(model.exit_logits(hl, 4), out.logits)
+    assert set(out.exit_logits) == {1, 3}
+
+
+def test_exit_parameter_sharing() -> None:
+    shared = _model(layers=(2,), head="linear", norm="final", output="final_head")
+    assert shared.num_parameters(exits_only=True) == 0
+    own = _model(layers=(2,), head="mlp", norm="own", output="own")
+    cfg = own.config
+    expected = (cfg.dim * 2 * cfg.hidden_dim + cfg.hidden_dim * cfg.dim) + 2 * cfg.dim + (
+        cfg.dim * cfg.vocab_size
+    )
+    assert own.num_parameters(exits_only=True) == expected
+
+
+def test_every_layer_exits_through_final_head() -> None:
+    model = _model(every_layer=True)
+    assert model.config.exit_layers == (1, 2, 3)
+    h = model.run_layers(model.embed(torch.randint(0, 256, (1, 5))), 0, 2)
+    torch.testing.assert_close(model.exit_logits(h, 2), model.final_logits(h))
+
+
+def test_missing_exit_is_a_clear_error() -> None:
+    model = _model(layers=(1,))
+    h = torch.zeros(1, 2, model.config.dim)
+    with pytest.raises(ValueError, match="no exit at layer 2"):
+        model.exit_logits(h, 2)
+
+
+def test_block_exit_uses_its_own_cache_slot() -> None:
+    """A block exit attends over earlier tokens: cached decoding equals the full forward."""
+    model = _model(layers=(2,), head="block")
+    assert model.num_cache_slots == model.num_layers + 1
+    tokens = torch.randint(0, 256, (1, 12))
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        full = model(tokens).exit_logits[2]
+        first = model(tokens[:, :7], cache=cache).exit_logits[2]
+        rest = [
+            model(tokens[:, p : p + 1], torch.tensor([[p]]), cache=cache).exit_logits[2]
+            for p in range(7, 12)
+        ]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-4)
+
+
+def test_cache_crop_and_per_layer_fill() -> None:
+    """Early exiting leaves deep layers unfilled; crop rolls back; rewriting repairs."""
+    model = _model(layers=(2,))
+    tokens = torch.randint(0, 256, (1, 10))
+    cache = model.new_cache(1, 16)
+    with torch.no_grad():
+        ref = model(tokens).logits
+        model(tokens[:, :8], cache=cache)
+        # token 8 only through the first two layers (as an early exit would)
+        h = model.run_layers(model.embed(tokens[:, 8:9]), 0, 2, torch.tensor([[8]]), cache)
+        assert cache.fill[:, 0].tolist() == [9, 9, 8, 8, 0][: cache.num_slots]
+        # KV recomputation: run the pending token through the layers it skipped
+        model.run_layers(h, 2, 4, torch.tensor([[8]]), cache)
+        assert cache.fill[:4, 0].tolist() == [9, 9, 9, 9]
+        cache.crop(6)
+        assert cache.fill[:4, 0].tolist() == [6, 6, 6, 6]
+        out = model(tokens[:, 6:10], torch.arange(6, 10)[None], cache=cache).logits
+    torch.testing.assert_close(out, ref[:, 6:10], atol=1e-5, rtol=1e-4)
+
+
+def test_cache_overflow_and_bad_positions() -> None:
+    model = _model()
+    cache = model.new_cache(2, 4)
+    with pytest.raises(ValueError, match="overflow"):
+        model(torch.zeros(2, 5, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_optimize_layout_keeps_values(dtype: torch.dtype) -> None:
+    model = _model(layers=(1,), output="own").to(dtype)
+    tokens = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        before = model(tokens)
+        optimize_layout(model)
+        after = model(tokens)
+    w = model.layers[0].attn.wqkv.weight
+    assert w.is_contiguous() == (dtype == torch.float16)
+    torch.testing.assert_close(after.logits, before.logits)
+    torch.testing.assert_close(after.exit_logits[1], before.exit_logits[1])
+
+
+def test_fp16_prefill_matches_fp32_reference() -> None:
+    model = _model()
+    tokens = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        ref = model(tokens).logits
+        half = model.half()(tokens).logits.float()
+    torch.testing.assert_close(half, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_config_errors_name_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"exits\.layers"):
+        preset("debug", exits=ExitConfig(layers=(4,)))
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        ModelConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ConfigError, match=r"exits\.head"):
+        ExitConfig(head="conv")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown model config keys"):
+        ModelConfig.from_dict({"dim": 64, "dimm": 3})
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("nope")
+
+
+def test_config_json_round_trip() -> None:
+    cfg = preset("debug", exits=ExitConfig(layers=(1, 2), head="mlp", every_layer=True))
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_model_code_has_no_distributed_imports() -> None:
+    import ast
+    import pathlib
+
+    import exitlm.model as pkg
+
+    for path in pathlib.Path(pkg.__path__[0]).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                assert not any("torch.distributed" in n for n in names), path
