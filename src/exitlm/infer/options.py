@@ -1,0 +1,78 @@
+"""Typed options shared by every decoding strategy.
+
+:class:`SamplingOptions` says *which* token is chosen at each step and *when* a sequence
+stops; it means the same thing for plain autoregressive decoding and for the later
+strategies (early exit, self-speculative, PPD), which add options of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from exitlm.config import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Token choice and stopping rules.
+
+    Attributes:
+        temperature: ``0`` (the default) decodes greedily (argmax, like ``transformers``'
+            ``do_sample=False``); ``> 0`` samples from ``softmax(logits / temperature)``.
+        top_k: keep only the ``k`` most likely tokens before sampling (``0``: off).
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass
+            reaches ``top_p`` (``1.0``: off).
+        seed: seed of the sampling generator; the same seed gives the same output.
+            ``None`` draws from torch's global generator.
+        max_new_tokens: the most tokens generated per sequence.
+        stop_token_ids: extra token ids that end a sequence (the token is kept in
+            ``token_ids``; special tokens never appear in ``text``).
+        stop_strings: strings that end a sequence as soon as its text contains one; the text
+            is cut right before it.
+        ignore_eos: do not stop at the model's end-of-sequence tokens (benchmarks use this to
+            generate exactly ``max_new_tokens``).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop_strings, str):
+            object.__setattr__(self, "stop_strings", (self.stop_strings,))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("stop_strings must not contain an empty string")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingOptions:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop_strings"] = list(self.stop_strings)
+        return d
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingOptions))

@@ -1,0 +1,81 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p.
+
+Pure functions over ``(B, V)`` logits, in the order ``transformers`` applies its logits
+warpers (temperature, then top-k, then top-p, then softmax and ``torch.multinomial``) so that
+a given distribution means the same thing here and there. Speculative decoding reuses
+:func:`probabilities` to compare draft and target distributions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exitlm.infer.options import SamplingOptions
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension, ties to the lowest id (like ``transformers``)."""
+    return torch.argmax(logits, dim=-1)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (``temperature > 0``)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit below the ``k``-th largest to ``-inf`` (ties with it are kept)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the most likely tokens whose probabilities sum to ``p``.
+
+    A token is dropped when the total probability of the tokens *less* likely than it, plus
+    its own, stays within ``1 - p``; the most likely token is always kept.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1.0 - p)
+    drop_sorted[..., -1:] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to fp32 ``logits`` ``(B, V)`` (sampling only)."""
+    scores = apply_temperature(logits.float(), opts.temperature)
+    scores = top_k_filter(scores, opts.top_k)
+    return top_p_filter(scores, opts.top_p)
+
+
+def probabilities(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+    """The sampling distribution ``(B, V)`` that ``opts`` defines over ``logits``."""
+    return torch.softmax(process_logits(logits, opts), dim=-1)
+
+
+def make_generator(opts: SamplingOptions, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded with ``opts.seed``, or from torch's global generator when ``None``."""
+    gen = torch.Generator(device=device)
+    if opts.seed is not None:
+        gen.manual_seed(int(opts.seed))
+    else:
+        gen.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+    return gen
+
+
+def choose(
+    logits: torch.Tensor, opts: SamplingOptions, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids ``(B,)`` from logits ``(B, V)``: argmax when greedy, else a sample."""
+    if opts.greedy:
+        return greedy(logits)
+    probs = probabilities(logits, opts)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
