@@ -1,0 +1,173 @@
+"""Load a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+
+Sharded directories are read through ``model.safetensors.index.json``. Every file's header
+is checked first (names and shapes against the configuration, without reading data), so a
+wrong or missing tensor is reported by file and Hugging Face name before any weight is
+loaded; then tensors stream one at a time through :func:`~exitlm.io.hf_map.hf_to_exitlm`
+into :func:`~exitlm.io.materialize.model_from_tensors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from exitlm.config import ConfigError, ExitConfig, ModelConfig
+from exitlm.io.hf_map import (
+    CheckpointError,
+    architecture_of,
+    config_from_hf,
+    exitlm_to_hf,
+    hf_to_exitlm,
+)
+from exitlm.io.loader import LoadedModel, _fill_special, keep_matching_exits
+from exitlm.io.materialize import model_from_tensors
+from exitlm.io.native import FORMAT_KEY, load_tokenizer_dir
+from exitlm.io.save import EXITS_CONFIG, EXITS_WEIGHTS
+from exitlm.io.st import PICKLE_SUFFIXES, read_json, refuse_pickle, stream_file, tensor_shapes
+from exitlm.model.transformer import EarlyExitLM
+
+INDEX = "model.safetensors.index.json"
+
+
+def _ignored(name: str, cfg: ModelConfig) -> bool:
+    """HF tensors that carry nothing exitlm needs (buffers, or a tied head's copy)."""
+    if name.endswith("rotary_emb.inv_freq") or name.endswith((".attn.bias", ".attn.masked_bias")):
+        return True
+    return cfg.tie_embeddings and name == "lm_head.weight"
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of a backbone with configuration ``cfg``."""
+    with torch.device("meta"):
+        model = EarlyExitLM(cfg.replace(exits=ExitConfig()))
+    return {n: tuple(t.shape) for n, t in exitlm_to_hf(model.state_dict().items(), cfg)}
+
+
+def weight_files(path: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files of ``path`` and, for sharded checkpoints, each file's tensors."""
+    index = path / INDEX
+    if index.is_file():
+        data = read_json(index)
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: has no 'weight_map' object of tensor -> file")
+        files: dict[Path, list[str] | None] = {}
+        for tensor, file in wm.items():
+            if not isinstance(file, str) or Path(file).name != file:
+                raise CheckpointError(f"{index}: tensor {tensor!r} maps to bad file {file!r}")
+            names = files.setdefault(path / file, [])
+            assert names is not None
+            names.append(tensor)
+        return files
+    found = sorted(p for p in path.glob("*.safetensors") if p.name != EXITS_WEIGHTS)
+    if found:
+        return dict.fromkeys(found)
+    pickled = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise refuse_pickle(pickled[0])
+    raise CheckpointError(
+        f"{path}: no weights found (expected model.safetensors, sharded *.safetensors with "
+        f"{INDEX}, or a .gguf file)"
+    )
+
+
+def hf_dir_config(path: Path) -> ModelConfig:
+    """The configuration of an HF directory, with the exits stored beside it (if any)."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    hf = read_json(file)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    try:
+        architecture_of(hf)
+        cfg = config_from_hf(hf, name=path.name)
+    except CheckpointError as err:
+        raise CheckpointError(f"{file}: {err}") from err
+    except (ConfigError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{file}: invalid configuration: {err}") from err
+    exits_file = path / EXITS_CONFIG
+    if exits_file.is_file():
+        meta = read_json(exits_file)
+        try:
+            if not isinstance(meta, dict) or meta.get(FORMAT_KEY) is None:
+                raise ConfigError(f"missing {FORMAT_KEY!r}")
+            ex = dict(meta["exits"])
+            ex["layers"] = tuple(ex.get("layers", ()))
+            cfg = cfg.replace(exits=ExitConfig(**ex))
+        except (ConfigError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{exits_file}: invalid exit configuration: {err}") from err
+    return cfg
+
+
+def _check_headers(
+    path: Path, files: dict[Path, list[str] | None], cfg: ModelConfig
+) -> dict[Path, list[str]]:
+    """Validate names and shapes of every file's tensors; returns the names to read."""
+    expected = expected_hf_shapes(cfg)
+    seen: set[str] = set()
+    plan: dict[Path, list[str]] = {}
+    for file, listed in files.items():
+        shapes = tensor_shapes(file)
+        names = list(shapes) if listed is None else listed
+        for name in names:
+            if name not in shapes:
+                raise CheckpointError(
+                    f"{file}: lacks tensor {name!r} that {INDEX} says it holds"
+                )
+            if _ignored(name, cfg):
+                continue
+            if name not in expected:
+                raise CheckpointError(
+                    f"{file}: unexpected tensor {name!r} for a {cfg.num_layers}-layer "
+                    f"{'GPT-2' if cfg.pos == 'learned' else 'Llama-family'} model "
+                    "(config.json and the weights disagree)"
+                )
+            if shapes[name] != expected[name]:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has shape {shapes[name]}, config.json implies "
+                    f"{expected[name]}"
+                )
+            seen.add(name)
+        plan[file] = [n for n in names if not _ignored(n, cfg)]
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        where = ", ".join(f.name for f in files)
+        raise CheckpointError(
+            f"{path}: missing tensors {shown} ({len(missing)} in all; searched {where})"
+        )
+    return plan
+
+
+def load_hf_dir(
+    path: Path, *, dtype: torch.dtype = torch.float32, exits: ExitConfig | None = None
+) -> LoadedModel:
+    """Load a Hugging Face directory; exit heads come from ``exitlm_exits.*`` when present."""
+    ckpt = hf_dir_config(path)
+    cfg = ckpt if exits is None else ckpt.replace(exits=exits)
+    plan = _check_headers(path, weight_files(path), ckpt)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, names in plan.items():
+            yield from stream_file(file, names)
+
+    def exit_stream() -> Iterator[tuple[str, torch.Tensor]]:
+        file = path / EXITS_WEIGHTS
+        if file.is_file() and ckpt.exits.layers:
+            from exitlm.io.native import native_tensors_of
+
+            yield from native_tensors_of(file)
+
+    def all_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from hf_to_exitlm(stream(), ckpt, source=str(path))
+        yield from keep_matching_exits(exit_stream(), ckpt, cfg)
+
+    model = model_from_tensors(
+        cfg, all_tensors(), source=str(path), dtype=dtype,
+        allow_missing_exits=exits is not None,
+    )
+    return LoadedModel(model, _fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))

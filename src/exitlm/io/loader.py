@@ -1,0 +1,230 @@
+"""``load_model``: the one entry point that turns a name or path into a ready model.
+
+Accepted sources, tried in this order:
+
+* ``"default"`` - the embedded SmolLM2-135M-Instruct (converted once into a local cache);
+* a path to a ``.gguf`` file;
+* a directory written by :func:`save_model` (``config.json`` carries ``exitlm_format_version``);
+* a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not);
+* a preset name from :data:`exitlm.config.PRESETS` (random initialisation, no tokenizer).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from exitlm.config import PRESETS, ExitConfig, ModelConfig
+from exitlm.io.default_model import (
+    DEFAULT_NAME,
+    cache_dir_for,
+    default_gguf_path,
+    progress_note,
+)
+from exitlm.io.hf_map import CheckpointError, hf_to_exitlm
+from exitlm.io.materialize import model_from_tensors
+from exitlm.io.native import (
+    is_native_dir,
+    load_tokenizer_dir,
+    native_config,
+    native_tensors,
+    save_native,
+)
+from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle
+from exitlm.model.layers import rope_inv_freq
+from exitlm.model.transformer import EarlyExitLM
+from exitlm.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for use, its tokenizer (``None`` for presets), config and origin."""
+
+    model: EarlyExitLM
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    source: str
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    exits: ExitConfig | None = None,
+) -> LoadedModel:
+    """Load a model by name or path (see the module docstring for what is accepted).
+
+    Args:
+        dtype: parameter dtype (rotary frequencies stay fp32).
+        device: where the parameters end up.
+        exits: replaces the checkpoint's exit configuration; heads the checkpoint lacks are
+            freshly initialised, heads it has for layers/structures not requested are dropped.
+    """
+    src = str(name_or_path)
+    path = Path(src).expanduser()
+    if src == "default":
+        loaded = _load_default(dtype, exits)
+    elif path.is_file():
+        if path.suffix == ".gguf":
+            loaded = load_gguf(path, dtype=dtype, exits=exits)
+        elif path.suffix in PICKLE_SUFFIXES:
+            raise refuse_pickle(path)
+        else:
+            raise CheckpointError(
+                f"{path}: cannot load a single {path.suffix or 'extensionless'} file; pass a "
+                ".gguf file or a checkpoint directory (config.json + *.safetensors)"
+            )
+    elif path.is_dir():
+        if is_native_dir(path):
+            loaded = load_native(path, dtype=dtype, exits=exits)
+        else:
+            from exitlm.io.hf_dir import load_hf_dir
+
+            loaded = load_hf_dir(path, dtype=dtype, exits=exits)
+    elif src in PRESETS:
+        loaded = _load_preset(src, dtype, exits)
+    else:
+        raise CheckpointError(
+            f"{src!r} is neither 'default', an existing .gguf file or checkpoint directory, "
+            f"nor a preset ({sorted(PRESETS)})"
+        )
+    if torch.device(device) != torch.device("cpu"):
+        loaded.model.to(device)
+    return loaded
+
+
+# ----- sources -------------------------------------------------------------------------------
+
+def _load_preset(name: str, dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
+    from exitlm.config import preset
+
+    cfg = preset(name) if exits is None else preset(name, exits=exits)
+    model = EarlyExitLM(cfg)
+    cast_parameters(model, dtype)
+    return LoadedModel(model.eval(), None, cfg, f"preset:{name}")
+
+
+def load_native(
+    path: Path, *, dtype: torch.dtype = torch.float32, exits: ExitConfig | None = None
+) -> LoadedModel:
+    """Load an exitlm directory (see :mod:`exitlm.io.native`)."""
+    ckpt = native_config(path)
+    cfg = ckpt if exits is None else ckpt.replace(exits=exits)
+    model = model_from_tensors(
+        cfg, keep_matching_exits(native_tensors(path), ckpt, cfg),
+        source=str(path / "model.safetensors"), dtype=dtype, allow_missing_exits=exits is not None,
+    )
+    return LoadedModel(model, _fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
+
+
+def load_gguf(
+    path: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    exits: ExitConfig | None = None,
+    name: str | None = None,
+    progress: bool = False,
+) -> LoadedModel:
+    """Load a GGUF file: dequantized weights and the tokenizer from its metadata."""
+    from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
+
+    g = open_gguf(path)
+    cfg = gguf_config(g, name=name)
+    if exits is not None:
+        cfg = cfg.replace(exits=exits)
+    stream: Iterable[tuple[str, torch.Tensor]] = gguf_hf_tensors(g, cfg)
+    if progress:
+        from tqdm import tqdm
+
+        stream = tqdm(stream, total=len(g.reader.tensors), desc="dequantizing", unit="tensor",
+                      leave=False, disable=None)
+    model = model_from_tensors(
+        cfg, hf_to_exitlm(stream, cfg, source=str(path)), source=str(path), dtype=dtype,
+        allow_missing_exits=True,
+    )
+    return LoadedModel(model, gguf_tokenizer(g), cfg, str(path))
+
+
+def _load_default(dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
+    gguf = default_gguf_path()
+    cache = cache_dir_for(gguf)
+    if cache.is_dir() and is_native_dir(cache) and (cache / "tokenizer.json").is_file():
+        try:
+            loaded = load_native(cache, dtype=dtype, exits=exits)
+            loaded.source = f"default:{gguf}"
+            return loaded
+        except CheckpointError as err:
+            progress_note(f"discarding unreadable cache {cache} ({err}); converting again")
+            shutil.rmtree(cache, ignore_errors=True)
+    progress_note(f"converting {gguf.name} once into {cache} (later loads are fast)")
+    loaded = load_gguf(gguf, dtype=torch.float32, name=DEFAULT_NAME, progress=True)
+    try:
+        save_native(loaded.model, cache, loaded.tokenizer)
+    except OSError as err:
+        # A concurrent process may have written the same cache first, or the cache
+        # location is read-only: both leave a usable model in memory.
+        if not (cache.is_dir() and is_native_dir(cache)):
+            progress_note(f"could not write the cache {cache}: {err}")
+    loaded.source = f"default:{gguf}"
+    if exits is None and dtype == torch.float32:
+        return loaded
+    return rebuild(loaded, dtype=dtype, exits=exits)
+
+
+def rebuild(
+    loaded: LoadedModel, *, dtype: torch.dtype, exits: ExitConfig | None
+) -> LoadedModel:
+    """The same weights in another dtype and/or with another exit configuration."""
+    ckpt = loaded.config
+    cfg = ckpt if exits is None else ckpt.replace(exits=exits)
+    state = loaded.model.state_dict()
+    model = model_from_tensors(
+        cfg, keep_matching_exits(state.items(), ckpt, cfg), source=loaded.source, dtype=dtype,
+        allow_missing_exits=exits is not None,
+    )
+    return LoadedModel(model, loaded.tokenizer, cfg, loaded.source)
+
+
+# ----- helpers -------------------------------------------------------------------------------
+
+def keep_matching_exits(
+    tensors: Iterable[tuple[str, torch.Tensor]], ckpt: ModelConfig, cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop checkpoint exit tensors that the requested exit configuration does not use.
+
+    A checkpoint head is kept when its layer is still requested and the head structure
+    (``head``, ``norm``, ``output``) is unchanged; anything else is re-initialised.
+    """
+    same = (ckpt.exits.head, ckpt.exits.norm, ckpt.exits.output) == (
+        cfg.exits.head, cfg.exits.norm, cfg.exits.output)
+    wanted = {str(x) for x in cfg.exits.layers} if same else set()
+    for name, t in tensors:
+        if name.startswith("exits.") and name.split(".", 2)[1] not in wanted:
+            continue
+        yield name, t
+
+
+def cast_parameters(model: EarlyExitLM, dtype: torch.dtype) -> None:
+    """Cast parameters to ``dtype`` keeping the rotary frequencies in fp32."""
+    model.to(dtype)
+    if model.rope_inv_freq is not None:
+        c = model.config
+        model.rope_inv_freq = rope_inv_freq(c.hdim, c.rope_theta, c.rope_scaling)
+
+
+def _fill_special(tok: Tokenizer | None, cfg: ModelConfig) -> Tokenizer | None:
+    """Take special-token ids the tokenizer files do not state from the model config."""
+    if tok is None:
+        return None
+    if not tok.eos_token_ids and cfg.eos_token_ids:
+        tok.eos_token_ids = tuple(cfg.eos_token_ids)
+    if tok.bos_token_id is None:
+        tok.bos_token_id = cfg.bos_token_id
+    if tok.pad_token_id is None:
+        tok.pad_token_id = cfg.pad_token_id
+    return tok
