@@ -157,3 +157,20 @@ def test_model_code_has_no_distributed_imports() -> None:
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
                 assert not any("torch.distributed" in n for n in names), path
+
+
+def test_layer_dropout_rows_skip_layers_and_get_gradients() -> None:
+    """``active`` rows run a layer, the others pass through unchanged (LayerSkip Eq. 1)."""
+    model = _model()
+    tokens = torch.randint(0, 256, (3, 6))
+    h0 = model.embed(tokens)
+    keep = [torch.tensor([0, 2]), None, torch.tensor([], dtype=torch.long), torch.tensor([1])]
+    out = model.run_layers(h0, 0, 4, active=keep)
+    # row 1 skipped layer 0 and layer 2; row 0 skipped layers 2 and 3
+    ref1 = model.run_layers(model.run_layers(h0[1:2], 1, 2), 3, 4)
+    ref0 = model.run_layers(h0[0:1], 0, 2)
+    torch.testing.assert_close(out[1:2], ref1)
+    torch.testing.assert_close(out[0:1], ref0)
+    out.sum().backward()
+    assert model.layers[3].mlp.w_out.weight.grad is not None
+    assert model.layers[2].mlp.w_out.weight.grad is None

@@ -15,6 +15,7 @@ The model never imports ``torch.distributed``; parallelism wraps it from ``exitl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -157,22 +158,41 @@ class EarlyExitLM(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         ctx: StepContext | None = None,
+        active: Sequence[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Run transformer layers ``[start, end)`` (0-based slots) on ``h`` ``(B, T, D)``.
 
         With a cache, keys/values are written at ``positions`` and attention reads every
         slot up to each query's own position. Without one, attention is causal over ``h``.
+
+        ``active`` (training only, LayerSkip Eq. 1 layer dropout): one entry per layer in the
+        range, either ``None`` (every sequence runs the layer) or a 1-D index tensor of the
+        batch rows that run it; the other rows skip the layer (identity). Skipped rows are
+        removed from the layer's computation, so dropout saves real compute.
         """
         if not 0 <= start <= end <= self.num_layers:
             raise ValueError(
                 f"layer range [{start}, {end}) is outside [0, {self.num_layers}]"
             )
+        if active is not None and len(active) != end - start:
+            raise ValueError(
+                f"active needs one entry per layer in [{start}, {end}), got {len(active)}"
+            )
+        if active is not None and cache is not None:
+            raise ValueError("layer dropout (active=...) is for training; pass cache=None")
         if ctx is None:
             if positions is None:
                 positions = default_positions(h[..., 0])
             ctx = self.context(positions, cache)
         for i in range(start, end):
-            h = self.layers[i](h, ctx.rope, cache, i, ctx.plan, ctx.mask)
+            rows = None if active is None else active[i - start]
+            if rows is None:
+                h = self.layers[i](h, ctx.rope, cache, i, ctx.plan, ctx.mask)
+            elif rows.numel() > 0:
+                rope = None if ctx.rope is None else (ctx.rope[0][rows], ctx.rope[1][rows])
+                mask = None if ctx.mask is None else ctx.mask[rows]
+                out = self.layers[i](h[rows], rope, None, i, None, mask)
+                h = h.index_copy(0, rows, out)
         return h
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
