@@ -124,6 +124,9 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should not be
     try:
         yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
         old = None
         if target.exists():
             if not target.is_dir():

@@ -1,0 +1,107 @@
+"""``exitlm convert`` and ``exitlm info``: checkpoint conversion and inspection."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``convert`` and ``info`` sub-commands."""
+    p = subparsers.add_parser(
+        "convert", help="convert a checkpoint (default, .gguf, HF dir, exitlm dir, preset)",
+        description="Load SRC (anything exitlm.io.load_model accepts) and write it to DST.",
+    )
+    p.add_argument("src", metavar="SRC", help="'default', a preset, a .gguf file or a directory")
+    p.add_argument("dst", metavar="DST", help="output directory (replaced atomically)")
+    p.add_argument("--to", choices=("exitlm", "hf"), default="exitlm",
+                   help="output format: exitlm's own (default) or a Hugging Face directory")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                   help="parameter dtype of the written weights (default float32)")
+    p.set_defaults(func=_convert)
+
+    q = subparsers.add_parser("info", help="describe a model: architecture, parameters, exits")
+    q.add_argument("model", metavar="MODEL", help="'default', a preset, a .gguf or a directory")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=_info)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from exitlm.io import CheckpointError, export_hf, load_model, save_model
+
+    try:
+        loaded = load_model(args.src, dtype=_DTYPES[args.dtype])
+        write = export_hf if args.to == "hf" else save_model
+        out = write(loaded, args.dst)
+    except (CheckpointError, OSError) as err:
+        print(f"exitlm convert: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.to} checkpoint to {out}")
+    return 0
+
+
+def describe(loaded: Any) -> dict[str, Any]:
+    """Facts about a :class:`~exitlm.io.LoadedModel` (what ``exitlm info`` prints)."""
+    model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
+    total = model.num_parameters()
+    exits = model.num_parameters(exits_only=True)
+    info: dict[str, Any] = {
+        "name": cfg.name,
+        "source": loaded.source,
+        "architecture": "gpt2" if cfg.pos == "learned" else "llama",
+        "layers": cfg.num_layers, "dim": cfg.dim, "heads": cfg.num_heads,
+        "kv_heads": cfg.n_kv_heads, "head_dim": cfg.hdim, "hidden_dim": cfg.hidden_dim,
+        "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+        "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "parameters": {"total": total, "backbone": total - exits, "exit_heads": exits},
+        "exits": {**dataclasses.asdict(cfg.exits), "layers": list(cfg.exits.layers),
+                  "exit_layers": list(cfg.exit_layers)},
+        "tokenizer": None,
+    }
+    if tok is not None:
+        info["tokenizer"] = {
+            "vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id,
+            "eos_token_ids": list(tok.eos_token_ids), "pad_token_id": tok.pad_token_id,
+            "add_bos": tok.add_bos, "chat_template": tok.chat_template is not None,
+        }
+    return info
+
+
+def _info(args: argparse.Namespace) -> int:
+    from exitlm.io import CheckpointError, load_model
+
+    try:
+        info = describe(load_model(args.model))
+    except (CheckpointError, OSError) as err:
+        print(f"exitlm info: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    p = info["parameters"]
+    print(f"{info['name']}  ({info['source']})")
+    print(f"  architecture  {info['architecture']}: {info['layers']} layers, dim {info['dim']}, "
+          f"{info['heads']} heads / {info['kv_heads']} kv heads, mlp {info['hidden_dim']}, "
+          f"vocab {info['vocab_size']}, tied embeddings {info['tie_embeddings']}")
+    print(f"  parameters    {p['total']:,} total = {p['backbone']:,} backbone + "
+          f"{p['exit_heads']:,} exit heads ({info['dtype']})")
+    ex = info["exits"]
+    print(f"  exits         layers {ex['layers']} every_layer={ex['every_layer']} "
+          f"head={ex['head']} norm={ex['norm']} output={ex['output']}")
+    t = info["tokenizer"]
+    if t is None:
+        print("  tokenizer     none")
+    else:
+        print(f"  tokenizer     vocab {t['vocab_size']}, bos {t['bos_token_id']}, eos "
+              f"{t['eos_token_ids']}, pad {t['pad_token_id']}, add_bos {t['add_bos']}, "
+              f"chat template {'yes' if t['chat_template'] else 'no'}")
+    return 0
