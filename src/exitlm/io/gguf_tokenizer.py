@@ -121,7 +121,10 @@ def build_bpe_tokenizer(
         if not sep:
             raise GGUFTokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
         pairs.append((left, right))
-    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    try:
+        tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as err:
+        raise GGUFTokenizerError(f"inconsistent tokenizer.ggml.tokens/merges: {err}") from err
     tk.pre_tokenizer = pre_tokenizer_for(pre)
     tk.decoder = decoders.ByteLevel()
     if token_types is not None:

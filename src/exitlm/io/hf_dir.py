@@ -147,9 +147,10 @@ def load_hf_dir(
     path: Path, *, dtype: torch.dtype = torch.float32, exits: ExitConfig | None = None
 ) -> LoadedModel:
     """Load a Hugging Face directory; exit heads come from ``exitlm_exits.*`` when present."""
+    files = weight_files(path)  # first: a pickle-only directory is refused before all else
     ckpt = hf_dir_config(path)
     cfg = ckpt if exits is None else ckpt.replace(exits=exits)
-    plan = _check_headers(path, weight_files(path), ckpt)
+    plan = _check_headers(path, files, ckpt)
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in plan.items():
