@@ -1,0 +1,229 @@
+"""Multi-exit training losses: EE-LLM's weighted sum (Eq. 1) and LayerSkip's early-exit loss
+(Eq. 5-6).
+
+Both objectives have the same form, ``L = sum_i w_i(t) CE(exit_i(x), y)``; they differ in
+where the weights come from. :class:`LossConfig` turns a step into a ``{layer: weight}`` map
+and :func:`multi_exit_loss` runs the model once, computing logits only for exits whose weight
+is non-zero (disabled exits pay no LM-head cost) and stopping the forward after the deepest
+such exit (exit tuning never runs the layers after its last exit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exitlm.config import ConfigError, ModelConfig
+from exitlm.model.transformer import EarlyExitLM, default_positions
+from exitlm.train.schedules import (
+    Curriculum,
+    ScheduleKind,
+    ScheduleStyle,
+    WeightSchedule,
+    curriculum_mask,
+    normalized_scales,
+)
+
+IGNORE_INDEX = -100
+
+
+def lm_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over labels that are not ``ignore_index`` (fp32 math).
+
+    ``logits`` ``(B, T, V)`` and ``labels`` ``(B, T)`` are already aligned (labels are the
+    inputs shifted by one). Returns 0 (with a gradient path) when every label is ignored.
+    """
+    flat = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
+    lab = labels.reshape(-1)
+    total = F.cross_entropy(flat, lab, ignore_index=ignore_index, reduction="sum")
+    count = (lab != ignore_index).sum().clamp_min(1)
+    return total / count
+
+
+@dataclass
+class ExitLosses:
+    """The objective of one batch and its parts."""
+
+    total: torch.Tensor
+    """``sum_i w_i L_i`` - call ``backward`` on this."""
+    per_exit: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Detached mean cross-entropy of every computed exit, keyed by 1-based layer."""
+    weights: dict[int, float] = field(default_factory=dict)
+
+
+def multi_exit_loss(
+    model: EarlyExitLM,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    weights: Mapping[int, float],
+    *,
+    active: Sequence[torch.Tensor | None] | None = None,
+    positions: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> ExitLosses:
+    """``L = sum_i w_i L_i^exit`` (EE-LLM Eq. 1; LayerSkip Eq. 5 with ``w = ẽ(t, ·)``).
+
+    Args:
+        weights: 1-based exit layer -> weight; ``num_layers`` is the final output. Exits with
+            weight 0 are not computed; the forward stops after the deepest weighted exit.
+        active: per-layer kept rows for LayerSkip layer dropout (one entry per layer).
+    """
+    num_layers = model.num_layers
+    want = sorted(k for k, w in weights.items() if w != 0.0)
+    if not want:
+        raise ConfigError("every exit loss weight is 0 at this step; nothing to train")
+    for k in want:
+        if not 1 <= k <= num_layers:
+            raise ConfigError(f"loss weight given for layer {k}, outside [1, {num_layers}]")
+    if positions is None:
+        positions = default_positions(tokens)
+    ctx = model.context(positions)
+    h = model.embed(tokens, positions)
+    total = torch.zeros((), device=h.device, dtype=torch.float32)
+    per_exit: dict[int, torch.Tensor] = {}
+    done = 0
+    for k in want:
+        h = model.run_layers(
+            h, done, k, ctx=ctx, active=None if active is None else active[done:k]
+        )
+        done = k
+        loss = lm_cross_entropy(model.exit_logits(h, k, ctx=ctx), labels, ignore_index)
+        total = total + float(weights[k]) * loss
+        per_exit[k] = loss.detach()
+    return ExitLosses(total, per_exit, {k: float(weights[k]) for k in want})
+
+
+class LossModule(nn.Module):
+    """``multi_exit_loss`` as a module's ``forward``, so DDP/FSDP wrappers see the call."""
+
+    def __init__(self, model: EarlyExitLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        weights: Mapping[int, float],
+        active: Sequence[torch.Tensor | None] | None = None,
+    ) -> ExitLosses:
+        return multi_exit_loss(self.model, tokens, labels, weights, active=active)
+
+
+# ----- where the weights come from -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The training objective.
+
+    ``kind="ee-llm"`` (EE-LLM Eq. 1, App. C.1): one weight per configured exit layer
+    (``exit_weights``, same order as ``exits.layers``; a single number is broadcast) plus
+    ``final_weight`` for the final output. ``weight_schedule`` moves every exit weight from
+    ``exit_weights_initial`` to ``exit_weights`` over ``weight_steps`` steps (``warmup`` /
+    ``cooldown``, ``weight_style`` linear or cosine).
+
+    ``kind="layerskip"`` (LayerSkip Eq. 5-6): weights ``ẽ(t, l)`` from the scale ``e(l)``
+    (``e_scale``) and the curriculum ``C(t, l)`` (``none``, ``rotational`` every ``rotation``
+    layers, or ``gradual``) over every exit the model has plus the final layer.
+
+    ``kind="final"``: plain language-model training (the final output only).
+    """
+
+    kind: Literal["final", "ee-llm", "layerskip"] = "final"
+    exit_weights: tuple[float, ...] = (1.0,)
+    final_weight: float = 1.0
+    weight_schedule: ScheduleKind = "constant"
+    exit_weights_initial: tuple[float, ...] | None = None
+    weight_steps: int = 0
+    weight_style: ScheduleStyle = "linear"
+    e_scale: float = 1.0
+    curriculum: Curriculum = "none"
+    rotation: int = 2
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("final", "ee-llm", "layerskip"):
+            raise ConfigError(f"loss.kind must be final, ee-llm or layerskip, got {self.kind!r}")
+        object.__setattr__(self, "exit_weights", _floats(self.exit_weights, "exit_weights"))
+        if self.exit_weights_initial is not None:
+            object.__setattr__(self, "exit_weights_initial",
+                               _floats(self.exit_weights_initial, "exit_weights_initial"))
+        if self.final_weight < 0:
+            raise ConfigError(f"loss.final_weight must be >= 0, got {self.final_weight}")
+        if self.kind == "layerskip":
+            if not 0.0 <= self.e_scale <= 1.0:
+                raise ConfigError(f"loss.e_scale must lie in [0, 1], got {self.e_scale}")
+            curriculum_mask(self.curriculum, 0, 1, rotation=self.rotation)
+
+    def schedules(self, cfg: ModelConfig) -> dict[int, WeightSchedule]:
+        """One :class:`WeightSchedule` per configured exit layer (EE-LLM App. C.1)."""
+        layers = cfg.exits.layers
+        targets = _per_exit(self.exit_weights, layers, "loss.exit_weights")
+        if self.exit_weights_initial is None:
+            if self.weight_schedule == "cooldown":
+                raise ConfigError("a cooldown schedule needs loss.exit_weights_initial "
+                                  "(the weights it starts from)")
+            initial = [0.0] * len(layers)
+        else:
+            initial = _per_exit(self.exit_weights_initial, layers, "loss.exit_weights_initial")
+        return {
+            k: WeightSchedule(self.weight_schedule, t, i, self.weight_steps, self.weight_style)
+            for k, t, i in zip(layers, targets, initial, strict=True)
+        }
+
+    def validate(self, cfg: ModelConfig, total_steps: int) -> None:
+        """Raise :class:`ConfigError` if this objective does not fit the model."""
+        if self.kind == "ee-llm":
+            if not cfg.exits.layers:
+                raise ConfigError("loss.kind=ee-llm needs exits: set model.exits.layers")
+            self.schedules(cfg)
+        elif self.kind == "layerskip" and not cfg.exit_layers:
+            raise ConfigError("loss.kind=layerskip needs exits: set model.exits.every_layer=true "
+                              "(LayerSkip) or model.exits.layers")
+        if total_steps < 1:
+            raise ConfigError(f"train.steps must be >= 1, got {total_steps}")
+
+    def weights_at(self, step: int, cfg: ModelConfig, total_steps: int) -> dict[int, float]:
+        """``{layer: w}`` at training step ``step`` (the final output is ``cfg.num_layers``)."""
+        L = cfg.num_layers
+        if self.kind == "final":
+            return {L: 1.0}
+        if self.kind == "ee-llm":
+            out = {k: s(step) for k, s in self.schedules(cfg).items()}
+            out[L] = float(self.final_weight)
+            return out
+        layers = [*cfg.exit_layers, L]
+        mask = curriculum_mask(self.curriculum, step, len(layers), rotation=self.rotation,
+                               total_steps=total_steps)
+        return normalized_scales(layers, L, self.e_scale, mask)
+
+
+def _floats(values: object, key: str) -> tuple[float, ...]:
+    if isinstance(values, (int, float)):
+        return (float(values),)
+    try:
+        out = tuple(float(v) for v in values)  # type: ignore[union-attr]
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"loss.{key} must be a number or a list of numbers, got {values!r}") \
+            from err
+    if any(v < 0 for v in out):
+        raise ConfigError(f"loss.{key} must be >= 0, got {list(out)}")
+    return out
+
+
+def _per_exit(values: tuple[float, ...], layers: tuple[int, ...], key: str) -> list[float]:
+    if len(values) == 1:
+        return [values[0]] * len(layers)
+    if len(values) != len(layers):
+        raise ConfigError(
+            f"{key} has {len(values)} values but the model has {len(layers)} exits "
+            f"(exits.layers={list(layers)}); give one weight per exit or a single number"
+        )
+    return list(values)
