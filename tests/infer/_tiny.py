@@ -4,10 +4,10 @@ transformers models converted to exitlm, and a byte-level tokenizer for text-lev
 from __future__ import annotations
 
 import pytest
-import tokenizers
 import torch
 
 from exitlm.config import ModelConfig
+from exitlm.infer.cli import byte_level_tokenizer
 from exitlm.io.hf_map import config_from_hf, hf_to_exitlm
 from exitlm.io.materialize import model_from_tensors
 from exitlm.model.transformer import EarlyExitLM
@@ -50,24 +50,11 @@ def convert(hf_model: torch.nn.Module) -> EarlyExitLM:
 
 
 def byte_tokenizer() -> Tokenizer:
-    """A tokenizer with one token per byte (ids 0..255) plus ``<eos>`` = 256."""
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = tokenizers.decoders.ByteLevel()
-    tk.add_special_tokens(["<eos>"])
-    return Tokenizer(tk, eos_token_ids=(256,))
-
-
-def _byte_of(ch: str) -> int:
-    # GPT-2's bytes_to_unicode: printable latin-1 bytes map to themselves, the rest to 256+n.
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    code = ord(ch)
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
+    """One token per byte (ids 0..255) plus ``<eos>`` = 256."""
+    tok = byte_level_tokenizer()
+    tok.tk.add_special_tokens(["<eos>"])
+    tok.eos_token_ids = (256,)
+    return tok
 
 
 def tiny_text_model(seed: int = 0, eos: tuple[int, ...] = (256,)) -> EarlyExitLM:

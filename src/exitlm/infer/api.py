@@ -18,6 +18,7 @@ from exitlm.infer.autoregressive import AROptions, generate_ar
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.stopping import TextCallback
+from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -106,6 +107,7 @@ def generate(
     if own_changes:
         opts = dataclasses.replace(opts, **own_changes)
     prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
+    optimize_layout(model)  # idempotent: re-strides weights for fast batch-1 GEMV once
     return strat.run(
         model, prompt_ids, sampling, tokenizer=tokenizer, stream=stream, options=opts,
         start_time=start,
