@@ -1,0 +1,64 @@
+"""``exitlm generate`` on presets and on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _tiny import byte_tokenizer, tiny_text_model
+
+from exitlm.cli import main
+from exitlm.io import save_model
+
+
+def test_generate_json_on_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "Hello", "a longer prompt", "--model", "debug",
+               "--max-new-tokens", "5", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompts"] == ["Hello", "a longer prompt"]
+    assert [len(s["token_ids"]) for s in out["sequences"]] == [5, 5]
+    assert out["timings"]["new_tokens"] == 10 and "decode_tokens_per_s" in out["timings"]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    d = tmp_path / "tiny"
+    save_model(tiny_text_model(), d, byte_tokenizer())
+    return d
+
+
+def test_generate_streams_single_prompt(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "Hi", "--model", str(saved), "--max-new-tokens", "6",
+               "--ignore-eos"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    rc = main(["generate", "Hi", "--model", str(saved), "--max-new-tokens", "6",
+               "--ignore-eos", "--json"])
+    expected = json.loads(capsys.readouterr().out)["sequences"][0]["text"]
+    assert cap.out == expected + "\n"
+    assert "tokens/s" in cap.err
+
+
+def test_generate_sampling_stop_and_prompts_file(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("first\n\nsecond\n")
+    args = ["generate", "--prompts-file", str(pf), "--model", str(saved), "--json",
+            "--max-new-tokens", "8", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9",
+            "--seed", "3", "--stop", "\x00", "--dtype", "bfloat16"]
+    assert main(args) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a["prompts"] == ["first", "second"]
+    assert [s["token_ids"] for s in a["sequences"]] == [s["token_ids"] for s in b["sequences"]]
+
+
+def test_generate_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "debug"]) == 2
+    assert "no prompt" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", "debug", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
