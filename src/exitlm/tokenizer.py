@@ -125,13 +125,16 @@ class Tokenizer:
                 tok = tok.get("content")
             return tk.token_to_id(tok) if isinstance(tok, str) else None
 
+        template = meta.get("chat_template")
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
         eos = tuple(meta.get("exitlm_eos_token_ids") or ())
         if not eos and tid("eos_token") is not None:
             eos = (tid("eos_token"),)
         return cls(
             tk, bos_token_id=tid("bos_token"), eos_token_ids=eos, pad_token_id=tid("pad_token"),
             add_bos=bool(meta.get("add_bos_token", False)),
-            chat_template=meta.get("chat_template"),
+            chat_template=template,
         )
 
 

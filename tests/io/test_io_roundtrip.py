@@ -132,3 +132,29 @@ def test_tiny_gguf_matches_the_model_it_was_written_from(tmp_path: Path) -> None
     assert tok is not None and tok.eos_token_ids == (1,) and tok.add_bos is False
     assert tok.encode("hello<|im_end|>") == tiny_tokenizer().encode("hello<|im_end|>")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_transformers_save_pretrained_directory(tmp_path: Path, kind: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        hf_cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                         n_positions=64)
+        ref = transformers.GPT2LMHeadModel(hf_cfg)
+    else:
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        ref = transformers.LlamaForCausalLM(hf_cfg)
+    ref.eval().save_pretrained(str(tmp_path / "saved"))
+    tok = tiny_tokenizer()
+    tok.chat_template = None  # transformers 5 writes the template to its own file
+    tok.save(tmp_path / "saved")
+    (tmp_path / "saved" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    loaded = load_model(str(tmp_path / "saved"), exits=ExitConfig(layers=(1,)))
+    assert set(loaded.model.exits) == {"1"}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(TOKENS).logits, ref(TOKENS).logits,
+                                   atol=1e-5, rtol=1e-4)
+    assert loaded.tokenizer is not None
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"

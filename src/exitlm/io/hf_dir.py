@@ -39,6 +39,13 @@ def _ignored(name: str, cfg: ModelConfig) -> bool:
     return cfg.tie_embeddings and name == "lm_head.weight"
 
 
+def _canonical(name: str, cfg: ModelConfig) -> str:
+    """GPT-2 checkpoints exist with and without the ``transformer.`` prefix."""
+    if cfg.pos == "learned" and name != "lm_head.weight" and not name.startswith("transformer."):
+        return "transformer." + name
+    return name
+
+
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of a backbone with configuration ``cfg``."""
     with torch.device("meta"):
@@ -120,18 +127,19 @@ def _check_headers(
                 )
             if _ignored(name, cfg):
                 continue
-            if name not in expected:
+            key = _canonical(name, cfg)
+            if key not in expected:
                 raise CheckpointError(
                     f"{file}: unexpected tensor {name!r} for a {cfg.num_layers}-layer "
                     f"{'GPT-2' if cfg.pos == 'learned' else 'Llama-family'} model "
                     "(config.json and the weights disagree)"
                 )
-            if shapes[name] != expected[name]:
+            if shapes[name] != expected[key]:
                 raise CheckpointError(
                     f"{file}: tensor {name!r} has shape {shapes[name]}, config.json implies "
-                    f"{expected[name]}"
+                    f"{expected[key]}"
                 )
-            seen.add(name)
+            seen.add(key)
         plan[file] = [n for n in names if not _ignored(n, cfg)]
     missing = sorted(set(expected) - seen)
     if missing:
