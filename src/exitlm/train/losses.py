@@ -101,7 +101,10 @@ def multi_exit_loss(
 
 
 class LossModule(nn.Module):
-    """``multi_exit_loss`` as a module's ``forward``, so DDP/FSDP wrappers see the call."""
+    """``multi_exit_loss`` as a module's ``forward``, so DDP/FSDP wrappers see the call.
+
+    Returns ``(total, per_exit)`` (a tuple, which every wrapper knows how to traverse).
+    """
 
     def __init__(self, model: EarlyExitLM) -> None:
         super().__init__()
@@ -113,8 +116,9 @@ class LossModule(nn.Module):
         labels: torch.Tensor,
         weights: Mapping[int, float],
         active: Sequence[torch.Tensor | None] | None = None,
-    ) -> ExitLosses:
-        return multi_exit_loss(self.model, tokens, labels, weights, active=active)
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        res = multi_exit_loss(self.model, tokens, labels, weights, active=active)
+        return res.total, res.per_exit
 
 
 # ----- where the weights come from -----------------------------------------------------------

@@ -1,0 +1,160 @@
+"""Training checkpoints: model, optimizer, LR schedule, data position, RNG and step.
+
+Layout of ``OUT/checkpoints/step-00000100/``:
+
+* ``model.safetensors`` - the model's state dict (only the trained tensors when the backbone
+  is frozen: the rest is rebuilt from ``model.init`` on resume);
+* ``optimizer.safetensors`` - every optimizer state tensor, named ``state.<param>.<key>``;
+* ``state.json`` - step, data position, scheduler state, optimizer hyper-parameters, the
+  training config, and the RNG states (stored as lists of bytes).
+
+Nothing is pickled. The directory is assembled under a temporary name and renamed in one
+``os.replace``; ``OUT/checkpoints/latest`` (a one-line text file, also replaced atomically)
+names the newest complete checkpoint. A crash at any point leaves the previous checkpoint
+usable.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from exitlm.io.st import atomic_dir, write_text_atomic
+from exitlm.model.transformer import EarlyExitLM
+
+STATE_VERSION = 1
+
+
+@dataclass
+class TrainState:
+    """What a resumed run needs besides the model weights."""
+
+    step: int
+    data_position: int
+    scheduler: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split ``opt.state_dict()`` into tensors (for safetensors) and a JSON-able remainder."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: Any
+) -> None:
+    """Inverse of :func:`optimizer_to_tensors`: load the state into ``opt``."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = t
+    for pid, values in meta["scalars"].items():
+        state.setdefault(int(pid), {}).update(values)
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def save_checkpoint(
+    out_dir: Path,
+    *,
+    model: EarlyExitLM,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    names: set[str] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write ``out_dir/checkpoints/step-XXXXXXXX`` atomically and point ``latest`` at it."""
+    root = Path(out_dir) / "checkpoints"
+    target = root / f"step-{state.step:08d}"
+    tensors, opt_meta = optimizer_to_tensors(optimizer)
+    meta = {
+        "version": STATE_VERSION, "step": state.step, "data_position": state.data_position,
+        "scheduler": state.scheduler, "optimizer": opt_meta, "rng": _rng_state(),
+        "extra": state.extra,
+    }
+    with atomic_dir(target) as tmp:
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
+                   if names is None or k in names}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        (tmp / "state.json").write_text(json.dumps(meta) + "\n", encoding="utf-8")
+    write_text_atomic(root / "latest", target.name + "\n")
+    _prune(root, keep)
+    return target
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep < 1:
+        return
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``out_dir``, or ``None``."""
+    root = Path(out_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        cand = root / pointer.read_text(encoding="utf-8").strip()
+        if (cand / "state.json").is_file():
+            return cand
+    done = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(
+    path: Path, *, model: EarlyExitLM, optimizer: torch.optim.Optimizer
+) -> TrainState:
+    """Load weights into ``model``, state into ``optimizer``, restore RNG; return the rest."""
+    meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    if meta.get("version") != STATE_VERSION:
+        raise ValueError(f"{path}: checkpoint state version {meta.get('version')} is not "
+                         f"{STATE_VERSION}")
+    weights = load_file(str(path / "model.safetensors"))
+    own = model.state_dict()
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise ValueError(f"{path}: checkpoint has tensors {unknown[:5]} this model lacks - was "
+                         "it written for another model configuration?")
+    with torch.no_grad():
+        for name, t in weights.items():
+            if own[name].shape != t.shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the model "
+                                 f"{tuple(own[name].shape)}")
+            own[name].copy_(t)
+    optimizer_from_tensors(optimizer, load_file(str(path / "optimizer.safetensors")),
+                           meta["optimizer"])
+    _set_rng_state(meta["rng"])
+    return TrainState(meta["step"], meta["data_position"], meta["scheduler"], meta["extra"])

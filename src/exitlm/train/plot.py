@@ -1,0 +1,48 @@
+"""A PNG of the training loss of every exit (and the held-out loss when evaluated)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_log(log: Path, out: Path) -> Path | None:
+    """Plot ``loss_<layer>`` (lines) and ``val_loss_<layer>`` (markers) from a JSONL log."""
+    if not log.is_file():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for line in log.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        for k, v in rec.items():
+            if (k.startswith("loss_") or k.startswith("val_loss_")) and isinstance(v, float):
+                xs, ys = series.setdefault(k, ([], []))
+                xs.append(rec["step"])
+                ys.append(v)
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sorted(series, key=lambda s: (s.startswith("val"), int(s.rsplit("_", 1)[1]))):
+        xs, ys = series[k]
+        layer = k.rsplit("_", 1)[1]
+        if k.startswith("val"):
+            ax.plot(xs, ys, "o--", label=f"held-out, exit {layer}")
+        else:
+            ax.plot(xs, ys, label=f"train, exit {layer}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("loss per exit")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,408 @@
+"""The training loop: multi-exit loss, layer dropout, AdamW + cosine LR, gradient accumulation
+and clipping, data parallelism over ``torchrun`` processes, checkpoints and logs.
+
+One step ``t``:
+
+1. the objective's weights ``w(t)`` (EE-LLM Eq. 1 with App. C.1 schedules, or LayerSkip's
+   ``ẽ(t, l)``, Eq. 5-6) and the layer-dropout pattern (LayerSkip Eq. 1-4, same on all ranks);
+2. ``grad_accum`` micro-batches of ``batch_size`` rows per rank, each backpropagating
+   ``L / grad_accum``; DDP averages gradients over ranks on the last one;
+3. gradient clipping, AdamW, the LR of step ``t + 1``.
+
+A run is a pure function of its config: data order comes from ``(seed, position)``, dropout
+from ``(seed, step)``, so ``--resume`` from a checkpoint continues the same loss curve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from exitlm.config import PRESETS as MODEL_PRESETS
+from exitlm.config import ConfigError, preset
+from exitlm.model.transformer import EarlyExitLM
+from exitlm.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from exitlm.train.config import ModelSpec, TrainConfig
+from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
+from exitlm.train.losses import LossModule
+from exitlm.train.tuning import freeze_backbone, init_heads_from_final, new_exit_layers
+
+
+@dataclass
+class BuiltModel:
+    model: EarlyExitLM
+    tokenizer: Any
+    new_heads: list[int]
+
+
+def build_model(spec: ModelSpec, seed: int = 0) -> BuiltModel:
+    """A preset with random weights, or a checkpoint (with the requested exits attached)."""
+    exits = spec.exit_config()
+    if spec.init in MODEL_PRESETS:
+        cfg = preset(spec.init, **spec.overrides)
+        if exits is not None:
+            cfg = cfg.replace(exits=exits)
+        torch.manual_seed(seed)
+        return BuiltModel(EarlyExitLM(cfg), None, [])
+    if spec.overrides:
+        raise ConfigError("model.overrides apply to presets (training from scratch) only; "
+                          f"model.init={spec.init!r} is a checkpoint")
+    from exitlm.io import load_model
+    from exitlm.io.loader import rebuild
+
+    base = load_model(spec.init)
+    if exits is None:
+        return BuiltModel(base.model, base.tokenizer, [])
+    before = base.config.exits
+    same = (before.head, before.norm, before.output) == (exits.head, exits.norm, exits.output)
+    torch.manual_seed(seed)
+    loaded = rebuild(base, dtype=torch.float32, exits=exits)
+    return BuiltModel(loaded.model, loaded.tokenizer,
+                      new_exit_layers(before.layers, exits.layers, same))
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to ``min_ratio * base_lr``."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    s = min(max(step - warmup, 0) / span, 1.0)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * s)))
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Trainer:
+    """Build everything a run needs from a :class:`TrainConfig`; :meth:`train` runs it."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+        self.cfg = cfg
+        run = cfg.train
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and run.device != "cpu" else "gloo"
+            dist.init_process_group(backend)
+        self.rank, self.world = _dist_info()
+        self.device = self._device(run.device)
+        self.out = Path(run.out_dir)
+        built = build_model(cfg.model, run.seed)
+        self.model = built.model.to(self.device).train()
+        self.tokenizer = built.tokenizer
+        mcfg = self.model.config
+        cfg.loss.validate(mcfg, run.steps)
+        self.weights0 = cfg.loss.weights_at(0, mcfg, run.steps)
+        if cfg.tune.init_new_heads and built.new_heads:
+            init_heads_from_final(self.model, built.new_heads)
+        self.trained_names: set[str] | None = None
+        if cfg.tune.freeze_backbone:
+            self.trained_names = set(freeze_backbone(self.model))
+        # data: rank 0 tokenizes, the others wait and reuse its files
+        if self.rank == 0:
+            self.data_dir = prepare(cfg.data, progress=run.progress,
+                                    tokenizer=self._data_tokenizer())
+        self._barrier()
+        if self.rank != 0:
+            self.data_dir = prepare(cfg.data, progress=False, tokenizer=self._data_tokenizer())
+        meta = json.loads((self.data_dir / "meta.json").read_text(encoding="utf-8"))
+        if meta["vocab_size"] > mcfg.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer={cfg.data.tokenizer!r} has {meta['vocab_size']} tokens but the "
+                f"model's vocab_size is {mcfg.vocab_size}; set model.overrides.vocab_size"
+            )
+        self.train_data = open_split(self.data_dir, "train", cfg.data.seq_len)
+        self.val_data = open_split(self.data_dir, "val", cfg.data.seq_len)
+        self.stream = BatchStream(self.train_data, run.batch_size, seed=cfg.data.seed,
+                                  rank=self.rank, world_size=self.world)
+        # optimizer over trainable parameters; no weight decay on norms and biases
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.module = LossModule(self.model)
+        if self.world > 1:
+            self.module = self._wrap_parallel(self.module)
+            params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        o = cfg.optim
+        groups = [
+            {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=self._lr(0), betas=(o.beta1, o.beta2),
+            eps=o.eps, foreach=False,
+        )
+        self.params = [p for _, p in params]
+        self.step = 0
+        self.scaler = None
+        self.amp_dtype = self._amp_dtype()
+        if self.amp_dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler("cuda")
+        if resume:
+            self._resume()
+
+    # ----- setup helpers ---------------------------------------------------------------------
+    def _device(self, spec: str) -> torch.device:
+        if spec == "auto":
+            if torch.cuda.is_available():
+                return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            return torch.device("cpu")
+        dev = torch.device(spec)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return dev
+
+    def _amp_dtype(self) -> torch.dtype | None:
+        amp = self.cfg.train.amp
+        if self.device.type != "cuda" or amp == "none":
+            return None  # fp32 on CPU
+        return torch.float16 if amp == "fp16" else torch.bfloat16
+
+    def _data_tokenizer(self) -> Any:
+        spec = self.cfg.data.tokenizer
+        if spec == "default" and self.tokenizer is not None and self.cfg.model.init == "default":
+            return self.tokenizer
+        return load_tokenizer(spec)
+
+    def _wrap_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.cfg.train.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            if self.cfg.train.checkpoint_every:
+                raise ConfigError("train.parallel=fsdp does not write checkpoints yet; set "
+                                  "train.checkpoint_every=0 or use train.parallel=ddp")
+            for block in self.model.layers:
+                fully_shard(block)
+            fully_shard(module)
+            return module
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, find_unused_parameters=True)
+
+    def _lr(self, step: int) -> float:
+        o = self.cfg.optim
+        return lr_at(step, o.lr, o.warmup_steps, self.cfg.train.steps, o.min_lr_ratio)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    # ----- checkpoints -----------------------------------------------------------------------
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.out)
+        if ckpt is None:
+            if self.rank == 0:
+                print(f"no checkpoint under {self.out}; starting from step 0", flush=True)
+            return
+        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
+        self.step = state.step
+        self.stream.position = state.data_position
+        if self.rank == 0:
+            self._truncate_log(self.step)
+            print(f"resumed from {ckpt} at step {self.step}", flush=True)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current state (rank 0 writes, every rank waits)."""
+        path = None
+        if self.rank == 0:
+            state = TrainState(self.step, self.stream.position,
+                               {"kind": "cosine", "step": self.step,
+                                "lr": self._lr(self.step)},
+                               {"config": self.cfg.to_dict(), "world_size": self.world})
+            path = save_checkpoint(self.out, model=self.model, optimizer=self.optimizer,
+                                   state=state, names=self.trained_names,
+                                   keep=self.cfg.train.keep_checkpoints)
+        self._barrier()
+        return path
+
+    def _truncate_log(self, step: int) -> None:
+        log = self.out / "log.jsonl"
+        if not log.is_file():
+            return
+        keep = [ln for ln in log.read_text(encoding="utf-8").splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        tmp = log.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        os.replace(tmp, log)
+
+    # ----- the loop --------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its log record (losses averaged over micro-batches and
+        ranks)."""
+        cfg, run = self.cfg, self.cfg.train
+        mcfg = self.model.config
+        t = self.step
+        lr = self._lr(t)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        weights = cfg.loss.weights_at(t, mcfg, run.steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[int, float] = {}
+        total = 0.0
+        for micro in range(run.grad_accum):
+            tokens, labels = self.stream.next()
+            tokens, labels = tokens.to(self.device), labels.to(self.device)
+            active = cfg.dropout.sample(tokens.shape[0], mcfg.num_layers, t, run.steps,
+                                        micro, self.device)
+            sync = micro == run.grad_accum - 1
+            ctx = (self.module.no_sync() if self.world > 1 and not sync
+                   and hasattr(self.module, "no_sync") else contextlib.nullcontext())
+            amp = (torch.autocast(self.device.type, dtype=self.amp_dtype)
+                   if self.amp_dtype is not None else contextlib.nullcontext())
+            with ctx:
+                with amp:
+                    loss, per_exit = self.module(tokens, labels, weights, active)
+                scaled = loss / run.grad_accum
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            total += float(loss.detach()) / run.grad_accum
+            for k, v in per_exit.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / run.grad_accum
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        gnorm = float("nan")
+        if cfg.optim.grad_clip > 0:
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.step += 1
+        rec: dict[str, Any] = {"step": self.step, "loss": total, "lr": lr, "grad_norm": gnorm}
+        keys = sorted(sums)
+        vals = torch.tensor([total, *[sums[k] for k in keys]], dtype=torch.float64)
+        if self.world > 1:
+            vals = vals.to(self.device)
+            dist.all_reduce(vals)
+            vals = vals.cpu() / self.world
+            rec["loss"] = float(vals[0])
+        for i, k in enumerate(keys):
+            rec[f"loss_{k}"] = float(vals[i + 1])
+        rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
+        return rec
+
+    def evaluate(self) -> dict[str, Any]:
+        """Per-exit held-out metrics (all exits the model has plus the final layer)."""
+        from exitlm.eval.per_exit import evaluate_exits
+
+        batches = eval_batches(self.val_data, self.cfg.train.batch_size,
+                               self.cfg.train.eval_samples)
+        metrics = evaluate_exits(self.model, batches)
+        rec: dict[str, Any] = {"step": self.step, "split": "val"}
+        for m in metrics:
+            rec[f"val_loss_{m.layer}"] = m.loss
+            rec[f"val_ppl_{m.layer}"] = m.ppl
+            rec[f"val_agree_{m.layer}"] = m.agree_top1
+        return rec
+
+    def train(self, until_step: int | None = None) -> list[dict[str, Any]]:
+        """Run to ``train.steps`` (or stop after ``until_step``, as a crash would, without a
+        final checkpoint). Returns the step records of this call."""
+        run = self.cfg.train
+        stop = run.steps if until_step is None else min(until_step, run.steps)
+        main = self.rank == 0
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "train_config.json").write_text(
+                json.dumps(self.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
+        log = open(self.out / "log.jsonl", "a", encoding="utf-8") if main else None  # noqa: SIM115
+        writer = self._tensorboard() if main else None
+        bar = None
+        if main and run.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=run.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True)
+        tokens_per_step = run.batch_size * run.grad_accum * self.world * self.cfg.data.seq_len
+        records: list[dict[str, Any]] = []
+        try:
+            while self.step < stop:
+                t0 = time.perf_counter()
+                rec = self.train_step()
+                dt = time.perf_counter() - t0
+                rec["tokens_per_s"] = tokens_per_step / dt
+                rec["time"] = time.time()
+                records.append(rec)
+                log_now = self.step % max(run.log_every, 1) == 0 or self.step == run.steps
+                if main and log is not None and log_now:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    self._tb(writer, rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}")
+                if run.eval_every and (self.step % run.eval_every == 0 or self.step == run.steps):
+                    if main and log is not None:
+                        ev = self.evaluate()
+                        log.write(json.dumps(ev) + "\n")
+                        log.flush()
+                        self._tb(writer, ev)
+                    self._barrier()
+                if run.checkpoint_every and self.step % run.checkpoint_every == 0:
+                    self.save()
+            if self.step >= run.steps and until_step is None:
+                self.finish()
+        finally:
+            if bar is not None:
+                bar.close()
+            if log is not None:
+                log.close()
+            if writer is not None:
+                writer.close()
+        return records
+
+    def finish(self) -> None:
+        """Save the trained model to ``OUT/model`` and plot the loss curves."""
+        if self.rank == 0:
+            from exitlm.io import save_model
+            from exitlm.tokenizer import Tokenizer
+
+            tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
+            if tok is None and self.cfg.data.tokenizer != "bytes":
+                loaded = load_tokenizer(self.cfg.data.tokenizer)
+                tok = loaded if isinstance(loaded, Tokenizer) else None
+            path = save_model(self.model, self.out / "model", tokenizer=tok)
+            (path / "exitlm_train.json").write_text(
+                json.dumps({"data": {"tokenizer": self.cfg.data.tokenizer},
+                            "config": self.cfg.to_dict()}, indent=2) + "\n", encoding="utf-8")
+            from exitlm.train.plot import plot_log
+
+            plot_log(self.out / "log.jsonl", self.out / "loss.png")
+        self._barrier()
+
+    def _tensorboard(self) -> Any:
+        if not self.cfg.train.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # tensorboard not installed
+            return None
+        return SummaryWriter(str(self.out / "tb"))
+
+    @staticmethod
+    def _tb(writer: Any, rec: dict[str, Any]) -> None:
+        if writer is None:
+            return
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k not in ("step", "time"):
+                writer.add_scalar(k, v, rec["step"])
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> Trainer:
+    """Build a :class:`Trainer` and run it to the end."""
+    trainer = Trainer(cfg, resume=resume)
+    trainer.train()
+    return trainer
