@@ -8,7 +8,7 @@ import sys
 
 # Modules exposing ``register(subparsers)``; each adds sub-commands with
 # ``set_defaults(func=...)`` where ``func(args) -> int`` is the exit status.
-_COMMAND_MODULES: tuple[str, ...] = ("exitlm.io.cli", "exitlm.infer.cli")
+_COMMAND_MODULES: tuple[str, ...] = ("exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

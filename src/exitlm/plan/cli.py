@@ -1,0 +1,338 @@
+"""``exitlm plan``: PPD theory, TeraPipe slicing and EE-LLM pipeline planning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from exitlm.plan.cost_model import (
+    OpCost,
+    PipelineSpec,
+    PlanError,
+    bubble_fill_capacity,
+    iteration_time_bound,
+    part1_forward_depths,
+    part2_backward_stages,
+    recommend_exits,
+    stage_memory,
+    stage_step_times,
+)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``plan`` with ``ppd``, ``terapipe`` and ``pipeline`` sub-commands."""
+    plan = subparsers.add_parser("plan", help="planners: PPD theory, TeraPipe slicing, "
+                                 "EE-LLM pipeline cost model and schedule simulator")
+    sub = plan.add_subparsers(dest="plan_command", metavar="PLANNER")
+    plan.set_defaults(func=lambda a: (plan.print_help(), 2)[1])
+
+    p = sub.add_parser("ppd", help="expected latency / compute of Predictive Pipelined "
+                       "Decoding (PPD Theorem 4.1, Eq. 3, 5, 6)")
+    p.add_argument("--layers", type=int, required=True, help="d: number of layers")
+    p.add_argument("--exit-layer", type=float, required=True,
+                   help="d_bar: layer of the early prediction (d/2 <= d_bar <= d)")
+    p.add_argument("--k", type=int, required=True, help="top-k candidates (sub-processes)")
+    p.add_argument("--tokens", type=int, required=True, help="ell: tokens to generate")
+    p.add_argument("--p-correct", type=float, required=True,
+                   help="probability that one of the top-k early predictions is the final "
+                        "top-1 (the match rate measured by `exitlm eval`)")
+    p.add_argument("--monte-carlo", type=int, default=0, metavar="RUNS",
+                   help="also simulate RUNS generations and report the estimate")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_ppd)
+
+    t = sub.add_parser("terapipe", help="TeraPipe token slicing (Sec. 3.3-3.4)",
+                       description="PROFILE.json: {\"seq_len\": L, \"stages\": K, \"t_noctx\": "
+                       "[t(1),...,t(L)], \"ctx_coef\": [a0,a1,a2,a3]} (one stage); optional "
+                       "\"t_noctx_bwd\"/\"ctx_coef_bwd\" (backward, used with --backward) and "
+                       "\"batch\": [profile for batch size 1, 2, ...] (joint plan with --batch).")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="profile JSON (see description)")
+    src.add_argument("--model", help="preset name or model config JSON: profile real layers")
+    t.add_argument("--seq-len", type=int, help="L (with --model; overrides the profile's)")
+    t.add_argument("--stages", type=int, help="K (with --model; overrides the profile's)")
+    t.add_argument("--epsilon", type=float, default=0.0,
+                   help="t_max spacing of the enumeration (result within K*eps of optimal)")
+    t.add_argument("--method", choices=("bisect", "enumerate"), default="bisect",
+                   help="bisect: exact branch-and-bound over t_max (default); enumerate: the "
+                        "paper's small-to-large enumeration with early stop")
+    t.add_argument("--backward", action="store_true",
+                   help="plan on t_fwd + t_bwd (needs t_noctx_bwd in the profile)")
+    t.add_argument("--batch", type=int, default=0,
+                   help="joint batch x token plan for batch size B (needs \"batch\" profiles)")
+    t.add_argument("--save-profile", help="with --model: write the fitted profile JSON here")
+    t.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
+    t.add_argument("--plot", help="draw the sliced pipeline timeline (.png or .svg)")
+    t.add_argument("--json", action="store_true", help="print JSON")
+    t.set_defaults(func=_cmd_terapipe)
+
+    q = sub.add_parser("pipeline", help="EE-LLM 1F1B cost model + schedule simulation",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=_PIPELINE_HELP)
+    q.add_argument("--stages", type=int, required=True, help="P")
+    q.add_argument("--microbatches", type=int, required=True, help="M")
+    q.add_argument("--exits-per-stage", help="N1,...,NP (default: all 0)")
+    q.add_argument("--times", help="f_in,b_in,f_bb,b_bb,f_ee,b_ee,f_fe,b_fe")
+    q.add_argument("--memory", help="m_in,m_in+,m_bb,m_bb+,m_ee,m_ee+,m_fe,m_fe+ "
+                   "(m_o = parameter memory, m_o+ = activation memory m_o† of one microbatch)")
+    q.add_argument("--alpha", type=float, default=1.0, help="Eq. 4 factor (default 1)")
+    q.add_argument("--no-defer", action="store_true",
+                   help="exit forward in the forward step (EE-LLM Fig. 3b) instead of deferred")
+    q.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    q.add_argument("--fill", choices=("none", "part1", "part2", "both"), default="none",
+                   help="simulate bubble filling (EE-LLM App. C.2.1) with the maximal counts")
+    q.add_argument("--model", help="preset or config JSON: derive --times/--memory from it")
+    q.add_argument("--seq-len", type=int, default=512, help="with --model")
+    q.add_argument("--micro-batch", type=int, default=1, help="with --model")
+    q.add_argument("--measure", action="store_true",
+                   help="with --model: time the real modules instead of analytic FLOPs")
+    q.add_argument("--flops", type=float, default=1e12, help="analytic: FLOP/s")
+    q.add_argument("--bandwidth", type=float, default=1e11, help="analytic: bytes/s")
+    q.add_argument("--recommend", type=int, metavar="NUM_EXITS",
+                   help="with --model: suggest exit layers (EE-LLM App. A.2) and use them")
+    q.add_argument("--plot", help="draw the simulated timeline (.png or .svg)")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(func=_cmd_pipeline)
+
+
+_PIPELINE_HELP = """\
+Time per iteration (EE-LLM App. A.3.1), per-stage memory (Eq. 4-6), bubble-filling
+counts (App. C.2.1) and a discrete-event simulation of the schedule.
+
+Quantities (EE-LLM Table 2), any consistent units:
+  --times  f_in,b_in,f_bb,b_bb,f_ee,b_ee,f_fe,b_fe   forward/backward time of one microbatch
+           for the input layer, one stage's backbone, one early exit, the final exit
+  --memory m_in,m_in+,m_bb,m_bb+,m_ee,m_ee+,m_fe,m_fe+   m_o parameter memory and m_o+
+           (= m_o†) activation memory of one microbatch, in the same order
+Example:
+  exitlm plan pipeline --stages 4 --microbatches 8 --exits-per-stage 0,1,1,0 \\
+      --times 0.1,0.2,1,2,0.5,1,0.5,1 --memory 1,0.1,4,2,1,0.5,1,0.5 --plot t.png --json
+"""
+
+
+def _floats(text: str, n: int, flag: str, names: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise PlanError(
+            f"{flag} must be {n} comma-separated numbers ({names}), got {text!r}"
+        ) from None
+    if len(vals) != n:
+        raise PlanError(f"{flag} needs {n} comma-separated numbers ({names}), got {len(vals)}")
+    return vals
+
+
+def _emit(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {json.dumps(v, default=float)}")
+
+
+def _run(fn: Any, args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except (PlanError, OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"exitlm plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ----- ppd -----------------------------------------------------------------------------------
+
+def _cmd_ppd(args: argparse.Namespace) -> int:
+    def body(a: argparse.Namespace) -> int:
+        from exitlm.plan.ppd_theory import monte_carlo, predict
+
+        out: dict[str, Any] = {"d": a.layers, "d_bar": a.exit_layer, "k": a.k,
+                               "tokens": a.tokens, "p_correct": a.p_correct}
+        out.update(predict(a.layers, a.exit_layer, a.k, a.tokens, a.p_correct))
+        if a.monte_carlo:
+            out["monte_carlo"] = monte_carlo(a.layers, a.exit_layer, a.k, a.tokens,
+                                             a.p_correct, runs=a.monte_carlo)
+        _emit(a, out)
+        return 0
+    return _run(body, args)
+
+
+# ----- terapipe ------------------------------------------------------------------------------
+
+def _perf(d: dict[str, Any], suffix: str, where: str) -> Any:
+    from exitlm.plan.terapipe import PerfModel
+
+    key = "t_noctx" + suffix
+    if key not in d:
+        raise PlanError(f"{where} has no {key!r}; add it (t(1)..t(L) of one stage)")
+    return PerfModel(tuple(d[key]), tuple(d.get("ctx_coef" + suffix, (0, 0, 0, 0))))
+
+
+def _cost(d: dict[str, Any], backward: bool, where: str) -> np.ndarray:
+    c = _perf(d, "", where).matrix()
+    if backward:
+        c = c + _perf(d, "_bwd", where).matrix()
+    return c
+
+
+def _cmd_terapipe(args: argparse.Namespace) -> int:
+    def body(a: argparse.Namespace) -> int:
+        from exitlm.plan.terapipe import best_uniform, plan_batch, plan_slices
+
+        if a.profile:
+            with open(a.profile) as fh:
+                prof = json.load(fh)
+            if not isinstance(prof, dict):
+                raise PlanError(f"{a.profile} must hold a JSON object")
+        else:
+            if not a.seq_len or not a.stages:
+                raise PlanError("--model needs --seq-len L and --stages K")
+            from exitlm.plan.profile import profile_terapipe
+
+            pm, raw = profile_terapipe(_load_config(a.model), a.seq_len, a.stages,
+                                       threads=a.threads)
+            prof = {"seq_len": a.seq_len, "stages": a.stages, "t_noctx": list(pm.t_noctx),
+                    "ctx_coef": list(pm.ctx_coef), "measured": raw}
+            if a.save_profile:
+                _write_json(a.save_profile, prof)
+        stages = a.stages or prof.get("stages")
+        if not stages:
+            raise PlanError("the profile has no \"stages\"; pass --stages K")
+        seq_len = int(prof.get("seq_len", len(prof.get("t_noctx", []))))
+        if len(prof.get("t_noctx", [])) != seq_len:
+            raise PlanError(f"t_noctx has {len(prof.get('t_noctx', []))} entries but seq_len "
+                            f"is {seq_len}; give t(i, 0) for i = 1..L")
+        t0 = time.perf_counter()
+        if a.batch:
+            batch = prof.get("batch")
+            if not isinstance(batch, list) or len(batch) < a.batch:
+                raise PlanError(f"--batch {a.batch} needs a \"batch\" list with profiles for "
+                                f"batch sizes 1..{a.batch} in the profile")
+            costs = [_cost(batch[b], a.backward, f"batch[{b}]") for b in range(a.batch)]
+            out = plan_batch(costs, a.batch, int(stages), a.epsilon, a.method)
+            out["dp_seconds"] = time.perf_counter() - t0
+            _emit(a, out)
+            return 0
+        cost = _cost(prof, a.backward, a.profile or "the profile")
+        res = plan_slices(cost, int(stages), a.epsilon, a.method)
+        dp_s = time.perf_counter() - t0
+        uni = best_uniform(cost, int(stages))
+        out = {"slices": res["slices"], "latency": res["latency"], "stages": int(stages),
+               "seq_len": seq_len, "num_slices": res["num_slices"],
+               "slice_times": res["slice_times"], "tmax": res["tmax"],
+               "dp_seconds": dp_s, "dp_evaluations": res["dp_evaluations"],
+               "best_uniform": {"latency": uni["latency"], "num_slices": uni["num_slices"]},
+               "uniform_over_dp": uni["latency"] / res["latency"]}
+        if a.plot:
+            from exitlm.plan.simulate import simulate, terapipe_schedule
+            from exitlm.plan.timeline import draw_timeline
+
+            def tf(ln: int, c: int) -> float:
+                return float(cost[ln, c])
+
+            sim = simulate(terapipe_schedule(res["slices"], int(stages), tf))
+            out["plot"] = draw_timeline(sim, a.plot, f"TeraPipe slices, latency "
+                                        f"{sim.makespan:.4g}")
+        _emit(a, out)
+        return 0
+    return _run(body, args)
+
+
+# ----- pipeline ------------------------------------------------------------------------------
+
+def _load_config(name: str) -> Any:
+    from exitlm.config import PRESETS, ModelConfig, preset
+
+    if name in PRESETS:
+        return preset(name)
+    if os.path.exists(name):
+        with open(name) as fh:
+            return ModelConfig.from_json(fh.read())
+    raise PlanError(f"--model {name!r} is neither a preset ({sorted(PRESETS)}) nor a file")
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    def body(a: argparse.Namespace) -> int:
+        from exitlm.plan.simulate import simulate_training
+
+        p = a.stages
+        notes: dict[str, Any] = {}
+        n = tuple(int(x) for x in _floats(a.exits_per_stage, p, "--exits-per-stage",
+                                          "N1..NP")) if a.exits_per_stage else (0,) * p
+        costs = {k: OpCost() for k in ("IN", "BB", "EE", "FE")}
+        if a.model:
+            cfg = _load_config(a.model)
+            if a.measure:
+                from exitlm.plan.profile import profile_costs
+                costs = profile_costs(cfg, p, a.seq_len, a.micro_batch, threads=1)
+            else:
+                from exitlm.plan.profile import analytic_costs
+                costs = analytic_costs(cfg, p, a.seq_len, a.micro_batch, a.flops, a.bandwidth)
+            if a.recommend is not None:
+                rec = recommend_exits(cfg.num_layers, p, a.recommend)
+                notes["recommendation"] = rec
+                n = tuple(rec["exits_per_stage"])  # type: ignore[arg-type]
+            elif not a.exits_per_stage and cfg.exit_layers:
+                from exitlm.plan.cost_model import exits_per_stage
+                n = exits_per_stage(cfg.exit_layers, cfg.num_layers, p)
+        elif not a.times:
+            raise PlanError("give --times f_in,b_in,f_bb,b_bb,f_ee,b_ee,f_fe,b_fe or --model")
+        if a.times:
+            v = _floats(a.times, 8, "--times", "f_in,b_in,f_bb,b_bb,f_ee,b_ee,f_fe,b_fe")
+            costs = {k: OpCost(v[2 * i], v[2 * i + 1], costs[k].m, costs[k].m_act)
+                     for i, k in enumerate(("IN", "BB", "EE", "FE"))}
+        if a.memory:
+            v = _floats(a.memory, 8, "--memory", "m_in,m_in+,m_bb,m_bb+,m_ee,m_ee+,m_fe,m_fe+")
+            costs = {k: OpCost(costs[k].f, costs[k].b, v[2 * i], v[2 * i + 1])
+                     for i, k in enumerate(("IN", "BB", "EE", "FE"))}
+        spec = PipelineSpec(p, a.microbatches, n, alpha=a.alpha,
+                            deferred_exits=not a.no_defer, **costs)
+        steps = stage_step_times(spec)
+        f_max = max(f for f, _ in steps)
+        b_max = max(b for _, b in steps)
+        cap = bubble_fill_capacity(p, f_max, b_max) if b_max > 0 else 0
+        part2 = part2_backward_stages(p, f_max, b_max, cap) if b_max > 0 else []
+        part1 = part1_forward_depths(n, cap)
+        sim = simulate_training(spec, a.schedule)
+        mem = stage_memory(spec)
+        out: dict[str, Any] = {
+            "time_per_iteration_bound": iteration_time_bound(spec),
+            "time_per_iteration_simulated": sim.makespan,
+            "schedule": a.schedule, "deferred_exits": spec.deferred_exits,
+            "exits_per_stage": list(n),
+            "stages": [{"stage": i + 1, "forward": steps[i][0], "backward": steps[i][1],
+                        "busy": sim.busy[i], "idle": sim.idle[i], "memory": mem[i]}
+                       for i in range(p)],
+            "peak_memory": max(m["total"] for m in mem),
+            "bubble_filling": {"f": f_max, "b": b_max, "max_inserted_microbatches": cap,
+                               "part1_forward_depths": part1,
+                               "part2_backward_stages": part2},
+            "quantities": {k: vars(c) for k, c in costs.items()},
+        }
+        out.update(notes)
+        fill1 = part1 if a.fill in ("part1", "both") else []
+        fill2 = part2 if a.fill in ("part2", "both") else []
+        if fill1 or fill2:
+            sim = simulate_training(spec, a.schedule, fill1, fill2)
+            out["bubble_filling"]["time_per_iteration_simulated"] = sim.makespan
+        if a.plot:
+            from exitlm.plan.timeline import draw_timeline
+            out["plot"] = draw_timeline(sim, a.plot, f"{a.schedule.upper()} P={p} "
+                                        f"M={a.microbatches}: {sim.makespan:.4g}")
+        if not all(math.isfinite(x) for x in (sim.makespan,)):
+            raise PlanError("simulation produced a non-finite time; check --times")
+        _emit(a, out)
+        return 0
+    return _run(body, args)
