@@ -112,8 +112,10 @@ def _segments(spec: PipelineSpec, s: int, backward: bool) -> list[tuple[str, flo
             seg.append(("exit", spec.FE.f))
         return [x for x in seg if x[1] > 0]
     seg = [("exit", spec.FE.b)] if s == p - 1 else []
+    if n and spec.deferred_exits:  # deferred exit forward runs inside the backward step
+        seg.append(("exit@F", n * spec.EE.f))
     if n:
-        seg.append(("exit", n * ((spec.EE.f if spec.deferred_exits else 0.0) + spec.EE.b)))
+        seg.append(("exit", n * spec.EE.b))
     seg.append(("backbone", spec.BB.b))
     if s == 0:
         seg.append(("input", spec.IN.b))

@@ -43,8 +43,10 @@ def draw_timeline(result: SimResult, path: str, title: str = "",
         t = op.start
         y = p - 1 - op.stage
         for cat, dur in op.segments:
-            color = _COLORS.get((op.kind, cat), "#bdbdbd")
-            used.add((op.kind, cat))
+            kind = "F" if cat.endswith("@F") else op.kind  # e.g. a deferred exit forward
+            key = (kind, cat.removesuffix("@F"))
+            color = _COLORS.get(key, "#bdbdbd")
+            used.add(key)
             hatch = "//" if not op.label.replace(".", "").isdigit() else None
             ax.broken_barh([(t, dur)], (y + 0.1, 0.8), facecolors=color, edgecolor="black",
                            linewidth=0.4, hatch=hatch)

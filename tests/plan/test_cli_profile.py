@@ -1,0 +1,105 @@
+"""`exitlm plan` commands (JSON output, errors) and the profiling / analytic cost sources."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exitlm.cli import main
+from exitlm.config import preset
+from exitlm.plan.profile import analytic_costs, profile_costs, profile_terapipe
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, dict]:
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out) if rc == 0 else {"err": out.err})
+
+
+def test_plan_ppd_json(capsys) -> None:
+    rc, out = _run(capsys, ["plan", "ppd", "--layers", "40", "--exit-layer", "20", "--k", "5",
+                            "--tokens", "128", "--p-correct", "0.7415", "--json"])
+    assert rc == 0
+    # Theorem 4.1 by hand: 40*128 - 20*127*0.7415 and + 5*20*128
+    assert out["latency"] == pytest.approx(5120 - 20 * 127 * 0.7415)
+    assert out["compute"] == pytest.approx(out["latency"] + 12800)
+    assert round(out["approx_latency_per_token_normalized"], 3) == 0.629
+    assert round(out["approx_compute_per_time_unit"], 3) == 4.973
+    rc, out = _run(capsys, ["plan", "ppd", "--layers", "40", "--exit-layer", "10", "--k", "1",
+                            "--tokens", "8", "--p-correct", "0.5", "--json"])
+    assert rc == 2 and "d/2 <= d_bar" in out["err"]
+
+
+def test_plan_terapipe_profile_json(tmp_path, capsys) -> None:
+    n = 24
+    prof = {"seq_len": n, "stages": 4, "t_noctx": [0.5 + 0.02 * i for i in range(1, n + 1)],
+            "ctx_coef": [0.01, 0.001, 0.002, 0.0005]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    rc, out = _run(capsys, ["plan", "terapipe", "--profile", str(path), "--json",
+                            "--plot", str(tmp_path / "tp.svg")])
+    assert rc == 0 and sum(out["slices"]) == n
+    assert out["latency"] <= out["best_uniform"]["latency"] + 1e-12
+    assert (tmp_path / "tp.svg").exists()
+    rc, out2 = _run(capsys, ["plan", "terapipe", "--profile", str(path), "--method",
+                             "enumerate", "--json"])
+    assert out2["latency"] == pytest.approx(out["latency"])
+    prof["t_noctx"] = prof["t_noctx"][:-1]
+    path.write_text(json.dumps(prof))
+    rc, out = _run(capsys, ["plan", "terapipe", "--profile", str(path), "--json"])
+    assert rc == 2 and "t_noctx" in out["err"]
+
+
+def test_plan_terapipe_model_profiles_real_layers(tmp_path, capsys) -> None:
+    save = tmp_path / "prof.json"
+    rc, out = _run(capsys, ["plan", "terapipe", "--model", "debug", "--seq-len", "12",
+                            "--stages", "2", "--save-profile", str(save), "--json"])
+    assert rc == 0 and sum(out["slices"]) == 12
+    assert len(json.loads(save.read_text())["t_noctx"]) == 12
+
+
+def test_plan_pipeline_json_and_plot(tmp_path, capsys) -> None:
+    rc, out = _run(capsys, [
+        "plan", "pipeline", "--stages", "4", "--microbatches", "6", "--exits-per-stage",
+        "0,1,1,0", "--times", "0.1,0.2,1,2,0.5,1,0.5,1", "--memory",
+        "1,0.1,4,2,1,0.5,1,0.5", "--fill", "both", "--plot", str(tmp_path / "t.png"),
+        "--json"])
+    assert rc == 0
+    # App. A.3.1 Step 3 by hand: 0.3 + 3*3 + 2*1.5 + 6*max(3.3, 4.5, 4.5, 4.5)
+    assert out["time_per_iteration_bound"]["total"] == pytest.approx(39.3)
+    assert out["time_per_iteration_simulated"] == pytest.approx(39.3)
+    assert out["stages"][0]["memory"]["total"] == pytest.approx(5 + 4 * 2 + 4 * 0.1)
+    assert out["bubble_filling"]["time_per_iteration_simulated"] == pytest.approx(39.3)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    rc, out = _run(capsys, ["plan", "pipeline", "--stages", "4", "--microbatches", "6",
+                            "--times", "1,2,3", "--json"])
+    assert rc == 2 and "--times needs 8" in out["err"]
+
+
+def test_plan_pipeline_from_model_with_recommendation(capsys) -> None:
+    rc, out = _run(capsys, ["plan", "pipeline", "--stages", "2", "--microbatches", "4",
+                            "--model", "debug", "--seq-len", "32", "--recommend", "1",
+                            "--json"])
+    assert rc == 0 and out["recommendation"]["exits_per_stage"] == [0, 1]
+    assert out["time_per_iteration_simulated"] <= out["time_per_iteration_bound"]["total"] * (
+        1 + 1e-9)
+
+
+def test_analytic_and_measured_costs() -> None:
+    cfg = preset("debug")
+    a = analytic_costs(cfg, 2, 64, 2, flops_per_s=1e9, bytes_per_s=1e15)
+    # compute bound here: backward = 2 x forward FLOPs
+    assert a["BB"].b == pytest.approx(2 * a["BB"].f)
+    assert a["FE"].f == pytest.approx(2 * 128 * cfg.dim * cfg.vocab_size / 1e9)
+    m = profile_costs(cfg, 2, 16, 1, repeats=1, threads=1)
+    # two blocks of parameters in fp32
+    import torch
+
+    from exitlm.model.layers import Block
+    per_block = sum(p.numel() for p in Block(cfg).parameters()) * 4
+    assert m["BB"].m == 2 * per_block
+    assert all(c.f > 0 and c.m_act > 0 for c in m.values())
+    pm, raw = profile_terapipe(cfg, 8, 2, repeats=1, threads=1)
+    assert pm.seq_len == 8 and raw["layers_per_stage"] == 2
+    assert torch.get_num_threads() >= 1
