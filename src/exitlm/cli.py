@@ -8,7 +8,9 @@ import sys
 
 # Modules exposing ``register(subparsers)``; each adds sub-commands with
 # ``set_defaults(func=...)`` where ``func(args) -> int`` is the exit status.
-_COMMAND_MODULES: tuple[str, ...] = ("exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli", "exitlm.train.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

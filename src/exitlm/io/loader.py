@@ -3,6 +3,8 @@
 Accepted sources, tried in this order:
 
 * ``"default"`` - the embedded SmolLM2-135M-Instruct (converted once into a local cache);
+* an exit-head bundle: ``"default-ee"`` or a directory with ``exits.json`` (backbone + tuned
+  exit heads, :mod:`exitlm.train.default_ee`);
 * a path to a ``.gguf`` file;
 * a directory written by :func:`save_model` (``config.json`` carries ``exitlm_format_version``);
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not);
@@ -67,7 +69,13 @@ def load_model(
     """
     src = str(name_or_path)
     path = Path(src).expanduser()
-    if src == "default":
+    # Exit-head bundles ("default-ee", OUT/exits of exit tuning): see exitlm.train.default_ee.
+    from exitlm.train.default_ee import find_bundle, load_bundle
+
+    bundle = find_bundle(src)
+    if bundle is not None:
+        loaded = load_bundle(bundle, dtype=dtype, exits=exits)
+    elif src == "default":
         loaded = _load_default(dtype, exits)
     elif path.is_file():
         if path.suffix == ".gguf":

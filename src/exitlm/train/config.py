@@ -205,19 +205,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {"steps": 20, "batch_size": 4},
     },
     "scratch-plain": {
-        "model": {"init": "debug", "overrides": {"dim": 256, "num_layers": 6, "num_heads": 4,
-                                                 "num_kv_heads": 4, "hidden_dim": 688,
+        "model": {"init": "debug", "overrides": {"dim": 128, "num_layers": 8, "num_heads": 4,
+                                                 "num_kv_heads": 4, "hidden_dim": 344,
                                                  "max_seq_len": 256},
                   "exits": {"layers": []}},
         "data": {"seq_len": 128},
         "loss": {"kind": "final"},
         "optim": {"lr": 2.0e-3, "warmup_steps": 30},
-        "train": {"steps": 400, "batch_size": 8, "eval_every": 100, "eval_samples": 64,
-                  "out_dir": "runs/scratch-plain"},
+        "train": {"steps": 600, "batch_size": 16, "eval_every": 200, "eval_samples": 128,
+                  "checkpoint_every": 200, "out_dir": "runs/scratch-plain"},
     },
 }
 PRESETS["scratch-ee"] = copy.deepcopy(PRESETS["scratch-plain"])
-PRESETS["scratch-ee"]["model"]["exits"] = {"layers": [2, 3], "norm": "own",
+PRESETS["scratch-ee"]["model"]["exits"] = {"layers": [2, 4], "norm": "own",
                                            "output": "final_head"}
 PRESETS["scratch-ee"]["loss"] = {"kind": "ee-llm", "exit_weights": [0.25, 0.5],
                                  "final_weight": 1.0}

@@ -250,14 +250,18 @@ class TokenFile:
     """A memory-mapped token file cut into windows of ``seq_len + 1`` tokens (inputs + the
     next-token labels), stride ``seq_len``."""
 
-    def __init__(self, path: Path, dtype: str, seq_len: int) -> None:
-        self.path = path
-        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "data") -> None:
+        self.tokens = tokens
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ConfigError(f"{path} holds {len(self.tokens)} tokens, fewer than one sample of "
+            raise ConfigError(f"{name} holds {len(self.tokens)} tokens, fewer than one sample of "
                               f"data.seq_len={seq_len} + 1; use more data or a shorter seq_len")
+
+    @classmethod
+    def open(cls, path: Path, dtype: str, seq_len: int) -> TokenFile:
+        """Memory-map a token file written by :func:`prepare`."""
+        return cls(np.memmap(path, dtype=np.dtype(dtype), mode="r"), seq_len, str(path))
 
     def window(self, i: int) -> np.ndarray:
         start = i * self.seq_len
@@ -270,7 +274,7 @@ class TokenFile:
 
 def open_split(directory: Path, split: str, seq_len: int) -> TokenFile:
     meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    return TokenFile(directory / f"{split}.bin", meta["dtype"], seq_len)
+    return TokenFile.open(directory / f"{split}.bin", meta["dtype"], seq_len)
 
 
 class BatchStream:

@@ -370,14 +370,21 @@ class Trainer:
             from exitlm.io import save_model
             from exitlm.tokenizer import Tokenizer
 
-            tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
-            if tok is None and self.cfg.data.tokenizer != "bytes":
-                loaded = load_tokenizer(self.cfg.data.tokenizer)
-                tok = loaded if isinstance(loaded, Tokenizer) else None
-            path = save_model(self.model, self.out / "model", tokenizer=tok)
-            (path / "exitlm_train.json").write_text(
-                json.dumps({"data": {"tokenizer": self.cfg.data.tokenizer},
-                            "config": self.cfg.to_dict()}, indent=2) + "\n", encoding="utf-8")
+            info = {"data": {"tokenizer": self.cfg.data.tokenizer}, "config": self.cfg.to_dict()}
+            if self.cfg.tune.freeze_backbone:
+                # exit tuning: only the heads changed; write them as a small bundle
+                from exitlm.train.default_ee import save_bundle
+
+                save_bundle(self.model, self.out / "exits", self.cfg.model.init,
+                            {"steps": self.step, "data": info["data"]})
+            else:
+                tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
+                if tok is None and self.cfg.data.tokenizer != "bytes":
+                    loaded = load_tokenizer(self.cfg.data.tokenizer)
+                    tok = loaded if isinstance(loaded, Tokenizer) else None
+                path = save_model(self.model, self.out / "model", tokenizer=tok)
+                (path / "exitlm_train.json").write_text(json.dumps(info, indent=2) + "\n",
+                                                        encoding="utf-8")
             from exitlm.train.plot import plot_log
 
             plot_log(self.out / "log.jsonl", self.out / "loss.png")

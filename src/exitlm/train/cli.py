@@ -1,0 +1,179 @@
+"""``exitlm train`` and ``exitlm eval``.
+
+    exitlm train --config FILE.yaml|PRESET [section.key=value ...] [--resume]
+    exitlm eval MODEL [--data PATH] [--layers 4,8|all] [--json]
+
+Multi-process data parallel training: ``torchrun --nproc-per-node N -m exitlm train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from exitlm.config import ConfigError
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``train`` and ``eval`` sub-commands."""
+    from exitlm.train.config import PRESETS
+
+    p = subparsers.add_parser(
+        "train", help="train a model with early exits (EE-LLM / LayerSkip / exit tuning)",
+        description="Train from a YAML config or a preset; override any key with "
+                    "section.key=value (YAML values). Presets: " + ", ".join(sorted(PRESETS)),
+    )
+    p.add_argument("--config", "-c", required=True, help="YAML file or preset name")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in train.out_dir")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit")
+    p.set_defaults(func=_train)
+
+    e = subparsers.add_parser(
+        "eval", help="per-exit loss, perplexity, accuracy and agreement with the final layer",
+        description="Evaluate every exit of MODEL on held-out text: loss / perplexity, top-1 "
+                    "accuracy, and how often the exit's top-1 / top-k contain the final "
+                    "layer's top-1 (PPD's p_correct).",
+    )
+    e.add_argument("model", help="model name or path (default, default-ee, a run's model dir)")
+    e.add_argument("--data", action="append",
+                   help="text file, directory or JSONL (all of it is evaluated); default: the "
+                        "held-out files of the standard-library corpus")
+    e.add_argument("--layers", default=None,
+                   help="comma-separated 1-based layers, or 'all' (default: the model's exits)")
+    e.add_argument("--tokenizer", default=None,
+                   help="tokenizer spec (bytes, default, a directory); default: the model's")
+    e.add_argument("--seq-len", type=int, default=128)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--max-samples", type=int, default=64,
+                   help="number of seq-len windows evaluated (spread over the data)")
+    e.add_argument("--topk", type=int, default=5)
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e.set_defaults(func=_eval)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from exitlm.train.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"exitlm train: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from exitlm.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+        trainer.train()
+    except ConfigError as err:
+        print(f"exitlm train: {err}", file=sys.stderr)
+        return 2
+    if trainer.rank == 0:
+        out = Path(cfg.train.out_dir)
+        result = out / ("exits" if cfg.tune.freeze_backbone else "model")
+        print(f"done: {trainer.step} steps; model: {result}; log: {out / 'log.jsonl'}; "
+              f"plot: {out / 'loss.png'}")
+    return 0
+
+
+def _eval_tokenizer_spec(name: str, model_dir: Path | None) -> str | None:
+    if name in ("default", "default-ee"):
+        return "default"
+    if model_dir is not None:
+        info = model_dir / "exitlm_train.json"
+        if info.is_file():
+            return str(json.loads(info.read_text(encoding="utf-8"))["data"]["tokenizer"])
+    return None
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from exitlm.eval.per_exit import evaluate_exits, format_table
+    from exitlm.io import load_model
+    from exitlm.train.data import ByteTokenizer, load_tokenizer
+
+    try:
+        loaded = load_model(args.model)
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"exitlm eval: {err}", file=sys.stderr)
+        return 2
+    model = loaded.model
+    path = Path(args.model)
+    spec = args.tokenizer or _eval_tokenizer_spec(args.model, path if path.is_dir() else None)
+    if spec is not None:
+        tok: Any = load_tokenizer(spec) if spec != "default" or loaded.tokenizer is None \
+            else loaded.tokenizer
+    elif loaded.tokenizer is not None:
+        tok, spec = loaded.tokenizer, str(path.resolve()) if path.exists() else args.model
+    elif model.config.vocab_size == 256:
+        tok, spec = ByteTokenizer(), "bytes"
+    else:
+        print("exitlm eval: the model has no tokenizer; pass --tokenizer", file=sys.stderr)
+        return 2
+    L = model.num_layers
+    if args.layers is None:
+        layers = [*model.config.exit_layers, L]
+    elif args.layers == "all":
+        layers = list(range(1, L + 1))
+    else:
+        try:
+            layers = sorted({int(x) for x in args.layers.split(",") if x.strip()})
+        except ValueError:
+            print(f"exitlm eval: --layers must be integers or 'all', got {args.layers!r}",
+                  file=sys.stderr)
+            return 2
+        bad = [k for k in layers if not 1 <= k <= L]
+        if bad:
+            print(f"exitlm eval: layers {bad} outside 1..{L}", file=sys.stderr)
+            return 2
+    try:
+        batches = eval_data(args.data, spec, tok, args.seq_len, args.batch_size, args.max_samples)
+        with torch.inference_mode():
+            metrics = evaluate_exits(model, batches, layers, topk=args.topk)
+    except ConfigError as err:
+        print(f"exitlm eval: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": args.model, "source": loaded.source,
+                          "exits": [m.to_dict() for m in metrics]}, indent=2))
+    else:
+        print(f"{args.model} ({loaded.source})")
+        print(format_table(metrics, args.topk))
+    return 0
+
+
+def eval_data(
+    paths: list[str] | None, spec: str, tok: Any, seq_len: int, batch_size: int,
+    max_samples: int | None,
+) -> Any:
+    """Batches of ``(tokens, labels)``: the held-out split of the default corpus, or all of
+    ``paths``."""
+    import numpy as np
+
+    from exitlm.train.data import DataConfig, TokenFile, eval_batches, iter_documents, prepare
+
+    if not paths:
+        cfg = DataConfig(tokenizer=spec, seq_len=seq_len)
+        directory = prepare(cfg, tokenizer=tok, progress=sys.stderr.isatty())
+        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+        data = TokenFile.open(directory / "val.bin", meta["dtype"], seq_len)
+        return eval_batches(data, batch_size, max_samples)
+    cfg = DataConfig(paths=tuple(paths), tokenizer=spec, seq_len=seq_len)
+    eos = getattr(tok, "eos_token_ids", ()) or (0,)
+    ids: list[int] = []
+    for _, text in iter_documents(cfg):
+        ids.extend(tok.encode(text, add_bos=False))
+        ids.append(int(eos[0]))
+    return eval_batches(TokenFile(np.asarray(ids, dtype=np.int64), seq_len, "--data"),
+                        batch_size, max_samples)

@@ -1,0 +1,109 @@
+"""Exit-head bundles: a few MB of tuned exit heads on top of a named backbone.
+
+A bundle directory holds ``exits.json`` (the backbone's name or path, the
+:class:`~exitlm.config.ExitConfig`, how it was trained) and ``exits.safetensors`` (the heads'
+own tensors, ``exits.<layer>.*``). Exit tuning with a frozen backbone writes one
+(``OUT/exits/``); the embedded early-exit default ``default-ee`` is the bundle shipped in
+``exitlm/data/default_ee`` - SmolLM2-135M-Instruct with heads tuned by
+``exitlm train --config default-ee``.
+
+:func:`exitlm.io.load_model` consults :func:`find_bundle` first, so ``load_model("default-ee")``
+and ``load_model("runs/default-ee/exits")`` both work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from exitlm.config import ExitConfig
+from exitlm.model.transformer import EarlyExitLM
+
+if TYPE_CHECKING:
+    from exitlm.io.loader import LoadedModel
+
+BUNDLE_META = "exits.json"
+BUNDLE_WEIGHTS = "exits.safetensors"
+BUNDLE_FORMAT = 1
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+NAMED_BUNDLES: dict[str, Path] = {"default-ee": DATA_DIR / "default_ee"}
+
+
+def find_bundle(name_or_path: str) -> Path | None:
+    """The bundle directory for a registered name or a path to a bundle, else ``None``."""
+    if name_or_path in NAMED_BUNDLES:
+        return NAMED_BUNDLES[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / BUNDLE_META).is_file() and (path / BUNDLE_WEIGHTS).is_file():
+        return path
+    return None
+
+
+def save_bundle(
+    model: EarlyExitLM, path: str | Path, base: str, info: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> Path:
+    """Write the exit heads of ``model`` (in ``dtype``) as a bundle on top of ``base``."""
+    from exitlm.io.st import atomic_dir
+
+    tensors = {k: v.detach().to("cpu", dtype).contiguous()
+               for k, v in model.state_dict().items() if k.startswith("exits.")}
+    exits = model.config.exits
+    meta = {
+        "format": BUNDLE_FORMAT, "base": base,
+        "exits": {"layers": list(exits.layers), "every_layer": exits.every_layer,
+                  "head": exits.head, "norm": exits.norm, "output": exits.output},
+        "info": info or {},
+    }
+    target = Path(path)
+    with atomic_dir(target) as tmp:
+        save_file(tensors, str(tmp / BUNDLE_WEIGHTS), metadata={"format": "pt"})
+        (tmp / BUNDLE_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def load_bundle(
+    directory: Path, *, dtype: torch.dtype = torch.float32, exits: ExitConfig | None = None,
+) -> LoadedModel:
+    """Load the bundle's backbone, attach its exit heads; ``exits`` then re-configures them
+    like ``load_model(..., exits=...)`` does."""
+    from exitlm.io.hf_map import CheckpointError
+    from exitlm.io.loader import load_model, rebuild
+
+    meta_file = directory / BUNDLE_META
+    if not meta_file.is_file():
+        raise CheckpointError(
+            f"exit-head bundle {directory} is missing {BUNDLE_META}; reinstall exitlm or "
+            "re-create it with: exitlm train --config default-ee"
+        )
+    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    if meta.get("format") != BUNDLE_FORMAT:
+        raise CheckpointError(f"{meta_file}: bundle format {meta.get('format')!r} is not "
+                              f"{BUNDLE_FORMAT}")
+    ex = ExitConfig(**meta["exits"])
+    base = str(meta["base"])
+    if find_bundle(base) is not None:
+        raise CheckpointError(f"{meta_file}: a bundle's base cannot itself be a bundle")
+    loaded = load_model(base, dtype=torch.float32, exits=ex)
+    heads = load_file(str(directory / BUNDLE_WEIGHTS))
+    own = loaded.model.state_dict()
+    expected = {k for k in own if k.startswith("exits.")}
+    if set(heads) != expected:
+        raise CheckpointError(
+            f"{directory}: exit tensors {sorted(set(heads) ^ expected)[:4]} do not match the "
+            f"exit configuration {meta['exits']}"
+        )
+    with torch.no_grad():
+        for k, t in heads.items():
+            own[k].copy_(t.to(own[k].dtype))
+    loaded.source = f"bundle:{directory} on {loaded.source}"
+    if dtype != torch.float32 or exits is not None:
+        source = loaded.source
+        loaded = rebuild(loaded, dtype=dtype, exits=exits)
+        loaded.source = source
+    loaded.model.eval()
+    return loaded
