@@ -93,6 +93,13 @@ def _eval_tokenizer_spec(name: str, model_dir: Path | None) -> str | None:
         info = model_dir / "exitlm_train.json"
         if info.is_file():
             return str(json.loads(info.read_text(encoding="utf-8"))["data"]["tokenizer"])
+        bundle = model_dir / "exits.json"  # exit-head bundle: its backbone's tokenizer
+        if bundle.is_file():
+            meta = json.loads(bundle.read_text(encoding="utf-8"))
+            spec = meta.get("info", {}).get("data", {}).get("tokenizer")
+            if spec is None and meta.get("base") == "default":
+                spec = "default"
+            return None if spec is None else str(spec)
     return None
 
 

@@ -128,6 +128,7 @@ class Trainer:
         # optimizer over trainable parameters; no weight decay on norms and biases
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.module = LossModule(self.model)
+        self.fsdp = False
         if self.world > 1:
             self.module = self._wrap_parallel(self.module)
             params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -179,9 +180,13 @@ class Trainer:
             if self.cfg.train.checkpoint_every:
                 raise ConfigError("train.parallel=fsdp does not write checkpoints yet; set "
                                   "train.checkpoint_every=0 or use train.parallel=ddp")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (self.world,))
             for block in self.model.layers:
-                fully_shard(block)
-            fully_shard(module)
+                fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+            self.fsdp = True
             return module
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -293,13 +298,28 @@ class Trainer:
         rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
         return rec
 
-    def evaluate(self) -> dict[str, Any]:
+    def _host_model(self) -> EarlyExitLM | None:
+        """The whole model on rank 0, ``None`` elsewhere. Under FSDP this gathers the shards
+        and must be called on every rank."""
+        if not self.fsdp:
+            return self.model if self.rank == 0 else None
+        from torch.distributed.tensor import DTensor
+
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for k, v in self.model.state_dict().items()}
+        if self.rank != 0:
+            return None
+        host = EarlyExitLM(self.model.config)
+        host.load_state_dict(full)
+        return host
+
+    def evaluate(self, model: EarlyExitLM | None = None) -> dict[str, Any]:
         """Per-exit held-out metrics (all exits the model has plus the final layer)."""
         from exitlm.eval.per_exit import evaluate_exits
 
         batches = eval_batches(self.val_data, self.cfg.train.batch_size,
                                self.cfg.train.eval_samples)
-        metrics = evaluate_exits(self.model, batches)
+        metrics = evaluate_exits(model if model is not None else self.model, batches)
         rec: dict[str, Any] = {"step": self.step, "split": "val"}
         for m in metrics:
             rec[f"val_loss_{m.layer}"] = m.loss
@@ -345,8 +365,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}")
                 if run.eval_every and (self.step % run.eval_every == 0 or self.step == run.steps):
-                    if main and log is not None:
-                        ev = self.evaluate()
+                    host = self._host_model()
+                    if main and log is not None and host is not None:
+                        ev = self.evaluate(host)
                         log.write(json.dumps(ev) + "\n")
                         log.flush()
                         self._tb(writer, ev)
@@ -366,7 +387,8 @@ class Trainer:
 
     def finish(self) -> None:
         """Save the trained model to ``OUT/model`` and plot the loss curves."""
-        if self.rank == 0:
+        host = self._host_model()
+        if host is not None:
             from exitlm.io import save_model
             from exitlm.tokenizer import Tokenizer
 
@@ -375,14 +397,14 @@ class Trainer:
                 # exit tuning: only the heads changed; write them as a small bundle
                 from exitlm.train.default_ee import save_bundle
 
-                save_bundle(self.model, self.out / "exits", self.cfg.model.init,
+                save_bundle(host, self.out / "exits", self.cfg.model.init,
                             {"steps": self.step, "data": info["data"]})
             else:
                 tok = self.tokenizer if isinstance(self.tokenizer, Tokenizer) else None
                 if tok is None and self.cfg.data.tokenizer != "bytes":
                     loaded = load_tokenizer(self.cfg.data.tokenizer)
                     tok = loaded if isinstance(loaded, Tokenizer) else None
-                path = save_model(self.model, self.out / "model", tokenizer=tok)
+                path = save_model(host, self.out / "model", tokenizer=tok)
                 (path / "exitlm_train.json").write_text(json.dumps(info, indent=2) + "\n",
                                                         encoding="utf-8")
             from exitlm.train.plot import plot_log
