@@ -15,6 +15,7 @@ from typing import Any
 
 from exitlm.config import ConfigError
 from exitlm.infer.autoregressive import AROptions, generate_ar
+from exitlm.infer.early_exit import EarlyExitOptions, generate_early_exit
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.stopping import TextCallback
@@ -49,6 +50,10 @@ def register_strategy(strategy: Strategy) -> None:
 
 register_strategy(
     Strategy("ar", AROptions, generate_ar, "plain autoregressive decoding (the baseline)")
+)
+register_strategy(
+    Strategy("early-exit", EarlyExitOptions, generate_early_exit,
+             "confidence exits with KV recomputation (EE-LLM); fixed-layer exit (LayerSkip)")
 )
 
 

@@ -1,0 +1,38 @@
+"""Tiny random early-exit models for the decoding-strategy tests (imported by this folder)."""
+
+from __future__ import annotations
+
+import torch
+
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.model.transformer import EarlyExitLM
+
+GPT2_STYLE = {"norm": "layernorm", "pos": "learned", "mlp": "gelu", "activation": "gelu_tanh",
+              "qkv_bias": True}
+
+
+def ee_model(
+    head: str = "linear", *, every_layer: bool = False, layers: tuple[int, ...] = (1, 2, 3),
+    vocab: int = 23, num_layers: int = 4, gpt2: bool = False, scale: float = 0.4, seed: int = 0,
+    eos: tuple[int, ...] = (),
+) -> EarlyExitLM:
+    """A random 4-layer model with exits; large weights make next-token distributions sharp
+    enough that confidence exits happen at moderate thresholds."""
+    torch.manual_seed(seed)
+    exits = (ExitConfig(every_layer=True, norm="final") if every_layer
+             else ExitConfig(layers=layers, head=head))
+    cfg = ModelConfig(
+        vocab_size=vocab, dim=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        hidden_dim=64, max_seq_len=160, exits=exits, eos_token_ids=eos,
+        **(GPT2_STYLE if gpt2 else {}),
+    )
+    model = EarlyExitLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, scale)
+    return model
+
+
+def random_prompts(vocab: int = 23, sizes: tuple[int, ...] = (5, 9, 3)) -> list[list[int]]:
+    return [torch.randint(0, vocab, (n,)).tolist() for n in sizes]
