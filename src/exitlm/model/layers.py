@@ -8,6 +8,7 @@ decoding on CPU without changing their values.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +17,37 @@ from torch import nn
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.model.kv_cache import KVCache, WritePlan
 
+# Pre-packed (oneDNN) copies of weights for bf16 inference on CPU, see exitlm.model.layout.
+# Keyed by id(weight); each entry remembers the weight (weakly) and its version counter, so a
+# weight changed in place (an optimizer step) silently falls back to the plain kernel.
+_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def register_packed(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
+    """Use ``packed`` instead of ``weight`` in :func:`linear` while gradients are off."""
+    key = id(weight)
+    if packed is None:
+        _PACKED.pop(key, None)
+        return
+    _PACKED[key] = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, packed)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that avoids CPU fp16 GEMM, which is ~50x slower than fp32 there.
+    """``F.linear`` with the CPU fast paths of :mod:`exitlm.model.layout`.
 
-    Batch-1 decoding (one row) stays in fp16, where CPU GEMV is fast; prefill-sized inputs are
-    computed in fp32 and cast back. Results equal fp16 matmul up to rounding.
+    * a weight pre-packed for oneDNN (bf16 inference) is used when no gradient is needed;
+    * CPU fp16 GEMM with many rows (prefill) is ~50x slower than fp32, so such inputs are
+      computed in fp32 and cast back; one-row GEMV (decoding) stays in fp16, where it is fast.
     """
+    if _PACKED and not torch.is_grad_enabled():
+        entry = _PACKED.get(id(weight))
+        if (
+            entry is not None
+            and entry[0]() is weight
+            and entry[1] == weight._version
+            and x.dtype == weight.dtype
+        ):
+            return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
     if x.dtype == torch.float16 and x.device.type == "cpu" and x.numel() > 8 * x.shape[-1]:
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.float16)
@@ -77,12 +102,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(mid, blended, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(B, H, T, D)`` by the angles of its positions (half-split convention)."""
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention (and the KV cache) computes in for weights of ``dtype``.
+
+    CPU kernels for fp16/bf16 attention are several times slower than fp32 ones, and the
+    q/k/v rows of one token are tiny, so on CPU attention runs in fp32 (more accurate too).
+    """
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def rope_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, signed_sin)`` for angles ``(B, T, D/2)``, shaped ``(B, T, 1, D)``.
+
+    ``signed_sin = [-sin, sin]`` folds rotate-half's sign into the table, so applying the
+    rotation costs one concatenation and two multiply-adds (:func:`apply_rope`).
+    """
+    cos, sin = angles.cos(), angles.sin()
+    cos_t = torch.cat((cos, cos), dim=-1)[:, :, None]
+    sin_t = torch.cat((-sin, sin), dim=-1)[:, :, None]
+    return cos_t.to(dtype), sin_t.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, T, H, D)`` by its positions' angles (half-split convention).
+
+    Equals ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+    """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class Attention(nn.Module):
@@ -110,13 +160,17 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.wqkv(x)
-        q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
-        q = q.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(b, t, hkv, d).transpose(1, 2)
+        adt = attention_dtype(qkv.dtype, qkv.device)
+        if qkv.dtype != adt:
+            qkv = qkv.to(adt)
+        qkv = qkv.view(b, t, h + 2 * hkv, d)  # (B, T, heads, D)
         if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
+            qk = apply_rope(qkv[:, :, : h + hkv], *rope)  # q and k rotated together
+            q, k = qk[:, :, :h], qk[:, :, h:]
+        else:
+            q, k = qkv[:, :, :h], qkv[:, :, h : h + hkv]
+        v = qkv[:, :, h + hkv :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None and plan is not None:
             k, v = cache.write(slot, k, v, plan)
             out = F.scaled_dot_product_attention(
@@ -126,7 +180,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=hkv != h
             )
-        out = out.transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
+        out = out.transpose(1, 2).reshape(b, t, h * d).to(x.dtype)  # (B, T, H*D)
         return self.wo(out)
 
 

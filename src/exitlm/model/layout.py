@@ -1,12 +1,18 @@
 """Memory layout of weights for fast batch-1 decoding on CPU.
 
 Decoding one token multiplies a single row by every weight matrix, so it is bound by how fast
-the GEMV kernel streams weights. On the x86 CPUs measured for this project (see README,
-"Performance"), ``F.linear`` with an ``(out, in)`` weight stored **column-major** (i.e. the
-``(in, out)`` transpose is contiguous) streams fp32 and bf16 weights ~1.8x faster than the
-default row-major layout, while fp16 is fastest row-major and pathologically slow
-column-major. :func:`optimize_layout` re-strides weights accordingly; values, shapes, names
-and gradients are unchanged, only ``stride()`` differs. Save paths call ``.contiguous()``.
+the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thread, README
+"Performance"):
+
+* fp32: ``F.linear`` with the ``(out, in)`` weight stored **column-major** streams 13-16 GB/s
+  when ``out > in`` (q/k/v, MLP input, LM head) against 8-9 GB/s row-major; when
+  ``out <= in`` row-major is as fast or faster.
+* fp16: row-major only (column-major is 5-40x slower).
+* bf16: ATen's GEMV reaches ~6 GB/s; oneDNN with a pre-packed weight ~10 GB/s, bit-identical.
+  Packing keeps a second copy of each linear weight (inference only).
+
+:func:`optimize_layout` applies these choices. Values, shapes, parameter names and gradients
+are unchanged; only strides differ (save paths call ``.contiguous()``).
 """
 
 from __future__ import annotations
@@ -14,32 +20,63 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from exitlm.model.layers import register_packed
+
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def preferred_column_major(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether 2-D weights should be column-major for batch-1 GEMV on ``device``."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+def wants_column_major(weight: torch.Tensor) -> bool:
+    """Whether the 2-D ``(out, in)`` ``weight`` is faster column-major for batch-1 GEMV."""
+    out_features, in_features = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and out_features > in_features
+    )
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 @torch.no_grad()
-def optimize_layout(model: nn.Module) -> nn.Module:
-    """Re-stride every 2-D weight of ``model`` for its dtype/device (see module docstring).
+def optimize_layout(model: nn.Module, *, pack_bf16: bool = True) -> nn.Module:
+    """Re-stride (and for bf16 on CPU, pre-pack) every linear weight of ``model``.
 
-    Idempotent, and safe to call again after ``model.to(dtype)`` (``.to`` keeps strides, so a
-    column-major fp32 model cast to fp16 must be re-laid out - this function does that).
+    Idempotent, and safe to call again after ``model.to(dtype)`` (``.to`` keeps strides, and a
+    column-major fp32 weight cast to fp16 must become row-major again - this does that).
     """
     for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
-            w = module.weight
-            if w.dim() != 2 or w.device.type == "meta":
-                continue
-            want_cm = preferred_column_major(w.dtype, w.device)
-            is_cm = w.stride() == (1, w.shape[0])
-            if want_cm and not is_cm:
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            continue
+        w = module.weight
+        if w.dim() != 2 or w.device.type == "meta":
+            continue
+        is_cm = w.shape[0] > 1 and w.stride() == (1, w.shape[0])
+        if wants_column_major(w):
+            if not is_cm:
                 w.data = _column_major(w.data)
-            elif not want_cm and not w.is_contiguous():
-                w.data = w.data.contiguous()
+        elif not w.is_contiguous():
+            w.data = w.data.contiguous()
+        packed = None
+        if pack_bf16 and _can_pack(w):
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
+            except RuntimeError:  # oneDNN without bf16 support on this CPU
+                packed = None
+        register_packed(w, packed)
+    return model
+
+
+def unpack(model: nn.Module) -> nn.Module:
+    """Drop pre-packed inference weights (frees their memory)."""
+    for p in model.parameters():
+        register_packed(p, None)
     return model

@@ -24,7 +24,15 @@ from torch import nn
 from exitlm.config import ModelConfig
 from exitlm.model.exits import ExitHead
 from exitlm.model.kv_cache import KVCache, WritePlan
-from exitlm.model.layers import Block, Linear, Norm, linear, rope_inv_freq
+from exitlm.model.layers import (
+    Block,
+    Linear,
+    Norm,
+    attention_dtype,
+    linear,
+    rope_inv_freq,
+    rope_tables,
+)
 
 
 @dataclass
@@ -109,7 +117,7 @@ class EarlyExitLM(nn.Module):
             max_seq_len or self.config.max_seq_len,
             self.config.n_kv_heads,
             self.config.hdim,
-            dtype=dtype or ref.dtype,
+            dtype=dtype or attention_dtype(ref.dtype, ref.device),
             device=device or ref.device,
         )
 
@@ -122,10 +130,9 @@ class EarlyExitLM(nn.Module):
         """Rotary angles, cache write plan and attention mask for a forward at ``positions``."""
         rope = None
         if self.rope_inv_freq is not None:
-            freqs = positions[..., None].to(self.rope_inv_freq) * self.rope_inv_freq  # (B,T,D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-            dtype = self.embed_tokens.weight.dtype
-            rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+            angles = positions[..., None].to(self.rope_inv_freq) * self.rope_inv_freq  # (B,T,D/2)
+            ref = self.embed_tokens.weight
+            rope = rope_tables(angles, attention_dtype(ref.dtype, ref.device))  # (B, T, 1, D)
         plan = cache.plan(positions) if cache is not None else None
         mask = None
         t = positions.shape[1]
