@@ -32,6 +32,12 @@ def register_packed(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
     _PACKED[key] = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, packed)
 
 
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` has an up-to-date pre-packed copy (see :func:`register_packed`)."""
+    entry = _PACKED.get(id(weight))
+    return entry is not None and entry[0]() is weight and entry[1] == weight._version
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the CPU fast paths of :mod:`exitlm.model.layout`.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exitlm.model.layers import register_packed
+from exitlm.model.layers import is_packed, register_packed
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +65,8 @@ def optimize_layout(model: nn.Module, *, pack_bf16: bool = True) -> nn.Module:
                 w.data = _column_major(w.data)
         elif not w.is_contiguous():
             w.data = w.data.contiguous()
+        if pack_bf16 and is_packed(w):
+            continue  # already packed and unchanged since
         packed = None
         if pack_bf16 and _can_pack(w):
             try:
