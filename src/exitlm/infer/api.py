@@ -18,6 +18,7 @@ from exitlm.infer.autoregressive import AROptions, generate_ar
 from exitlm.infer.early_exit import EarlyExitOptions, generate_early_exit
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
 from exitlm.infer.result import GenerationResult
+from exitlm.infer.self_speculative import SelfSpecOptions, generate_self_spec
 from exitlm.infer.stopping import TextCallback
 from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
@@ -54,6 +55,10 @@ register_strategy(
 register_strategy(
     Strategy("early-exit", EarlyExitOptions, generate_early_exit,
              "confidence exits with KV recomputation (EE-LLM); fixed-layer exit (LayerSkip)")
+)
+register_strategy(
+    Strategy("self-spec", SelfSpecOptions, generate_self_spec,
+             "self-speculative decoding: draft with exit E, verify with layers E..L (LayerSkip)")
 )
 
 

@@ -1,0 +1,186 @@
+"""Self-speculative decoding: greedy output is token-identical to plain greedy (single prompts,
+padded batches, every exit and draft length, bonus tokens), speculative sampling matches the
+target distribution, the cache is rolled back to the accepted tokens."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from _ee_models import ee_model, random_prompts
+
+from exitlm.config import ConfigError
+from exitlm.infer import generate
+from exitlm.infer.self_speculative import _accept_sampled
+
+NEW = 24
+
+
+@pytest.mark.parametrize(
+    ("head", "every", "gpt2"),
+    [("linear", True, False), ("mlp", False, True), ("block", False, False)],
+)
+def test_greedy_is_token_identical_to_ar(head: str, every: bool, gpt2: bool) -> None:
+    model = ee_model(head, every_layer=every, gpt2=gpt2)
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW)
+    for e, d in itertools.product((1, 3), (1, 4)):
+        ss = generate(model, None, prompts, strategy="self-spec", exit_layer=e,
+                      num_speculations=d, max_new_tokens=NEW)
+        assert ss.token_ids == ar.token_ids, (e, d)
+        assert ss.stats["drafted"] > 0
+        for seq in ss.sequences:
+            assert len(seq.exit_layers) == len(seq.token_ids) == NEW
+            assert set(seq.exit_layers) <= {e, 4}
+    one = generate(model, None, prompts[0], strategy="self-spec", exit_layer=2,
+                   num_speculations=3, max_new_tokens=NEW)
+    assert one.token_ids[0] == ar.token_ids[0]
+
+
+def _perfect_draft_model() -> torch.nn.Module:
+    """Layer 4 is an identity (zero residual branches), so exit 3 (through the final norm and
+    head) equals the final output: every draft passes and every round ends with a bonus."""
+    model = ee_model(every_layer=True)
+    with torch.no_grad():
+        model.layers[3].attn.wo.weight.zero_()
+        model.layers[3].mlp.w_out.weight.zero_()
+    return model
+
+
+def test_all_drafts_accepted_gives_bonus_tokens() -> None:
+    model = _perfect_draft_model()
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW)
+    ss = generate(model, None, prompts, strategy="self-spec", exit_layer=3,
+                  num_speculations=4, max_new_tokens=NEW)
+    assert ss.token_ids == ar.token_ids
+    assert ss.stats["acceptance_rate"] == 1.0
+    # first token from the prompt, then rounds of 4 drafts + 1 bonus: 1 + 5 + 5 + ...
+    seq = ss.sequences[0]
+    assert seq.exit_layers[:7] == [4, 3, 3, 3, 3, 4, 3]
+    assert ss.stats["rounds"] == math.ceil((NEW - 1) / 5)
+
+
+def test_stop_token_mid_round_and_batch_independence() -> None:
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    free = generate(model, None, prompts, max_new_tokens=NEW).token_ids
+    stop = free[1][6]
+    ar = generate(model, None, prompts, max_new_tokens=NEW, stop_token_ids=(stop,))
+    ss = generate(model, None, prompts, strategy="self-spec", exit_layer=2, num_speculations=5,
+                  max_new_tokens=NEW, stop_token_ids=(stop,))
+    assert ss.token_ids == ar.token_ids
+    assert [s.finish_reason for s in ss.sequences] == [s.finish_reason for s in ar.sequences]
+
+
+def test_cache_rollback_keeps_only_accepted_tokens() -> None:
+    """After a run, every slot's fill equals each sequence's committed length, and the kept
+    keys equal those of a plain cached forward over prompt + output (nothing stale)."""
+    from exitlm.infer import self_speculative as ss_mod
+
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    caches = []
+    orig = ss_mod.Session.new_cache
+
+    def spy(self: ss_mod.Session) -> torch.nn.Module:
+        c = orig(self)
+        caches.append(c)
+        return c
+
+    ss_mod.Session.new_cache = spy  # type: ignore[method-assign]
+    try:
+        out = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
+                       num_speculations=3, max_new_tokens=10, ignore_eos=True)
+    finally:
+        ss_mod.Session.new_cache = orig  # type: ignore[method-assign]
+    cache = caches[0]
+    for i, (p, toks) in enumerate(zip(prompts, out.token_ids, strict=True)):
+        full = p + toks[:-1]  # the last token is x0 of the next round: not cached yet
+        n = len(full)
+        assert int(cache.lengths[i]) <= n
+        assert bool((cache.fill[:, i] == cache.lengths[i]).all())
+        ref = model.new_cache(1, 64)
+        with torch.inference_mode():
+            model(torch.tensor([full]), cache=ref)
+        m = int(cache.lengths[i])
+        for layer in range(4):
+            torch.testing.assert_close(cache.keys[layer][i, :, :m], ref.keys[layer][0, :, :m],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int,
+                 temperature: float) -> dict[tuple[int, ...], float]:
+    vocab = model.config.vocab_size
+    probs: dict[tuple[int, ...], float] = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(vocab), repeat=steps):
+            full = torch.tensor([prompt + list(seq)])
+            logp = torch.log_softmax(model(full).logits[0].double() / temperature, dim=-1)
+            n = len(prompt)
+            probs[seq] = math.exp(sum(float(logp[n - 1 + j, seq[j]]) for j in range(steps)))
+    return probs
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_matches_target_distribution(temperature: float) -> None:
+    """Chi-square goodness of fit of 3-token continuations (125 cells) from 12,000 sequences
+    sampled as one batch: token 1 comes from the prompt forward, tokens 2-3 from one
+    speculative round with 2 drafts (rejections and bonus tokens both occur)."""
+    model = ee_model(every_layer=True, vocab=5, scale=0.5, seed=1)
+    prompt = [1, 3, 0, 2]
+    exact = _exact_joint(model, prompt, 3, temperature)
+    n = 12000
+    out = generate(model, None, [prompt] * n, strategy="self-spec", exit_layer=1,
+                   num_speculations=2, max_new_tokens=3, temperature=temperature, seed=7,
+                   ignore_eos=True)
+    assert 0.1 < out.stats["acceptance_rate"] < 0.95
+    counts: dict[tuple[int, ...], int] = {}
+    for toks in out.token_ids:
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    chi2 = 0.0
+    cells = 0
+    for seq, p in exact.items():
+        expected = n * p
+        if expected < 5:
+            continue
+        cells += 1
+        chi2 += (counts.get(seq, 0) - expected) ** 2 / expected
+    dof = cells - 1
+    assert chi2 < dof + 4 * math.sqrt(2 * dof), (chi2, dof)
+    # ... and the draft really differs from the target (the test is not vacuous)
+    plain = generate(model, None, [prompt] * n, strategy="early-exit", exit_layer=1,
+                     max_new_tokens=3, temperature=temperature, seed=7, ignore_eos=True)
+    counts_q: dict[tuple[int, ...], int] = {}
+    for toks in plain.token_ids:
+        counts_q[tuple(toks)] = counts_q.get(tuple(toks), 0) + 1
+    chi2_q = sum((counts_q.get(s, 0) - n * p) ** 2 / (n * p) for s, p in exact.items()
+                 if n * p >= 5)
+    assert chi2_q > dof + 10 * math.sqrt(2 * dof)
+
+
+def test_rejection_sampling_step_distribution() -> None:
+    """One position, exact: P(output = x) = p(x) for arbitrary q (Leviathan et al. Thm. 1)."""
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    q = torch.tensor([[0.5, 0.1, 0.3, 0.1]])
+    n = 60000
+    drafts = torch.multinomial(q.expand(n, 4), 1, replacement=True, generator=gen)  # (n, 1)
+    logits = torch.cat([p_logits, p_logits], 0)[None].expand(n, 2, 4)
+    from exitlm.infer.options import SamplingOptions
+
+    n_acc, final = _accept_sampled(drafts, [q.expand(n, 4)], logits, SamplingOptions(
+        temperature=1.0), gen)
+    first = torch.where(n_acc >= 1, drafts[:, 0], final)
+    freq = torch.bincount(first, minlength=4).double() / n
+    torch.testing.assert_close(freq, torch.softmax(p_logits[0].double(), 0), atol=0.01, rtol=0)
+
+
+def test_config_errors() -> None:
+    model = ee_model(layers=(2,))
+    with pytest.raises(ConfigError, match="not an early exit"):
+        generate(model, None, [1, 2], strategy="self-spec", exit_layer=1)
+    with pytest.raises(ConfigError, match="num_speculations"):
+        generate(model, None, [1, 2], strategy="self-spec", num_speculations=0)
