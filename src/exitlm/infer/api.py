@@ -17,6 +17,7 @@ from exitlm.config import ConfigError
 from exitlm.infer.autoregressive import AROptions, generate_ar
 from exitlm.infer.early_exit import EarlyExitOptions, generate_early_exit
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
+from exitlm.infer.ppd import PPDOptions, generate_ppd
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.self_speculative import SelfSpecOptions, generate_self_spec
 from exitlm.infer.stopping import TextCallback
@@ -59,6 +60,10 @@ register_strategy(
 register_strategy(
     Strategy("self-spec", SelfSpecOptions, generate_self_spec,
              "self-speculative decoding: draft with exit E, verify with layers E..L (LayerSkip)")
+)
+register_strategy(
+    Strategy("ppd", PPDOptions, generate_ppd,
+             "Predictive Pipelined Decoding: top-k early guesses start the next token in parallel")
 )
 
 

@@ -1,0 +1,66 @@
+"""Predictive Pipelined Decoding: token-identical to greedy decoding for every exit head,
+d_bar in [d/2, d), k, with and without threads; p_correct and Theorem 4.1 in the stats."""
+
+from __future__ import annotations
+
+import pytest
+from _ee_models import ee_model, random_prompts
+
+from exitlm.config import ConfigError
+from exitlm.infer import generate
+from exitlm.plan.ppd_theory import expected_latency
+
+NEW = 24
+
+
+@pytest.mark.parametrize(
+    ("head", "every", "gpt2"),
+    [("linear", True, False), ("mlp", False, True), ("block", False, False)],
+)
+def test_ppd_is_token_identical_to_greedy(head: str, every: bool, gpt2: bool) -> None:
+    model = ee_model(head, every_layer=every, gpt2=gpt2)
+    for prompt in random_prompts(sizes=(5, 2)):
+        ar = generate(model, None, prompt, max_new_tokens=NEW).token_ids
+        for d_bar, k, parallel in ((2, 1, True), (3, 3, True), (3, 2, False)):
+            got = generate(model, None, prompt, strategy="ppd", ppd_layer=d_bar, ppd_k=k,
+                           parallel=parallel, max_new_tokens=NEW)
+            assert got.token_ids == ar, (d_bar, k, parallel)
+            assert got.sequences[0].exit_layers == [4] * NEW
+
+
+def test_ppd_stats_match_theorem_4_1() -> None:
+    model = ee_model(every_layer=True)
+    got = generate(model, None, random_prompts(sizes=(6,))[0], strategy="ppd", ppd_layer=3,
+                   ppd_k=2, max_new_tokens=NEW)
+    st = got.stats
+    flags = got.sequences[0].stats["early_prediction_correct"]
+    assert st["forks"] == NEW - 2 == len(flags)  # one fork per decoded token but the last
+    assert st["matches"] == sum(flags) and 0 < st["matches"] < st["forks"]
+    assert st["p_correct"] == pytest.approx(st["matches"] / st["forks"])
+    theory = st["theory"]
+    assert theory["latency"] == pytest.approx(expected_latency(4, 3, 2, NEW - 1, st["p_correct"]))
+    # layer evaluations: d for the first token; per decoded token d, minus (d - d_bar) after a
+    # confirmed prediction, plus k (d - d_bar) per fork (PPD Theorem 4.1's compute)
+    m = 4 - 3
+    expect = 4 + (NEW - 1) * 4 - m * st["matches"] + 2 * m * st["forks"]
+    assert got.sequences[0].layer_evaluations == expect
+
+
+def test_ppd_stops_at_stop_tokens() -> None:
+    model = ee_model(every_layer=True)
+    prompt = random_prompts(sizes=(4,))[0]
+    free = generate(model, None, prompt, max_new_tokens=NEW).token_ids[0]
+    stop = free[5]
+    got = generate(model, None, prompt, strategy="ppd", ppd_layer=2, max_new_tokens=NEW,
+                   stop_token_ids=(stop,))
+    assert got.token_ids[0] == free[: free.index(stop) + 1]
+
+
+def test_ppd_config_errors() -> None:
+    model = ee_model(every_layer=True)
+    with pytest.raises(ConfigError, match="d/2 <= d_bar < d"):
+        generate(model, None, [1, 2], strategy="ppd", ppd_layer=1)
+    with pytest.raises(ConfigError, match="one prompt"):
+        generate(model, None, [[1, 2], [3]], strategy="ppd")
+    with pytest.raises(ConfigError, match="greedy"):
+        generate(model, None, [1, 2], strategy="ppd", temperature=0.5)
