@@ -180,7 +180,7 @@ def generate_self_spec(
     return s.result("self-spec", {
         "exit_layer": e, "num_speculations": n_max, "rounds": rounds, "drafted": total_d,
         "accepted": total_a, "acceptance_rate": total_a / total_d if total_d else 0.0,
-        "tokens_per_round": s.timings.new_tokens / max(1, rounds) / b,
+        "tokens_per_round": sum(len(t.ids) - 1 for t in s.trackers) / max(1, rounds) / b,
     })
 
 
