@@ -37,3 +37,12 @@ def test_ruff_clean() -> None:
         ["ruff", "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_test_module_basenames_are_unique() -> None:
+    """Test folders have no ``__init__.py`` (rootdir-style imports), so two test files with
+    the same name in different folders break collection; keep basenames unique."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path
