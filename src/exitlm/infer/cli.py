@@ -3,6 +3,8 @@
     exitlm generate "def fibonacci(n):" --max-new-tokens 48
     exitlm generate "Tell me a joke" --chat --temperature 0.7 --top-p 0.9 --seed 1
     exitlm generate "a" "bb" --json            # several prompts run as one padded batch
+    exitlm generate "def f(x):" --strategy self-spec --exit-layer 20 --num-speculations 4
+    exitlm generate "def f(x):" --strategy early-exit --threshold 0.8 --show-exits
 
 One prompt streams its text to stdout as it is produced (timings go to stderr); several
 prompts print each continuation when the batch is done. ``--json`` prints one JSON object
@@ -12,6 +14,7 @@ instead: the :class:`~exitlm.infer.result.GenerationResult` plus the model and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -55,8 +58,85 @@ def register(subparsers: Any) -> None:
                    help="wrap each prompt as a user message with the chat template")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
-    p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    add_strategy_arguments(p)
+    p.add_argument("--show-exits", action="store_true",
+                   help="colour each token by the layer it exited at (ANSI colours on a "
+                        "terminal, see --color) and print a per-layer summary to stderr")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="ANSI colours for --show-exits: auto = only when stdout is a terminal")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with per-token exit layers), no streaming")
     p.set_defaults(func=run)
+
+
+# CLI flag -> strategy option field (each strategy takes the fields its options type has).
+STRATEGY_FLAGS: dict[str, str] = {
+    "exit_layer": "--exit-layer", "num_speculations": "--num-speculations",
+    "threshold": "--threshold", "max_pending": "--max-pending", "exit_layers": "--exit-layers",
+    "kv": "--kv", "ppd_layer": "--ppd-layer", "ppd_k": "--ppd-k",
+}
+
+
+def add_strategy_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the early-exit strategies (``exitlm generate`` and ``exitlm bench``)."""
+    g = p.add_argument_group("strategy options (default: each strategy's own defaults)")
+    g.add_argument("--exit-layer", type=int, default=None,
+                   help="self-spec: draft exit E; early-exit: fixed-layer exit at E (lossy)")
+    g.add_argument("--num-speculations", type=int, default=None,
+                   help="self-spec: draft tokens per round (d)")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="early-exit: confidence threshold (1.0 = never exit early)")
+    g.add_argument("--max-pending", type=int, default=None,
+                   help="early-exit: force a full pass when this many tokens await KV "
+                        "recomputation")
+    g.add_argument("--exit-layers", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="early-exit: the exits checked, in order")
+    g.add_argument("--kv", choices=("recompute", "copy"), default=None,
+                   help="early-exit: KV recomputation (exact KV) or CALM state copying (lossy)")
+    g.add_argument("--ppd-layer", type=int, default=None,
+                   help="ppd: layer d_bar of the early top-k prediction (d/2 <= d_bar < d)")
+    g.add_argument("--ppd-k", type=int, default=None, help="ppd: number of branches k")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as err:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from err
+
+
+def strategy_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """The strategy options given on the command line, checked against ``strategy``."""
+    fields = {f.name for f in dataclasses.fields(STRATEGIES[strategy].options_type)}
+    out: dict[str, Any] = {}
+    for name, flag in STRATEGY_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name not in fields:
+            takes = sorted(STRATEGY_FLAGS[f] for f in fields if f in STRATEGY_FLAGS)
+            raise ConfigError(
+                f"{flag} does not apply to --strategy {strategy} (it takes: "
+                f"{', '.join(takes) or 'no options'})"
+            )
+        out[name] = value
+    return out
+
+
+def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
+    """Load a model; strategies other than ``ar`` need exits, so a model without any gets
+    LayerSkip-style exits at every layer (through the final norm and head)."""
+    from exitlm.config import ExitConfig
+    from exitlm.io import load_model
+
+    loaded = load_model(source, dtype=dtype)
+    if strategy != "ar" and not loaded.model.config.exit_layers:
+        print(f"exitlm: {source!r} has no exit heads; exiting through the final norm + head "
+              "at every layer (LayerSkip style, untrained exits)", file=sys.stderr)
+        loaded = load_model(source, dtype=dtype,
+                            exits=ExitConfig(every_layer=True, norm="final"))
+    return loaded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,9 +148,8 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
             ignore_eos=args.ignore_eos,
         )
-        from exitlm.io import load_model
-
-        loaded = load_model(args.model, dtype=DTYPES[args.dtype])
+        overrides = strategy_overrides(args, args.strategy)
+        loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
         tokenizer = loaded.tokenizer
         if tokenizer is None:
             tokenizer = byte_level_tokenizer()
@@ -81,27 +160,95 @@ def run(args: argparse.Namespace) -> int:
                 )
             print(f"exitlm: {args.model!r} has no tokenizer; using one token per byte",
                   file=sys.stderr)
-        stream = _print_piece if not args.json and len(prompts) == 1 else None
+        num_layers = loaded.model.num_layers
+        colour = args.show_exits and (
+            args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        )
+        stream: Any = None
+        if not args.json and len(prompts) == 1:
+            stream = ExitColourStream(num_layers) if colour else _print_piece
         result = generate(
             loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
-            stream=stream, chat=args.chat,
+            stream=stream, chat=args.chat, **overrides,
         )
     except (ConfigError, ValueError, OSError) as err:
         print(f"exitlm generate: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
-               **result.to_dict()}
+               "options": overrides, **result.to_dict()}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     if stream is not None:
-        sys.stdout.write("\n")
+        sys.stdout.write(RESET + "\n" if colour else "\n")
     else:
         for i, seq in enumerate(result.sequences):
             print(f"--- [{i}] {prompts[i]!r}")
-            print(seq.text)
+            if colour:
+                print(colour_tokens(tokenizer, seq.token_ids, seq.exit_layers, num_layers)
+                      + RESET)
+            else:
+                print(seq.text)
+    if args.show_exits:
+        print(exit_summary(result, colour), file=sys.stderr)
     print(_summary(result), file=sys.stderr)
     return 0
+
+
+# ----- --show-exits ------------------------------------------------------------------------
+RESET = "\033[0m"
+_PALETTE = (196, 202, 208, 214, 220, 190, 118, 48, 45, 39)  # red (shallow) ... blue (deep)
+
+
+def exit_colour(layer: int, num_layers: int) -> str:
+    """ANSI 256-colour escape for a token that exited at ``layer`` (the final layer keeps
+    the terminal's default colour)."""
+    if layer >= num_layers:
+        return RESET
+    idx = min(len(_PALETTE) - 1, (layer - 1) * len(_PALETTE) // max(1, num_layers - 1))
+    return f"\033[38;5;{_PALETTE[idx]}m"
+
+
+class ExitColourStream:
+    """A stream callback that prints each piece in the colour of its token's exit layer
+    (:class:`~exitlm.infer.common.Session` passes the layer since ``wants_layers`` is set)."""
+
+    wants_layers = True
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+
+    def __call__(self, _index: int, piece: str, layer: int | None = None) -> None:
+        sys.stdout.write(exit_colour(layer or self.num_layers, self.num_layers) + piece)
+        sys.stdout.flush()
+
+
+def colour_tokens(
+    tokenizer: Tokenizer, ids: list[int], layers: list[int], num_layers: int
+) -> str:
+    """The decoded text with each token's piece coloured by its exit layer."""
+    out, prev = [], ""
+    for n, layer in enumerate(layers, start=1):
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue  # an incomplete character: it is coloured with the token that ends it
+        out.append(exit_colour(layer, num_layers) + text[len(prev):])
+        prev = text
+    return "".join(out)
+
+
+def exit_summary(result: GenerationResult, colour: bool) -> str:
+    """``exit layer: count`` over all generated tokens, coloured like the tokens."""
+    counts: dict[int, int] = {}
+    for seq in result.sequences:
+        for layer in seq.exit_layers:
+            counts[layer] = counts.get(layer, 0) + 1
+    n = result.num_layers
+    parts = []
+    for layer in sorted(counts):
+        label = f"L{layer}:{counts[layer]}"
+        parts.append(exit_colour(layer, n) + label + RESET if colour else label)
+    return "[exit layers " + " ".join(parts) + "]"
 
 
 def _print_piece(_index: int, piece: str) -> None:
@@ -121,10 +268,18 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 
 def _summary(result: GenerationResult) -> str:
     t = result.timings
+    extra = ""
+    st = result.stats
+    if "acceptance_rate" in st:
+        extra = f"; acceptance {st['acceptance_rate']:.1%}"
+    elif "p_correct" in st:
+        extra = f"; p_correct {st['p_correct']:.1%}"
+    elif "early_exit_fraction" in st:
+        extra = f"; early exits {st['early_exit_fraction']:.1%}"
     return (
         f"[{t.new_tokens} new tokens in {len(result.sequences)} sequence(s); prefill "
         f"{t.prefill_s * 1e3:.0f} ms ({t.prompt_tokens} prompt tokens), decode "
-        f"{t.decode_tokens_per_s:.1f} tokens/s]"
+        f"{t.decode_tokens_per_s:.1f} tokens/s{extra}]"
     )
 
 

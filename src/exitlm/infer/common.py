@@ -32,7 +32,10 @@ class Session:
         prompt_ids: one list of token ids per sequence.
         sampling: token choice and stopping rules.
         tokenizer: decodes text (``None``: token ids only).
-        stream: streaming callback (see :class:`TextTracker`).
+        stream: streaming callback (see :class:`TextTracker`); a callback with a true
+            ``wants_layers`` attribute is called as ``stream(index, piece, exit_layer)`` with
+            the exit layer of the token that completed the piece (``exitlm generate
+            --show-exits``).
         start_time: ``time.perf_counter()`` at the start of the call.
         extra_slots: cache slots needed past ``prompt + max_new_tokens`` (speculative
             strategies write draft tokens past the last one they keep).
@@ -73,6 +76,13 @@ class Session:
             self.stop_ids.update(cfg.eos_token_ids)
             if tokenizer is not None:
                 self.stop_ids.update(tokenizer.eos_token_ids)
+        self._pushing_layer = [0] * len(prompt_ids)
+        if stream is not None and getattr(stream, "wants_layers", False):
+            user = stream
+
+            def stream(i: int, piece: str) -> None:  # pass the exit layer of the token
+                user(i, piece, self._pushing_layer[i])  # type: ignore[call-arg]
+
         self.trackers = [
             TextTracker(tokenizer, i, stop_strings=sampling.stop_strings, stream=stream)
             for i in range(self.b)
@@ -119,6 +129,7 @@ class Session:
             tr = self.trackers[i]
             kept += 1
             self.exit_layers[i].append(layer)
+            self._pushing_layer[i] = layer
             if tr.push(tok):
                 self.finish[i] = "stop_string"
             elif tok in self.stop_ids:
