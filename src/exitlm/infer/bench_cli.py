@@ -1,0 +1,131 @@
+"""``exitlm bench``: decoding strategies against each other and against ``transformers``.
+
+    exitlm bench                                   # default-ee, built-in code prompts, all
+    exitlm bench --strategies ar,self-spec,hf-ee --exit-layer 20 --num-speculations 4
+    exitlm bench --prompts prompts.jsonl --max-new-tokens 128 --repeats 2
+    exitlm bench --sweep speculation --sweep-exits 12,16,20,24 --sweep-speculations 2,4,6
+    exitlm bench --sweep threshold --sweep-thresholds 1,0.9,0.8,0.6,0.4
+
+Prints one JSON object (also written to ``--out-dir/bench.json``); sweeps also write a CSV and
+a PNG there. See :mod:`exitlm.infer.bench` for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from exitlm.config import ConfigError
+from exitlm.infer.bench import (
+    OURS,
+    THEIRS,
+    Bench,
+    BenchConfig,
+    describe,
+    run_comparison,
+    sweep_self_spec,
+    sweep_thresholds,
+)
+from exitlm.infer.cli import add_strategy_arguments
+
+# which strategies a flag configures in the benchmark (--exit-layer is the draft exit of
+# self-spec and of transformers' assistant_early_exit, not early-exit's fixed exit)
+ROUTES: dict[str, tuple[str, ...]] = {
+    "exit_layer": ("self-spec", "hf-ee"), "num_speculations": ("self-spec", "hf-ee"),
+    "threshold": ("early-exit",), "max_pending": ("early-exit",), "exit_layers": ("early-exit",),
+    "kv": ("early-exit",), "ppd_layer": ("ppd",), "ppd_k": ("ppd",),
+}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` sub-command to the ``exitlm`` parser."""
+    p = subparsers.add_parser(
+        "bench", help="benchmark decoding strategies (tokens/s, acceptance, agreement)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="default-ee",
+                   help="model to benchmark (falls back to 'default' if default-ee is missing)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--strategies", default=",".join(OURS + THEIRS),
+                   help=f"comma-separated subset of {list(OURS + THEIRS)} (hf = transformers "
+                        "generate, hf-ee = transformers assistant_early_exit)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="JSONL prompts (strings or {\"prompt\": ...}); default: code-completion "
+                        "prompts from held-out standard-library files")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per prompt and strategy; the fastest is kept")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for "
+                   "batch-1 decoding on a shared CPU)")
+    p.add_argument("--layerskip-exits", action="store_true",
+                   help="exit through the final norm + head at every layer (LayerSkip; the "
+                        "exits transformers' assistant_early_exit uses) instead of the "
+                        "model's own exit heads")
+    add_strategy_arguments(p)
+    p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
+                   help="speculation: self-spec over exit layer x speculations (LayerSkip "
+                        "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
+    p.add_argument("--sweep-exits", default=None, help="exit layers for --sweep speculation")
+    p.add_argument("--sweep-speculations", default="1,2,4,6",
+                   help="speculations for --sweep speculation")
+    p.add_argument("--sweep-thresholds", default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
+                   help="thresholds for --sweep threshold")
+    p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
+                   help="where bench.json, CSVs and plots go")
+    p.set_defaults(func=run)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    options: dict[str, dict[str, Any]] = {}
+    for name, targets in ROUTES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        for t in targets:
+            options.setdefault(t, {})[name] = value
+    return BenchConfig(
+        model=args.model, dtype=args.dtype, strategies=strategies, prompts_file=args.prompts,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        repeats=max(1, args.repeats), threads=args.threads,
+        layerskip_exits=args.layerskip_exits, options=options,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``exitlm bench``; returns the exit status."""
+    try:
+        cfg = config_from_args(args)
+        bench = Bench(cfg)
+        report: dict[str, Any] = describe(bench)
+        out_dir: Path = args.out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if args.sweep == "speculation":
+            exits = (_ints(args.sweep_exits) if args.sweep_exits else
+                     sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
+            report["sweep"] = sweep_self_spec(bench, exits, _ints(args.sweep_speculations),
+                                              out_dir)
+        elif args.sweep == "threshold":
+            report["sweep"] = sweep_thresholds(bench, _floats(args.sweep_thresholds), out_dir)
+        else:
+            report.update(run_comparison(bench))
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"exitlm bench: error: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    (out_dir / ("bench.json" if args.sweep is None else f"sweep_{args.sweep}.json")).write_text(
+        text + "\n", encoding="utf-8")
+    print(text)
+    return 0

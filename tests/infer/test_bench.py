@@ -1,0 +1,95 @@
+"""``exitlm bench`` pieces: ROUGE-L, built-in prompts, summaries, PPD vs theory, and a tiny
+end-to-end run with a sweep (no transformers models involved)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from exitlm.cli import main
+from exitlm.infer.bench import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
+from exitlm.infer.rouge import lcs_length, rouge_l, rouge_l_tokens, words
+from exitlm.plan.ppd_theory import expected_latency
+
+
+def test_rouge_l_by_hand() -> None:
+    assert lcs_length("ABCBDAB", "BDCABA") == 4
+    cand, ref = "the cat sat on the mat", "the cat is on the mat"
+    r = rouge_l_tokens(cand.split(), ref.split())
+    assert r.precision == r.recall == pytest.approx(5 / 6) and r.f == pytest.approx(5 / 6)
+    r = rouge_l_tokens(["a", "b"], ["a", "b", "c", "d"])
+    assert (r.precision, r.recall) == (1.0, 0.5) and r.f == pytest.approx(2 / 3)
+    assert rouge_l("", "").f == 1.0 and rouge_l("x", "").f == 0.0
+    assert words("return f(x)+1") == ["return", "f", "(", "x", ")", "+", "1"]
+    assert rouge_l("return f(x)", "return f(x)").f == 1.0
+
+
+def test_builtin_prompts_are_held_out_function_heads() -> None:
+    ps = builtin_prompts(3)
+    assert len(ps) == 3
+    for p in ps:
+        assert p.startswith("def ") and '"""' in p and p.endswith("\n    ")
+    assert builtin_prompts(3) == ps  # deterministic
+
+
+def test_load_prompts_jsonl(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('"a"\n\n{"prompt": "b"}\n', encoding="utf-8")
+    assert load_prompts(str(f)) == ["a", "b"]
+
+
+def test_summarize_and_ppd_theory() -> None:
+    ar = [Run([1, 2, 3], "a b c", 2.0, 2, 2.5), Run([4, 5], "d e", 1.0, 1, 1.2)]
+    other = [Run([1, 2, 9], "a b z", 1.0, 2, 1.5, {"drafted": 4, "accepted": 3}),
+             Run([4, 5], "d e", 0.5, 1, 0.7, {"drafted": 2, "accepted": 1})]
+    s = summarize(other, ar)
+    assert s["decode_tokens_per_s"] == pytest.approx(3 / 1.5)
+    assert s["exact_match"] == 0.5 and s["acceptance_rate"] == pytest.approx(4 / 6)
+    assert s["rouge_l"] == pytest.approx((2 / 3 + 1) / 2)
+    ppd = [Run([1] * 11, "", 3.0, 10, 3.5, {"forks": 9, "matches": 3})]
+    ref = [Run([1] * 11, "", 4.0, 10, 4.5)]
+    t = ppd_vs_theory(ppd, ref, 30, 20, 1)
+    unit = 4.0 / 10 / 30
+    pred = expected_latency(30, 20, 1, 10, 3 / 9) * unit
+    assert t["p_correct"] == pytest.approx(1 / 3)
+    assert t["per_prompt"][0]["predicted_s"] == pytest.approx(pred)
+    assert t["measured_over_predicted_latency"] == pytest.approx(3.0 / pred)
+
+
+@pytest.fixture
+def _keep_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("_keep_threads")
+def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"def f(x):"\n"Hello"\n', encoding="utf-8")
+    args = ["bench", "--model", "debug", "--prompts", str(prompts), "--max-new-tokens", "6",
+            "--out-dir", str(tmp_path / "out")]
+    rc = main([*args, "--strategies", "ar,early-exit,self-spec,ppd", "--exit-layer", "2",
+               "--threshold", "0.0", "--ppd-layer", "2"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    res = rep["results"]
+    assert res["self-spec"]["exact_match"] == res["ppd"]["exact_match"] == 1.0
+    assert "acceptance_rate" in res["self-spec"] and res["early-exit"]["mean_exit_layer"] < 4
+    assert rep["ratios"]["self_spec_over_ar"] > 0 and "ppd_theory" in rep
+    rc = main([*args, "--sweep", "speculation", "--sweep-exits", "1,2",
+               "--sweep-speculations", "1,3"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]["rows"]
+    assert len(rows) == 4 and all(r["exact_match"] == 1.0 for r in rows)
+    assert (tmp_path / "out" / "sweep_self_spec.csv").is_file()
+    assert (tmp_path / "out" / "sweep_self_spec.png").is_file()
+    rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]["rows"]
+    assert rows[0]["exact_match"] == 1.0
+    assert (tmp_path / "out" / "sweep_thresholds.png").is_file()
