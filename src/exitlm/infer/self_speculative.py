@@ -38,6 +38,7 @@ from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.sampling import choose, probabilities
 from exitlm.infer.stopping import TextCallback
+from exitlm.model.layers import linear
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -50,14 +51,22 @@ class SelfSpecOptions:
         exit_layer: ``E``, the draft exit (default: the model's deepest configured exit head,
             or ``L // 2`` for LayerSkip-style ``every_layer`` models).
         num_speculations: ``d``, draft tokens per round (LayerSkip Sec. 4.3.1).
+        draft_vocab: draft only among the first ``N`` token ids (BPE ids roughly follow merge
+            frequency): the exit's output projection shrinks from ``V`` to ``N`` rows, which
+            on small models costs as much as several layers. Still exact: verification uses
+            the full vocabulary, and a draft distribution with zeros outside the subset is
+            as valid for rejection sampling as any other. ``None``: the whole vocabulary.
     """
 
     exit_layer: int | None = None
     num_speculations: int = 4
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculations < 1:
             raise ConfigError(f"num_speculations must be >= 1, got {self.num_speculations}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError(f"draft_vocab must be >= 1 (or None: all), got {self.draft_vocab}")
 
 
 def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
@@ -100,6 +109,9 @@ def generate_self_spec(
                 start_time=start_time, extra_slots=n_max + 1)
     b, dev = s.b, s.device
     block = has_block_head(model, e)
+    vocab = model.config.vocab_size
+    n_draft = vocab if opts.draft_vocab is None else min(opts.draft_vocab, vocab)
+    head = DraftHead(model, e, n_draft)
     cache = s.new_cache()
     drafted = [0] * b
     accepted = [0] * b
@@ -133,16 +145,18 @@ def generate_self_spec(
                 ctx = model.context(pos, cache)
                 hj = model.run_layers(model.embed(tok[:, None], pos), 0, e, cache=cache, ctx=ctx)
                 exit_query[:, j] = hj[:, 0]
-                if j == n and not block:
-                    break  # the last draft only needs its first E layers for verification
-                logits = model.exit_logits(hj, e, cache=cache, ctx=ctx)[:, 0]
                 if j == n:
-                    break
+                    if block:  # the exit block's cache slot needs the last draft too
+                        model.exit_features(hj, e, cache=cache, ctx=ctx)
+                    break  # the last draft only needs its first E layers for verification
+                logits = head(hj, ctx, cache)[:, 0]  # (B, N)
                 if q_probs is None:
                     tok = torch.argmax(logits, dim=-1)
                 else:
-                    q = probabilities(logits, sampling)
-                    tok = torch.multinomial(q, 1, generator=s.generator)[:, 0]
+                    q_small = probabilities(logits, sampling)
+                    tok = torch.multinomial(q_small, 1, generator=s.generator)[:, 0]
+                    q = q_small if n_draft == vocab else torch.nn.functional.pad(
+                        q_small, (0, vocab - n_draft))
                     q_probs.append(q)
                 drafts[:, j] = tok
             # ---- self-verification: layers E..L over x0, d_1 .. d_n in one pass ----
@@ -178,10 +192,48 @@ def generate_self_spec(
                           "acceptance_rate": accepted[i] / drafted[i] if drafted[i] else 0.0}
     total_d, total_a = sum(drafted), sum(accepted)
     return s.result("self-spec", {
-        "exit_layer": e, "num_speculations": n_max, "rounds": rounds, "drafted": total_d,
+        "exit_layer": e, "num_speculations": n_max, "draft_vocab": n_draft, "rounds": rounds,
+        "drafted": total_d,
         "accepted": total_a, "acceptance_rate": total_a / total_d if total_d else 0.0,
         "tokens_per_round": sum(len(t.ids) - 1 for t in s.trackers) / max(1, rounds) / b,
     })
+
+
+class DraftHead:
+    """Exit ``E``'s logits over the first ``vocab`` token ids: the exit's features
+    (:meth:`~exitlm.model.transformer.EarlyExitLM.exit_features`) times a copy of the first
+    ``vocab`` rows of its output embedding, laid out like the model's own weights
+    (:func:`~exitlm.model.layout.optimize_layout`). With the whole vocabulary it is exactly
+    ``exit_logits``."""
+
+    def __init__(self, model: EarlyExitLM, layer: int, vocab: int) -> None:
+        self.model = model
+        self.layer = layer
+        self.vocab = vocab
+        self._weight: torch.Tensor | None = None
+        self._source: tuple[int, int] | None = None
+        self._keep: torch.nn.Module | None = None
+
+    def _sliced(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight._version)
+        if self._weight is None or self._source != key:
+            from exitlm.model.layout import optimize_layout
+
+            with torch.inference_mode(False):  # a normal tensor: layout code tracks versions
+                lin = torch.nn.Linear(weight.shape[1], self.vocab, bias=False,
+                                      dtype=weight.dtype, device=weight.device)
+                lin.weight.requires_grad_(False)
+                lin.weight.data = weight[: self.vocab].clone().contiguous()
+                optimize_layout(lin)
+            self._keep, self._weight, self._source = lin, lin.weight, key
+        return self._weight
+
+    def __call__(self, h: torch.Tensor, ctx: object, cache: object) -> torch.Tensor:
+        feats, weight = self.model.exit_features(
+            h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
+        if self.vocab >= weight.shape[0]:
+            return linear(feats, weight)
+        return linear(feats, self._sliced(weight))
 
 
 def _accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -219,8 +219,21 @@ class EarlyExitLM(nn.Module):
         ``h`` is the hidden state after that layer. Layers without their own head exit
         through the final norm and LM head when ``exits.every_layer`` is set (LayerSkip).
         """
+        return linear(*self.exit_features(h, layer, positions, cache, ctx))
+
+    def exit_features(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        ctx: StepContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exit's input to its output embedding and that embedding ``(V, D)``:
+        ``exit_logits == linear(*exit_features(...))``. Decoders that need only some
+        vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight."""
         if layer == self.num_layers:
-            return self.final_logits(h)
+            return self.norm(h), self.output_embedding()
         head = self.exits[str(layer)] if str(layer) in self.exits else None  # noqa: SIM401
         if head is None:
             if not self.config.exits.every_layer:
@@ -228,7 +241,7 @@ class EarlyExitLM(nn.Module):
                     f"the model has no exit at layer {layer}; configured exits: "
                     f"{list(self.config.exits.layers)} (set exits.layers or exits.every_layer)"
                 )
-            return self.final_logits(h)
+            return self.norm(h), self.output_embedding()
         if head.block is not None:
             if ctx is None:
                 if positions is None:
@@ -249,7 +262,7 @@ class EarlyExitLM(nn.Module):
             weight = self.embed_tokens.weight
         else:
             weight = self.output_embedding()
-        return linear(h, weight)
+        return h, weight
 
     def forward(
         self,
