@@ -325,7 +325,8 @@ def default_variants(b: Bench) -> dict[str, tuple[str, dict[str, Any]]]:
     for s in b.cfg.strategies:
         opts = dict(b.cfg.options.get(s, {}))
         if s == "hf-ee":
-            opts = {**b.cfg.options.get("self-spec", {}), **opts}
+            opts = {k: v for k, v in b.cfg.options.get("self-spec", {}).items()
+                    if k in ("exit_layer", "num_speculations")} | opts
         out[s] = (s, opts)
     if "ar" not in out:
         out = {"ar": ("ar", {}), **out}

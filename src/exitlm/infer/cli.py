@@ -73,7 +73,7 @@ def register(subparsers: Any) -> None:
 STRATEGY_FLAGS: dict[str, str] = {
     "exit_layer": "--exit-layer", "num_speculations": "--num-speculations",
     "threshold": "--threshold", "max_pending": "--max-pending", "exit_layers": "--exit-layers",
-    "kv": "--kv", "ppd_layer": "--ppd-layer", "ppd_k": "--ppd-k",
+    "kv": "--kv", "ppd_layer": "--ppd-layer", "ppd_k": "--ppd-k", "draft_vocab": "--draft-vocab",
 }
 
 
@@ -93,6 +93,9 @@ def add_strategy_arguments(p: argparse.ArgumentParser) -> None:
                    help="early-exit: the exits checked, in order")
     g.add_argument("--kv", choices=("recompute", "copy"), default=None,
                    help="early-exit: KV recomputation (exact KV) or CALM state copying (lossy)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="self-spec: draft among the first N token ids only (cheaper exit "
+                        "projection; output unchanged)")
     g.add_argument("--ppd-layer", type=int, default=None,
                    help="ppd: layer d_bar of the early top-k prediction (d/2 <= d_bar < d)")
     g.add_argument("--ppd-k", type=int, default=None, help="ppd: number of branches k")
