@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from exitlm.config import ExitConfig, ModelConfig
@@ -36,3 +39,13 @@ def ee_model(
 
 def random_prompts(vocab: int = 23, sizes: tuple[int, ...] = (5, 9, 3)) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,)).tolist() for n in sizes]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models decode token by token: one thread avoids OpenMP hand-offs, which dominate
+    on a busy machine. Restores torch's thread count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

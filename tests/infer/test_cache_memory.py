@@ -8,9 +8,11 @@ import warnings
 
 import pytest
 import torch
-from _ee_models import ee_model, random_prompts
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
 from exitlm.infer import autoregressive, common, generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _live_tensors() -> tuple[int, int]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ee_models import ee_model, random_prompts
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.early_exit import state_kv
 from exitlm.infer.kv_recompute import RecomputeDecoder, reference_decode
 from exitlm.infer.options import SamplingOptions
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 16
 

@@ -4,11 +4,13 @@ d_bar in [d/2, d), k, with and without threads; p_correct and Theorem 4.1 in the
 from __future__ import annotations
 
 import pytest
-from _ee_models import ee_model, random_prompts
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.plan.ppd_theory import expected_latency
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 24
 

@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
-from _ee_models import ee_model, random_prompts
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.self_speculative import _accept_sampled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 24
 
