@@ -23,9 +23,10 @@ def test_ppd_is_token_identical_to_greedy(head: str, every: bool, gpt2: bool) ->
     model = ee_model(head, every_layer=every, gpt2=gpt2)
     for prompt in random_prompts(sizes=(5, 2)):
         ar = generate(model, None, prompt, max_new_tokens=NEW).token_ids
-        for d_bar, k, parallel in ((2, 1, True), (3, 3, True), (3, 2, False)):
+        for d_bar, k, parallel, vocab in ((2, 1, True, None), (3, 3, True, None),
+                                          (3, 2, False, None), (3, 2, True, 9)):
             got = generate(model, None, prompt, strategy="ppd", ppd_layer=d_bar, ppd_k=k,
-                           parallel=parallel, max_new_tokens=NEW)
+                           parallel=parallel, draft_vocab=vocab, max_new_tokens=NEW)
             assert got.token_ids == ar, (d_bar, k, parallel)
             assert got.sequences[0].exit_layers == [4] * NEW
 

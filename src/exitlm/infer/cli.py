@@ -94,8 +94,8 @@ def add_strategy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv", choices=("recompute", "copy"), default=None,
                    help="early-exit: KV recomputation (exact KV) or CALM state copying (lossy)")
     g.add_argument("--draft-vocab", type=int, default=None,
-                   help="self-spec: draft among the first N token ids only (cheaper exit "
-                        "projection; output unchanged)")
+                   help="self-spec / ppd: draft (or take the top-k) among the first N token "
+                        "ids only (cheaper exit projection; output unchanged)")
     g.add_argument("--ppd-layer", type=int, default=None,
                    help="ppd: layer d_bar of the early top-k prediction (d/2 <= d_bar < d)")
     g.add_argument("--ppd-k", type=int, default=None, help="ppd: number of branches k")

@@ -20,6 +20,7 @@ from exitlm.infer.result import FinishReason, GenerationResult, SequenceResult, 
 from exitlm.infer.sampling import make_generator
 from exitlm.infer.stopping import TextCallback, TextTracker
 from exitlm.model.kv_cache import KVCache
+from exitlm.model.layers import linear
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -220,3 +221,40 @@ def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``h[b, lengths[b] - 1]`` for every row: ``(B, D)``."""
     rows = torch.arange(h.shape[0], device=h.device)
     return h[rows, lengths.to(h.device) - 1]
+
+
+class DraftHead:
+    """Exit ``E``'s logits over the first ``vocab`` token ids: the exit's features
+    (:meth:`~exitlm.model.transformer.EarlyExitLM.exit_features`) times a copy of the first
+    ``vocab`` rows of its output embedding, laid out like the model's own weights
+    (:func:`~exitlm.model.layout.optimize_layout`). With the whole vocabulary it is exactly
+    ``exit_logits``."""
+
+    def __init__(self, model: EarlyExitLM, layer: int, vocab: int) -> None:
+        self.model = model
+        self.layer = layer
+        self.vocab = vocab
+        self._weight: torch.Tensor | None = None
+        self._source: tuple[int, int] | None = None
+        self._keep: torch.nn.Module | None = None
+
+    def _sliced(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight._version)
+        if self._weight is None or self._source != key:
+            from exitlm.model.layout import optimize_layout
+
+            with torch.inference_mode(False):  # a normal tensor: layout code tracks versions
+                lin = torch.nn.Linear(weight.shape[1], self.vocab, bias=False,
+                                      dtype=weight.dtype, device=weight.device)
+                lin.weight.requires_grad_(False)
+                lin.weight.data = weight[: self.vocab].clone().contiguous()
+                optimize_layout(lin)
+            self._keep, self._weight, self._source = lin, lin.weight, key
+        return self._weight
+
+    def __call__(self, h: torch.Tensor, ctx: object, cache: object) -> torch.Tensor:
+        feats, weight = self.model.exit_features(
+            h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
+        if self.vocab >= weight.shape[0]:
+            return linear(feats, weight)
+        return linear(feats, self._sliced(weight))

@@ -34,7 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from exitlm.config import ConfigError
-from exitlm.infer.common import Session, has_block_head, last_positions, prefill_hidden
+from exitlm.infer.common import (
+    DraftHead,
+    Session,
+    has_block_head,
+    last_positions,
+    prefill_hidden,
+)
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.stopping import TextCallback
@@ -55,15 +61,21 @@ class PPDOptions:
             compute units).
         parallel: run branches concurrently with the main process (threads / CUDA streams);
             ``False`` runs them one after the other (same tokens, for debugging and timing).
+        draft_vocab: take the top-``k`` among the first ``N`` token ids only: the early
+            projection on the main thread's critical path shrinks from ``V`` to ``N`` rows
+            (Theorem 4.1 counts no cost for it). Output unchanged. ``None``: all ids.
     """
 
     ppd_layer: int | None = None
     ppd_k: int = 1
     parallel: bool = True
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.ppd_k < 1:
             raise ConfigError(f"ppd_k must be >= 1, got {self.ppd_k}")
+        if self.draft_vocab is not None and self.draft_vocab < self.ppd_k:
+            raise ConfigError(f"draft_vocab must be >= ppd_k, got {self.draft_vocab}")
 
 
 def resolve_ppd_layer(model: EarlyExitLM, ppd_layer: int | None) -> int:
@@ -118,6 +130,9 @@ def generate_ppd(
                 start_time=start_time, extra_slots=1)
     dev = s.device
     block = has_block_head(model, d_bar)
+    vocab = model.config.vocab_size
+    head = DraftHead(model, d_bar, vocab if opts.draft_vocab is None
+                     else min(opts.draft_vocab, vocab))
     main = s.new_cache()
     cfg = model.config
     branches = [KVCache(m, 1, s.capacity, cfg.n_kv_heads, cfg.hdim, dtype=main.keys[0].dtype,
@@ -156,10 +171,10 @@ def generate_ppd(
                 fork = s.remaining(0) > 1
                 cands: list[int] = []
                 if fork:
-                    early = model.exit_logits(hm, d_bar, cache=main, ctx=ctx)[0, -1]
+                    early = head(hm, ctx, main)[0, -1]
                     cands = torch.topk(early, k).indices.tolist()
                 elif block:
-                    model.exit_logits(hm, d_bar, cache=main, ctx=ctx)
+                    model.exit_features(hm, d_bar, cache=main, ctx=ctx)
                 jobs = _start_branches(model, branches, cands, p + 1, m, pool, streams)
                 hf = model.run_layers(hm, d_bar, d, cache=main, ctx=ctx)  # main, in parallel
                 x = int(model.final_logits(hf)[0, -1].argmax())
@@ -185,7 +200,7 @@ def generate_ppd(
     p_hat = matches / forks if forks else 0.0
     stats: dict[str, object] = {
         "ppd_layer": d_bar, "ppd_k": k, "forks": forks, "matches": matches,
-        "p_correct": p_hat, "parallel": opts.parallel,
+        "p_correct": p_hat, "parallel": opts.parallel, "draft_vocab": head.vocab,
     }
     if decode_tokens >= 1:
         theory = ppd_theory.predict(d, d_bar, k, decode_tokens, p_hat)
