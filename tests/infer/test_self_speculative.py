@@ -194,3 +194,21 @@ def test_config_errors() -> None:
         generate(model, None, [1, 2], strategy="self-spec", exit_layer=1)
     with pytest.raises(ConfigError, match="num_speculations"):
         generate(model, None, [1, 2], strategy="self-spec", num_speculations=0)
+
+
+def test_lazy_and_batched_greedy_verification_agree() -> None:
+    from exitlm.infer.self_speculative import _accept_greedy, _accept_greedy_lazy
+
+    model = ee_model(every_layer=True)
+    hv = torch.randn(6, 4, 32)
+    with torch.inference_mode():
+        target = model.final_logits(hv).argmax(-1)  # (6, 4)
+    drafts = target[:, :3].clone()
+    drafts[1, 0] += 1  # reject at 0
+    drafts[2, 2] += 1  # reject at 2
+    drafts[3, 1] += 1
+    with torch.inference_mode():
+        a = _accept_greedy(drafts, model.final_logits(hv))
+        b = _accept_greedy_lazy(model, drafts, hv)
+    assert a[0].tolist() == b[0].tolist() == [3, 0, 2, 1, 3, 3]
+    assert a[1].tolist() == b[1].tolist()
