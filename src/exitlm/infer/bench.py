@@ -351,6 +351,10 @@ def run_comparison(b: Bench) -> dict[str, Any]:
     if "ar" in results and "hf" in results:
         ratios["ar_over_hf"] = base / results["hf"]["decode_tokens_per_s"]
     out: dict[str, Any] = {"results": results, "ratios": ratios}
+    if "hf-ee" in results and b.model.config.exits.layers:
+        out["note"] = ("transformers' assistant_early_exit drafts through the final norm + LM "
+                       "head at layer E (it cannot use this model's own exit heads); ours "
+                       "drafts through the model's exit head at E")
     if "ppd" in runs:
         from exitlm.infer.ppd import resolve_ppd_layer
 

@@ -114,8 +114,11 @@ def run(args: argparse.Namespace) -> int:
         out_dir: Path = args.out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.sweep == "speculation":
-            exits = (_ints(args.sweep_exits) if args.sweep_exits else
-                     sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
+            ecfg = bench.model.config.exits
+            exits = (_ints(args.sweep_exits) if args.sweep_exits
+                     else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
+                     else sorted({max(1, bench.model.num_layers * k // 8)
+                                  for k in (2, 3, 4, 5, 6)}))
             report["sweep"] = sweep_self_spec(bench, exits, _ints(args.sweep_speculations),
                                               out_dir)
         elif args.sweep == "threshold":
