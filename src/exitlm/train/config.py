@@ -236,7 +236,7 @@ PRESETS["default-ee"] = {
     "loss": {"kind": "ee-llm", "exit_weights": [1.0, 1.0], "final_weight": 0.0},
     "tune": {"freeze_backbone": True, "init_new_heads": True},
     "optim": {"lr": 1.0e-3, "warmup_steps": 20, "weight_decay": 0.0},
-    "train": {"steps": 300, "batch_size": 4, "eval_every": 100, "eval_samples": 32,
+    "train": {"steps": 160, "batch_size": 4, "log_every": 10, "checkpoint_every": 50,
               "out_dir": "runs/default-ee"},
 }
 
