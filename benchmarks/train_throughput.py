@@ -15,7 +15,13 @@ EE-LLM's claim is a small overhead for a few exits; LayerSkip's is that layer dr
 training faster. The ratios to ``plain`` are printed as JSON on stdout.
 
     python benchmarks/train_throughput.py                  # dim 256, 8 layers, vocab 8192
+    python benchmarks/train_throughput.py --vocab 512      # backbone-dominated compute
     python benchmarks/train_throughput.py --quick
+
+The LM head's share of the compute decides the exit overhead: with a large vocabulary
+relative to the backbone each extra exit costs a visible fraction of a step. On a machine
+shared with other jobs pass ``--threads 1``: oversubscribed OpenMP threads can slow every
+variant down by an order of magnitude.
 """
 
 from __future__ import annotations
