@@ -80,3 +80,21 @@ def test_kv_recompute_equals_reference(loaded) -> None:
         assert seq.exit_layers == layers
         early += sum(x < 30 for x in layers)
     assert early > 0
+
+
+def test_default_ee_heads_self_spec_and_ppd(greedy) -> None:
+    """The tuned MLP exit heads of default-ee draft; the output stays exactly greedy."""
+    from exitlm.infer import generate
+    from exitlm.io import load_model
+
+    try:
+        ee = load_model("default-ee")
+    except Exception as err:  # the bundle ships with exitlm; skip on installs without it
+        pytest.skip(f"default-ee unavailable: {err}")
+    ss = generate(ee.model, ee.tokenizer, PROMPTS, strategy="self-spec", exit_layer=20,
+                  num_speculations=2, max_new_tokens=NEW, ignore_eos=True)
+    assert ss.token_ids == greedy
+    assert ss.stats["acceptance_rate"] > 0.05
+    ppd = generate(ee.model, ee.tokenizer, PROMPTS[2], strategy="ppd", ppd_layer=20,
+                   max_new_tokens=NEW, ignore_eos=True)
+    assert ppd.token_ids[0] == greedy[2]
