@@ -41,9 +41,12 @@ class TrainState:
     extra: dict[str, Any]
 
 
-def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split ``opt.state_dict()`` into tensors (for safetensors) and a JSON-able remainder."""
-    sd = opt.state_dict()
+def optimizer_to_tensors(
+    opt: torch.optim.Optimizer | dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split an optimizer state dict (or ``opt.state_dict()``) into tensors (for safetensors)
+    and a JSON-able remainder. Parameter keys are ids, or names under FSDP."""
+    sd = opt if isinstance(opt, dict) else opt.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, st in sd["state"].items():
@@ -55,21 +58,30 @@ def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Te
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def optimizer_from_tensors(
-    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: Any
-) -> None:
-    """Inverse of :func:`optimizer_to_tensors`: load the state into ``opt``."""
-    state: dict[int, dict[str, Any]] = {}
+def optimizer_state_from_tensors(tensors: dict[str, torch.Tensor], meta: Any) -> dict[str, Any]:
+    """Inverse of :func:`optimizer_to_tensors`: the optimizer state dict."""
+
+    def pid(key: str) -> int | str:
+        return int(key) if key.isdigit() else key
+
+    state: dict[int | str, dict[str, Any]] = {}
     for name, t in tensors.items():
-        _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = t
-    for pid, values in meta["scalars"].items():
-        state.setdefault(int(pid), {}).update(values)
+        param, key = name.removeprefix("state.").rsplit(".", 1)  # names may contain dots
+        state.setdefault(pid(param), {})[key] = t
+    for param, values in meta["scalars"].items():
+        state.setdefault(pid(param), {}).update(values)
     groups = meta["param_groups"]
     for g in groups:
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_from_tensors(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: Any
+) -> None:
+    """Load what :func:`optimizer_to_tensors` wrote into ``opt``."""
+    opt.load_state_dict(optimizer_state_from_tensors(tensors, meta))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -88,23 +100,26 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     out_dir: Path,
     *,
-    model: EarlyExitLM,
-    optimizer: torch.optim.Optimizer,
+    model: EarlyExitLM | dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     state: TrainState,
     names: set[str] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write ``out_dir/checkpoints/step-XXXXXXXX`` atomically and point ``latest`` at it."""
+    """Write ``out_dir/checkpoints/step-XXXXXXXX`` atomically and point ``latest`` at it.
+
+    ``model`` / ``optimizer`` may be full state dicts already gathered (FSDP)."""
     root = Path(out_dir) / "checkpoints"
     target = root / f"step-{state.step:08d}"
     tensors, opt_meta = optimizer_to_tensors(optimizer)
+    model_sd = model if isinstance(model, dict) else model.state_dict()
     meta = {
         "version": STATE_VERSION, "step": state.step, "data_position": state.data_position,
         "scheduler": state.scheduler, "optimizer": opt_meta, "rng": _rng_state(),
         "extra": state.extra,
     }
     with atomic_dir(target) as tmp:
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in model_sd.items()
                    if names is None or k in names}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
@@ -132,6 +147,22 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
             return cand
     done = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
     return done[-1] if done else None
+
+
+def read_checkpoint(
+    path: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], TrainState]:
+    """Model tensors, optimizer state dict and train state of a checkpoint; restores RNG."""
+    meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    if meta.get("version") != STATE_VERSION:
+        raise ValueError(f"{path}: checkpoint state version {meta.get('version')} is not "
+                         f"{STATE_VERSION}")
+    weights = load_file(str(path / "model.safetensors"))
+    optim = optimizer_state_from_tensors(load_file(str(path / "optimizer.safetensors")),
+                                         meta["optimizer"])
+    _set_rng_state(meta["rng"])
+    return weights, optim, TrainState(meta["step"], meta["data_position"], meta["scheduler"],
+                                      meta["extra"])
 
 
 def load_checkpoint(

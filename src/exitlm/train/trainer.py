@@ -30,7 +30,13 @@ import torch.distributed as dist
 from exitlm.config import PRESETS as MODEL_PRESETS
 from exitlm.config import ConfigError, preset
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from exitlm.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from exitlm.train.config import ModelSpec, TrainConfig
 from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
 from exitlm.train.losses import LossModule
@@ -175,12 +181,8 @@ class Trainer:
 
     def _wrap_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.cfg.train.parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            if self.cfg.train.checkpoint_every:
-                raise ConfigError("train.parallel=fsdp does not write checkpoints yet; set "
-                                  "train.checkpoint_every=0 or use train.parallel=ddp")
             from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(self.device.type, (self.world,))
             for block in self.model.layers:
@@ -208,7 +210,17 @@ class Trainer:
             if self.rank == 0:
                 print(f"no checkpoint under {self.out}; starting from step 0", flush=True)
             return
-        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
+        if self.fsdp:
+            # Every rank reads the full tensors and keeps its own shards of them.
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            weights, optim, state = read_checkpoint(ckpt)
+            set_state_dict(self.model, self.optimizer, model_state_dict=weights,
+                           optim_state_dict=optim,
+                           options=StateDictOptions(full_state_dict=True,
+                                                    strict=self.trained_names is None))
+        else:
+            state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
         self.step = state.step
         self.stream.position = state.data_position
         if self.rank == 0:
@@ -218,12 +230,21 @@ class Trainer:
     def save(self) -> Path | None:
         """Write a checkpoint of the current state (rank 0 writes, every rank waits)."""
         path = None
+        model_state: Any = self.model
+        optim_state: Any = self.optimizer
+        if self.fsdp:  # gather full tensors (collective: every rank takes part)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            model_state, optim_state = get_state_dict(
+                self.model, self.optimizer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+            )
         if self.rank == 0:
             state = TrainState(self.step, self.stream.position,
                                {"kind": "cosine", "step": self.step,
                                 "lr": self._lr(self.step)},
                                {"config": self.cfg.to_dict(), "world_size": self.world})
-            path = save_checkpoint(self.out, model=self.model, optimizer=self.optimizer,
+            path = save_checkpoint(self.out, model=model_state, optimizer=optim_state,
                                    state=state, names=self.trained_names,
                                    keep=self.cfg.train.keep_checkpoints)
         self._barrier()
