@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from exitlm.config import ConfigError
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import FinishReason, GenerationResult, SequenceResult, Timings
 from exitlm.infer.sampling import make_generator
@@ -194,6 +195,18 @@ def prefill_hidden(
         fill_exit_block(model, h, layer, ctx, cache)
     h = model.run_layers(h, done, end, cache=cache, ctx=ctx)
     return h, at
+
+
+def require_exit(model: EarlyExitLM, layer: int, setting: str) -> int:
+    """``layer`` if the model can exit there, else a ConfigError naming ``setting``."""
+    cfg = model.config
+    if layer not in cfg.exit_layers:
+        raise ConfigError(
+            f"{setting} {layer} is not an early exit of this model (configured: "
+            f"{list(cfg.exits.layers)}, every_layer={cfg.exits.every_layer}); it must lie in "
+            f"[1, {model.num_layers - 1}]"
+        )
+    return layer
 
 
 def has_block_head(model: EarlyExitLM, layer: int) -> bool:

@@ -40,6 +40,7 @@ from exitlm.infer.common import (
     has_block_head,
     last_positions,
     prefill_hidden,
+    require_exit,
 )
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
@@ -98,12 +99,7 @@ def resolve_ppd_layer(model: EarlyExitLM, ppd_layer: int | None) -> int:
             f"ppd_layer (d_bar) must satisfy d/2 <= d_bar < d (PPD App. C), got {ppd_layer} "
             f"for d={d}"
         )
-    if ppd_layer not in cfg.exit_layers:
-        raise ConfigError(
-            f"ppd_layer {ppd_layer} is not an early exit of this model (configured: "
-            f"{list(cfg.exits.layers)}, every_layer={cfg.exits.every_layer})"
-        )
-    return ppd_layer
+    return require_exit(model, ppd_layer, "ppd_layer")
 
 
 def generate_ppd(

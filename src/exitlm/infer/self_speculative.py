@@ -39,6 +39,7 @@ from exitlm.infer.common import (
     has_block_head,
     last_positions,
     prefill_hidden,
+    require_exit,
 )
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
@@ -86,13 +87,7 @@ def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
             "self-speculative decoding needs an early exit; load the model with exits "
             "(e.g. ExitConfig(every_layer=True)) or use strategy 'ar'"
         )
-    if exit_layer not in cfg.exit_layers:
-        raise ConfigError(
-            f"exit_layer {exit_layer} is not an early exit of this model (configured: "
-            f"{list(cfg.exits.layers)}, every_layer={cfg.exits.every_layer}); it must lie in "
-            f"[1, {model.num_layers - 1}]"
-        )
-    return exit_layer
+    return require_exit(model, exit_layer, "exit_layer")
 
 
 def generate_self_spec(
