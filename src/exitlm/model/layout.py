@@ -76,9 +76,3 @@ def optimize_layout(model: nn.Module, *, pack_bf16: bool = True) -> nn.Module:
         register_packed(w, packed)
     return model
 
-
-def unpack(model: nn.Module) -> nn.Module:
-    """Drop pre-packed inference weights (frees their memory)."""
-    for p in model.parameters():
-        register_packed(p, None)
-    return model
