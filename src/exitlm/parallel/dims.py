@@ -1,0 +1,163 @@
+"""The ``parallel`` section of a training config and the DP x PP process grid.
+
+Ranks are laid out pipeline-major: global rank ``r`` is stage ``r % pp`` of data-parallel
+replica ``r // pp``, so the stages of one pipeline are consecutive ranks (on one node when
+possible, where activations travel most often).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from exitlm.config import ConfigError
+
+Schedule = Literal["1f1b", "gpipe"]
+ExitPlacement = Literal["next", "end"]
+BubbleFill = Literal["none", "warmup", "cooldown", "both"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Pipeline and data parallelism (EE-LLM Sec. 3, App. A.2 and C.2; TeraPipe Sec. 3).
+
+    * ``pp``: pipeline stages; ``dp``: data-parallel replicas (0 = world size / pp).
+    * ``schedule``: ``1f1b`` (PipeDream-Flush) or ``gpipe``. ``train.grad_accum`` is the
+      number of microbatches per step and ``train.batch_size`` the rows of each.
+    * ``boundaries``: explicit stage boundaries as 1-based layers after which a stage ends
+      (``pp - 1`` increasing values); empty = even split.
+    * ``exit_placement``: an exit after the last layer of a stage runs at the ``next``
+      stage's beginning (EE-LLM App. A.2, Optimization 2) or at the ``end`` of its own.
+    * ``deferred_exits``: compute early-exit heads in the backward step instead of the
+      forward step (Optimization 1): exit logits live for one step, not for every in-flight
+      microbatch.
+    * ``bubble_fill``: partial forward/backward of extra microbatches in the warm-up
+      (``warmup``, Part 1) and/or cool-down (``cooldown``, Part 2) bubbles (App. C.2), their
+      number from ``backward_forward_ratio`` (b / f) unless ``fill_microbatches`` is set.
+    * ``token_slices``: TeraPipe token slicing of every microbatch along the sequence: ``1``
+      (none), ``N`` (N equal slices), a list of slice lengths summing to ``data.seq_len``,
+      or ``auto`` (the dynamic program of :mod:`exitlm.plan.terapipe` over a cost model of
+      this machine).
+    * ``timeout_s``: a peer that sends nothing for this long ends the job with an error.
+    """
+
+    pp: int = 1
+    dp: int = 0
+    schedule: Schedule = "1f1b"
+    boundaries: tuple[int, ...] = ()
+    exit_placement: ExitPlacement = "next"
+    deferred_exits: bool = True
+    bubble_fill: BubbleFill = "none"
+    backward_forward_ratio: float = 2.0
+    fill_microbatches: int | None = None
+    token_slices: Any = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if int(self.pp) < 1:
+            raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
+        if int(self.dp) < 0:
+            raise ConfigError(f"parallel.dp must be >= 0 (0 = world size / pp), got {self.dp}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ConfigError(f"parallel.schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if self.exit_placement not in ("next", "end"):
+            raise ConfigError("parallel.exit_placement must be next (Optimization 2) or end, "
+                              f"got {self.exit_placement!r}")
+        if self.bubble_fill not in ("none", "warmup", "cooldown", "both"):
+            raise ConfigError("parallel.bubble_fill must be none, warmup, cooldown or both, "
+                              f"got {self.bubble_fill!r}")
+        if self.backward_forward_ratio <= 0:
+            raise ConfigError("parallel.backward_forward_ratio (b/f) must be > 0, got "
+                              f"{self.backward_forward_ratio}")
+        if self.fill_microbatches is not None and int(self.fill_microbatches) < 0:
+            raise ConfigError(f"parallel.fill_microbatches must be >= 0, got "
+                              f"{self.fill_microbatches}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
+        b = tuple(int(x) for x in self.boundaries)
+        object.__setattr__(self, "boundaries", b)
+        if b and len(b) != self.pp - 1:
+            raise ConfigError(f"parallel.boundaries needs pp - 1 = {self.pp - 1} values, got "
+                              f"{list(b)}")
+        ts = self.token_slices
+        if isinstance(ts, list):
+            ts = tuple(ts)
+        if ts is None:
+            ts = 1
+        if isinstance(ts, tuple):
+            if not ts or any(int(x) < 1 for x in ts):
+                raise ConfigError(f"parallel.token_slices lengths must be >= 1, got {list(ts)}")
+            ts = tuple(int(x) for x in ts)
+        elif isinstance(ts, str):
+            if ts != "auto":
+                raise ConfigError("parallel.token_slices must be a number of slices, a list of "
+                                  f"slice lengths or 'auto', got {ts!r}")
+        elif isinstance(ts, int) and not isinstance(ts, bool):
+            if ts < 1:
+                raise ConfigError(f"parallel.token_slices must be >= 1, got {ts}")
+        else:
+            raise ConfigError("parallel.token_slices must be a number of slices, a list of "
+                              f"slice lengths or 'auto', got {ts!r}")
+        object.__setattr__(self, "token_slices", ts)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 or self.token_slices not in (1, (1,))
+
+    def slice_lengths(self, seq_len: int) -> tuple[int, ...]:
+        """Token slice lengths for sequences of ``seq_len`` tokens (not for ``auto``)."""
+        ts = self.token_slices
+        if isinstance(ts, str):
+            raise ConfigError("token_slices=auto is resolved by the planner (plan_token_slices)")
+        if isinstance(ts, int):
+            if ts > seq_len:
+                raise ConfigError(f"parallel.token_slices={ts} exceeds data.seq_len={seq_len}")
+            base, extra = divmod(seq_len, ts)
+            return tuple(base + (1 if i < extra else 0) for i in range(ts))
+        if sum(ts) != seq_len:
+            raise ConfigError(f"parallel.token_slices {list(ts)} sum to {sum(ts)}, not "
+                              f"data.seq_len={seq_len}")
+        return ts
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    """Where this process sits in the ``dp x pp`` grid (pipeline-major rank order)."""
+
+    world_size: int
+    pp: int
+    dp: int
+    rank: int
+
+    @classmethod
+    def build(cls, world_size: int, rank: int, pp: int, dp: int = 0) -> ProcessGrid:
+        if dp == 0:
+            if world_size % pp:
+                raise ConfigError(f"world size {world_size} is not a multiple of parallel.pp="
+                                  f"{pp}; launch pp x dp processes")
+            dp = world_size // pp
+        if pp * dp != world_size:
+            raise ConfigError(f"parallel.pp x parallel.dp = {pp} x {dp} = {pp * dp} but "
+                              f"{world_size} processes were launched (torchrun "
+                              "--nproc-per-node); make them equal")
+        return cls(world_size, pp, dp, rank)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
+        r = self.replica if replica is None else replica
+        return r * self.pp + stage
+
+    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
+        return [self.rank_of(s, replica) for s in range(self.pp)]
+
+    def dp_ranks(self, stage: int | None = None) -> list[int]:
+        s = self.stage if stage is None else stage
+        return [self.rank_of(s, r) for r in range(self.dp)]

@@ -1,0 +1,74 @@
+"""Point-to-point transfers between pipeline stages with timeouts.
+
+Every ``isend``/``irecv`` returns a work object that is waited on (gloo returns one per
+operation). Receives are waited on at once, with ``timeout_s``; sends are waited on at the end
+of the step. A peer that died or stalls therefore ends the step with :class:`PipelineError`
+naming the peer and the message, instead of hanging forever. Tags identify the message
+(microbatch, slice, direction), so gloo can match out of order; the schedule checker also
+keeps the order equal at both ends, which NCCL needs.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class PipelineError(RuntimeError):
+    """A pipeline peer failed, timed out, or sent something unexpected."""
+
+
+def message_tag(mb: int, slice_index: int, num_slices: int, grad: bool) -> int:
+    """A tag unique within a step for (microbatch, slice, direction)."""
+    return ((mb * num_slices + slice_index) << 1) | int(grad)
+
+
+class P2P:
+    """Sends and receives of one stage, to global ranks."""
+
+    def __init__(self, timeout_s: float, device: torch.device) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = device
+        self.pending: list[tuple[Any, torch.Tensor, str]] = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        t = tensor.detach().contiguous()
+        try:
+            work = dist.isend(t, dst=dst, tag=tag)
+        except RuntimeError as err:
+            raise PipelineError(f"sending {what} to rank {dst} failed: {err}") from err
+        self.pending.append((work, t, f"{what} to rank {dst}"))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+             what: str) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            work = dist.irecv(buf, src=src, tag=tag)
+            self._wait(work, f"{what} from rank {src}")
+        except PipelineError:
+            raise
+        except RuntimeError as err:
+            raise PipelineError(f"receiving {what} from rank {src} failed (did that rank "
+                                f"die?): {err}") from err
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every send of this step."""
+        pending, self.pending = self.pending, []
+        for work, _t, what in pending:
+            self._wait(work, what)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as err:
+            raise PipelineError(
+                f"pipeline transfer of {what} did not complete within "
+                f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s): {err}"
+            ) from err
+        if ok is False:
+            raise PipelineError(f"pipeline transfer of {what} did not complete within "
+                                f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s)")
