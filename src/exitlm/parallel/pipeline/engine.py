@@ -129,7 +129,7 @@ class PipelineEngine:
     def sync_grads(self) -> None:
         """Sum replicated parameters' gradients over their stages, then average over DP."""
         params = dict(self.named_parameters())
-        for name, users in self.shared.items():
+        for name, users in sorted(self.shared.items()):  # same order on every rank
             p = params.get(name)
             if p is None or not p.requires_grad:
                 continue

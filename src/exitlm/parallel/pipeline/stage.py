@@ -161,4 +161,4 @@ def shared_parameter_users(model: EarlyExitLM, specs: list[StageSpec]) -> dict[s
     for spec in specs:
         for name in stage_parameter_names(model, spec):
             users.setdefault(name, []).append(spec.index)
-    return {n: sorted(s) for n, s in users.items() if len(s) > 1}
+    return {n: sorted(s) for n, s in sorted(users.items()) if len(s) > 1}
