@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ def tiny_corpus(root: Path, files: int = 24, words: int = 400) -> Path:
     src.mkdir(parents=True, exist_ok=True)
     for i in range(files):
         text = " ".join(rng.choice(WORDS) for _ in range(words))
-        (src / f"mod_{i:03d}.py").write_text(text, encoding="utf-8")
+        path = src / f"mod_{i:03d}.py"
+        # Never rewrite an existing file: several processes build the same config, and a
+        # rewrite changes the mtime (the data cache key) or races a reader.
+        if not path.is_file():
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
     return src
 
 

@@ -84,6 +84,35 @@ def optimizer_from_tensors(
     opt.load_state_dict(optimizer_state_from_tensors(tensors, meta))
 
 
+def optimizer_state_by_name(opt: torch.optim.Optimizer,
+                            names: dict[int, str]) -> dict[str, Any]:
+    """``opt.state_dict()`` keyed by parameter *name* instead of position (``names`` maps
+    ``id(param)`` to its name), so the state loads into an optimizer over any subset or
+    ordering of the parameters: a pipeline stage, another pipeline layout, one process."""
+    sd = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    state = {order[i]: v for i, v in sd["state"].items()}
+    groups = []
+    for g in sd["param_groups"]:
+        groups.append({**g, "params": [order[i] for i in g["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any],
+                         names: dict[int, str]) -> None:
+    """Load a state dict keyed by name (:func:`optimizer_state_by_name`, FSDP) or, from older
+    checkpoints, by position. Named state of parameters ``opt`` does not hold is ignored; the
+    optimizer's own parameter groups (hyper-parameters come from the config) are kept."""
+    state = sd.get("state", {})
+    if state and all(isinstance(k, int) for k in state):
+        opt.load_state_dict(sd)
+        return
+    own = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    own["state"] = {i: state[n] for i, n in enumerate(order) if n in state}
+    opt.load_state_dict(own)
+
+
 def _rng_state() -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

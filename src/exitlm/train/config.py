@@ -9,6 +9,7 @@ A file mirrors :class:`TrainConfig`'s sections::
     optim: {lr: 3.0e-3}
     tune: {freeze_backbone: false}
     train: {steps: 300, batch_size: 8, out_dir: runs/ee}
+    parallel: {pp: 2, schedule: 1f1b, token_slices: 4}
 
 Overrides use dotted keys with YAML values: ``train.steps=50 model.exits.layers=[1,2]``.
 Every unknown key or bad value raises :class:`~exitlm.config.ConfigError` naming the setting.
@@ -25,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from exitlm.config import ConfigError, ExitConfig
+from exitlm.parallel.dims import ParallelConfig
 from exitlm.train.data import DataConfig
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import LossConfig
@@ -127,6 +129,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     train: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -144,7 +147,7 @@ class TrainConfig:
 
 _SECTIONS: dict[str, type] = {
     "model": ModelSpec, "data": DataConfig, "loss": LossConfig, "dropout": LayerDropout,
-    "optim": OptimConfig, "tune": TuneConfig, "train": RunConfig,
+    "optim": OptimConfig, "tune": TuneConfig, "train": RunConfig, "parallel": ParallelConfig,
 }
 
 

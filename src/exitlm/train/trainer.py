@@ -33,7 +33,8 @@ from exitlm.model.transformer import EarlyExitLM
 from exitlm.train.checkpoint import (
     TrainState,
     latest_checkpoint,
-    load_checkpoint,
+    load_optimizer_state,
+    optimizer_state_by_name,
     read_checkpoint,
     save_checkpoint,
 )
@@ -129,13 +130,23 @@ class Trainer:
             )
         self.train_data = open_split(self.data_dir, "train", cfg.data.seq_len)
         self.val_data = open_split(self.data_dir, "val", cfg.data.seq_len)
+        self.pipeline = self._pipeline() if cfg.parallel.pipelined else None
+        replica, replicas = self.rank, self.world
+        if self.pipeline is not None:
+            replica, replicas = self.pipeline.grid.replica, self.pipeline.grid.dp
+        self.replicas = replicas
         self.stream = BatchStream(self.train_data, run.batch_size, seed=cfg.data.seed,
-                                  rank=self.rank, world_size=self.world)
+                                  rank=replica, world_size=replicas)
         # optimizer over trainable parameters; no weight decay on norms and biases
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.module = LossModule(self.model)
         self.fsdp = False
-        if self.world > 1:
+        if self.pipeline is not None:
+            params = [(n, p) for n, p in self.pipeline.named_parameters() if p.requires_grad]
+        elif self.world > 1:
+            if cfg.parallel.dp not in (0, self.world):
+                raise ConfigError(f"parallel.dp={cfg.parallel.dp} but {self.world} processes "
+                                  "run data parallel (parallel.pp=1); make them equal")
             self.module = self._wrap_parallel(self.module)
             params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         o = cfg.optim
@@ -143,9 +154,14 @@ class Trainer:
             {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
             {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+        groups = [g for g in groups if g["params"]]
+        self.param_names = {id(p): n for n, p in self.model.named_parameters()}
+        if not groups:  # a pipeline stage with nothing to train (frozen backbone, no exit)
+            idle = torch.nn.Parameter(torch.zeros(0, device=self.device))
+            self.param_names[id(idle)] = "_idle_stage"
+            groups = [{"params": [idle], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self._lr(0), betas=(o.beta1, o.beta2),
-            eps=o.eps, foreach=False,
+            groups, lr=self._lr(0), betas=(o.beta1, o.beta2), eps=o.eps, foreach=False,
         )
         self.params = [p for _, p in params]
         self.step = 0
@@ -195,6 +211,38 @@ class Trainer:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(module, device_ids=ids, find_unused_parameters=True)
 
+    def _pipeline(self) -> Any:
+        """This process's pipeline stage (``parallel.pp`` > 1 or token slices)."""
+        from exitlm.parallel.dims import ProcessGrid
+        from exitlm.parallel.pipeline.engine import PipelineEngine
+
+        cfg, pc = self.cfg, self.cfg.parallel
+        grid = ProcessGrid.build(self.world, self.rank, pc.pp, pc.dp)
+        auto = pc.token_slices == "auto"
+        slices = self._auto_slices(grid) if auto else pc.slice_lengths(cfg.data.seq_len)
+        if len(slices) > 1 and cfg.dropout.enabled:
+            raise ConfigError("layer dropout skips rows of whole sequences, token slicing cuts "
+                              "them: set dropout.p_max=0 or parallel.token_slices=1")
+        if self._amp_dtype() == torch.float16:
+            raise ConfigError("pipeline training has no fp16 loss scaling; set train.amp=bf16")
+        if self.rank == 0 and len(slices) > 1:
+            print(f"token slices: {list(slices)}", flush=True)
+        return PipelineEngine(self.model, pc, grid, microbatches=cfg.train.grad_accum,
+                              slices=slices, device=self.device,
+                              ignore_index=cfg.loss.ignore_index)
+
+    def _auto_slices(self, grid: Any) -> tuple[int, ...]:
+        """TeraPipe's DP plan, computed on rank 0 and shared (``token_slices=auto``)."""
+        from exitlm.parallel.pipeline.slices import plan_token_slices
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            box[0] = plan_token_slices(self.model.config, self.cfg.data.seq_len, grid.pp,
+                                       batch=self.cfg.train.batch_size)
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return tuple(box[0])
+
     def _lr(self, step: int) -> float:
         o = self.cfg.optim
         return lr_at(step, o.lr, o.warmup_steps, self.cfg.train.steps, o.min_lr_ratio)
@@ -220,18 +268,48 @@ class Trainer:
                            options=StateDictOptions(full_state_dict=True,
                                                     strict=self.trained_names is None))
         else:
-            state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
+            weights, optim, state = read_checkpoint(ckpt)
+            self._load_weights(ckpt, weights)
+            load_optimizer_state(self.optimizer, optim, self.param_names)
         self.step = state.step
         self.stream.position = state.data_position
         if self.rank == 0:
             self._truncate_log(self.step)
             print(f"resumed from {ckpt} at step {self.step}", flush=True)
 
+    def _load_weights(self, ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
+        """Copy checkpoint tensors into this process's parameters (a pipeline stage takes
+        the ones it holds; checkpoints do not depend on the layout that wrote them)."""
+        own = dict(self.model.state_dict())
+        known = set(own)
+        if self.pipeline is not None:
+            known = self.pipeline.all_names
+            own = {n: t for n, t in own.items() if n in self.pipeline.owned}
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise ValueError(f"{ckpt}: checkpoint has tensors {unknown[:5]} this model lacks - "
+                             "was it written for another model configuration?")
+        with torch.no_grad():
+            for name, t in weights.items():
+                if name not in own:
+                    continue
+                if own[name].shape != t.shape:
+                    raise ValueError(f"{ckpt}: {name} has shape {tuple(t.shape)}, the model "
+                                     f"{tuple(own[name].shape)}")
+                own[name].copy_(t)
+
     def save(self) -> Path | None:
         """Write a checkpoint of the current state (rank 0 writes, every rank waits)."""
         path = None
         model_state: Any = self.model
         optim_state: Any = self.optimizer
+        if not self.fsdp:
+            model_state = self._own_state()
+            optim_state = optimizer_state_by_name(self.optimizer, self.param_names)
+        if self.pipeline is not None:  # collect every stage's part on rank 0
+            parts = self.pipeline.gather((model_state, optim_state))
+            if parts is not None:
+                model_state, optim_state = _merge_parts(parts)
         if self.fsdp:  # gather full tensors (collective: every rank takes part)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -249,6 +327,13 @@ class Trainer:
                                    keep=self.cfg.train.keep_checkpoints)
         self._barrier()
         return path
+
+    def _own_state(self) -> dict[str, torch.Tensor]:
+        """The tensors this process holds (all of them unless it is a pipeline stage)."""
+        sd = self.model.state_dict()
+        if self.pipeline is None:
+            return sd
+        return {n: t for n, t in sd.items() if n in self.pipeline.owned}
 
     def _truncate_log(self, step: int) -> None:
         log = self.out / "log.jsonl"
@@ -272,6 +357,8 @@ class Trainer:
             g["lr"] = lr
         weights = cfg.loss.weights_at(t, mcfg, run.steps)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            return self._pipeline_step(weights, lr)
         sums: dict[int, float] = {}
         total = 0.0
         for micro in range(run.grad_accum):
@@ -319,9 +406,50 @@ class Trainer:
         rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
         return rec
 
+    def _pipeline_step(self, weights: dict[int, float], lr: float) -> dict[str, Any]:
+        """One optimizer step through the pipeline (:mod:`exitlm.parallel.pipeline`)."""
+        from exitlm.parallel.pipeline.executor import Microbatch
+
+        cfg, run = self.cfg, self.cfg.train
+        eng = self.pipeline
+        mcfg = self.model.config
+        batches = []
+        for micro in range(eng.schedule.num_microbatches):
+            tokens, labels = self.stream.next()
+            active = cfg.dropout.sample(tokens.shape[0], mcfg.num_layers, self.step, run.steps,
+                                        micro, self.device)
+            batches.append(Microbatch(tokens.to(self.device), labels.to(self.device), active))
+        amp = (torch.autocast(self.device.type, dtype=self.amp_dtype)
+               if self.amp_dtype is not None else contextlib.nullcontext())
+        with amp:
+            stats = eng.run(batches, weights)
+        gnorm = eng.clip_grad_norm(cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        active_w = {k: w for k, w in weights.items() if w != 0.0}
+        losses = eng.reduce_exit_losses(stats, sorted(active_w))
+        rec: dict[str, Any] = {"step": self.step,
+                               "loss": sum(active_w[k] * v for k, v in losses.items()),
+                               "lr": lr, "grad_norm": gnorm}
+        for k, v in losses.items():
+            rec[f"loss_{k}"] = v
+        rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
+        return rec
+
     def _host_model(self) -> EarlyExitLM | None:
         """The whole model on rank 0, ``None`` elsewhere. Under FSDP this gathers the shards
         and must be called on every rank."""
+        if self.pipeline is not None:
+            parts = self.pipeline.gather(self._own_state())
+            if parts is None:
+                return None
+            host = EarlyExitLM(self.model.config)
+            full: dict[str, torch.Tensor] = {}
+            for part in parts:
+                for k, v in part.items():
+                    full.setdefault(k, v.detach().cpu())
+            host.load_state_dict(full)
+            return host
         if not self.fsdp:
             return self.model if self.rank == 0 else None
         from torch.distributed.tensor import DTensor
@@ -366,7 +494,7 @@ class Trainer:
 
             bar = tqdm(total=run.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
-        tokens_per_step = run.batch_size * run.grad_accum * self.world * self.cfg.data.seq_len
+        tokens_per_step = run.batch_size * run.grad_accum * self.replicas * self.cfg.data.seq_len
         records: list[dict[str, Any]] = []
         try:
             while self.step < stop:
@@ -449,6 +577,24 @@ class Trainer:
         for k, v in rec.items():
             if isinstance(v, (int, float)) and k not in ("step", "time"):
                 writer.add_scalar(k, v, rec["step"])
+
+
+def _merge_parts(parts: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Union of the stages' ``(model tensors, optimizer state by name)``; a parameter
+    replicated on several stages (tied weights) is identical everywhere, the first is kept."""
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for weights, optim in parts:
+        for k, v in weights.items():
+            model.setdefault(k, v)
+        for k, v in optim["state"].items():
+            state.setdefault(k, v)
+        for i, g in enumerate(optim["param_groups"]):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"] += [p for p in g["params"] if p not in groups[i]["params"]]
+    return model, {"state": state, "param_groups": groups}
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> Trainer:

@@ -64,6 +64,7 @@ class PipelineEngine:
                               "their forward cannot be deferred to the (reverse-order) "
                               "backward: set parallel.deferred_exits=false or "
                               "parallel.token_slices=1")
+        self.all_names = set(model.state_dict())
         self.shared = shared_parameter_users(model, self.specs)
         if pcfg.bubble_fill != "none" and self.shared:
             raise ConfigError(
@@ -191,6 +192,8 @@ class PipelineEngine:
     # ----- state ----------------------------------------------------------------------------------
     def gather(self, payload: Any) -> list[Any] | None:
         """Collect one object per stage of replica 0 on global rank 0 (others get None)."""
+        if not dist.is_initialized():
+            return [payload]
         if self.grid.replica != 0:
             return None
         out: list[Any] | None = [None] * self.grid.pp if self.grid.rank == 0 else None

@@ -65,10 +65,13 @@ class P2P:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as err:
-            raise PipelineError(
-                f"pipeline transfer of {what} did not complete within "
-                f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s): {err}"
-            ) from err
+            if "timed out" in str(err).lower():
+                raise PipelineError(
+                    f"pipeline transfer of {what} did not complete within "
+                    f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s); is that rank "
+                    f"stuck?: {err}") from err
+            raise PipelineError(f"pipeline transfer of {what} failed; did that rank die? "
+                                f"(see its log): {err}") from err
         if ok is False:
             raise PipelineError(f"pipeline transfer of {what} did not complete within "
                                 f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s)")
