@@ -37,8 +37,10 @@ Output (one JSON object on stdout; progress on stderr):
   ``time_per_iter_all_s`` (every timed step), ``overhead_vs_no_exit`` (time / the median of
   the no-exit runs of the same rounds), ``max_peak_activation_bytes`` (over stages), and
   ``stages``: per stage ``layers`` ([start, end) 0-based slots), ``exits`` it computes,
-  ``param_bytes`` (trainable parameters it holds), ``peak_activation_bytes`` (peak bytes
-  autograd saved for backward over in-flight microbatches, parameters excluded:
+  ``param_bytes`` (the trainable parameters it owns), ``resident_param_bytes`` (every
+  parameter the process holds: ``prune_to_stage`` keeps frozen copies of the embedding,
+  final norm and LM head on stages that do not use them), ``peak_activation_bytes`` (peak
+  bytes autograd saved for backward over in-flight microbatches, parameters excluded:
   ``StepStats.peak_activation_bytes``), ``busy_s`` (median seconds computing, not waiting
   for peers: ``StepStats.busy_s``).
 * ``vs_torch_pipelining``: ``ours_s``, ``torch_s`` (medians), ``ratio_ours_over_torch``
@@ -163,7 +165,9 @@ class OursRunner(Runner):
                      "exits": list(spec.exits),
                      "param_bytes": sum(p.numel() * p.element_size()
                                         for _, p in self.eng.named_parameters()
-                                        if p.requires_grad)}
+                                        if p.requires_grad),
+                     "resident_param_bytes": sum(p.numel() * p.element_size()
+                                                 for p in self.model.parameters())}
 
     def memory_step(self) -> None:
         """The warm-up step, with saved-tensor accounting on (then off for timed steps)."""
@@ -326,6 +330,7 @@ def summarize(a: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
             v = r["exits"][i]
             stages.append({"stage": v["stage"], "layers": v["layers"], "exits": v["exits"],
                            "param_bytes": v["param_bytes"],
+                           "resident_param_bytes": v["resident_param_bytes"],
                            "peak_activation_bytes": v["peak_activation_bytes"],
                            "busy_s": r3(_med(v["busy"]))})
         v0 = ranks[0]["exits"][i]

@@ -31,6 +31,7 @@ def test_quick_run_prints_complete_json() -> None:
         assert sorted(x for s in e["stages"] for x in s["exits"]) == e["exit_layers"]
         for s in e["stages"]:
             assert s["param_bytes"] > 0 and s["peak_activation_bytes"] > 0
+            assert s["resident_param_bytes"] >= s["param_bytes"]
             assert s["busy_s"] > 0
     torch_cmp = out["vs_torch_pipelining"]
     for key in ("ours_s", "torch_s", "ratio_ours_over_torch", "ratio_ours_over_torch_min"):
