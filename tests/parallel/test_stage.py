@@ -63,6 +63,8 @@ def test_prune_keeps_only_the_stage() -> None:
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == owned
     assert not any(n.startswith("layers.0.") for n, _ in model.named_parameters())
+    held = {n for n, p in model.named_parameters() if p.numel() > 0}
+    assert held == owned
     h = torch.randn(1, 5, model.config.dim)
     torch.testing.assert_close(model.run_layers(h, 2, 4), ref.run_layers(h, 2, 4))
 

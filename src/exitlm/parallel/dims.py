@@ -133,8 +133,9 @@ class ProcessGrid:
     def build(cls, world_size: int, rank: int, pp: int, dp: int = 0) -> ProcessGrid:
         if dp == 0:
             if world_size % pp:
-                raise ConfigError(f"world size {world_size} is not a multiple of parallel.pp="
-                                  f"{pp}; launch pp x dp processes")
+                raise ConfigError(f"{world_size} process(es) cannot hold parallel.pp={pp} "
+                                  "stages; launch pp x dp processes, e.g. torchrun "
+                                  f"--nproc-per-node {pp} -m exitlm train ...")
             dp = world_size // pp
         if pp * dp != world_size:
             raise ConfigError(f"parallel.pp x parallel.dp = {pp} x {dp} = {pp * dp} but "

@@ -3,7 +3,8 @@
     exitlm train --config FILE.yaml|PRESET [section.key=value ...] [--resume]
     exitlm eval MODEL [--data PATH] [--layers 4,8|all] [--json]
 
-Multi-process data parallel training: ``torchrun --nproc-per-node N -m exitlm train ...``.
+Multi-process training: ``torchrun --nproc-per-node N -m exitlm train ...`` runs data parallel
+(DDP / FSDP), or pipeline parallel with ``parallel.pp=P`` (and ``parallel.dp=D``, P x D = N).
 """
 
 from __future__ import annotations

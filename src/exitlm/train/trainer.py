@@ -103,6 +103,8 @@ class Trainer:
             dist.init_process_group(backend)
         self.rank, self.world = _dist_info()
         self.device = self._device(run.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL object collectives use the current device
         self.out = Path(run.out_dir)
         built = build_model(cfg.model, run.seed)
         self.model = built.model.to(self.device).train()

@@ -38,7 +38,12 @@ from exitlm.parallel.pipeline.stage import (
 
 
 class PipelineEngine:
-    """This process's stage of a ``dp x pp`` pipeline-parallel model."""
+    """This process's stage of a ``dp x pp`` pipeline-parallel model.
+
+    ``model`` is pruned in place to the stage (:func:`~.stage.prune_to_stage`). ``slices``
+    are the resolved token-slice lengths (``pcfg.token_slices`` turned into lengths by the
+    caller, which may have run the TeraPipe planner for ``auto``).
+    """
 
     def __init__(
         self,
@@ -108,6 +113,16 @@ class PipelineEngine:
                 grp = dist.new_group([g.rank_of(s, r) for s in users])
                 if r == g.replica and g.stage in users:
                     self.tied_groups[users] = grp
+
+    def close(self) -> None:
+        """Destroy the process groups this engine created (when building several engines
+        in one process, e.g. benchmarks)."""
+        groups = [self.pipe_group, self.dp_group, *self.tied_groups.values()]
+        for grp in groups:
+            if grp is not None:
+                dist.destroy_process_group(grp)
+        self.pipe_group = self.dp_group = None
+        self.tied_groups = {}
 
     # ----- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

@@ -52,6 +52,7 @@ class _Slice:
     deferred: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     ctx: StepContext | None = None
     act_bytes: int = 0
+    counted: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -77,9 +78,9 @@ class _SavedBytes:
     """Counts bytes autograd saves for backward inside a ``with`` block (EE-LLM Sec. 3.2's
     activation memory), excluding parameters and storages already counted."""
 
-    def __init__(self, exclude: set[int]) -> None:
+    def __init__(self, exclude: set[int], seen: set[int] | None = None) -> None:
         self.exclude = exclude
-        self.seen: set[int] = set()
+        self.seen: set[int] = set() if seen is None else seen
         self.bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -187,7 +188,7 @@ class StageExecutor:
                 x_in.requires_grad_()
         t0 = time.perf_counter()
         sl = _Slice(x_in=x_in)
-        meter = _SavedBytes(self.param_ptrs) if self.measure and grad_here else None
+        meter = _SavedBytes(self.param_ptrs, sl.counted) if self.measure and grad_here else None
         with torch.set_grad_enabled(grad_here and torch.is_grad_enabled()):
             if meter is not None:
                 meter.__enter__()
@@ -276,7 +277,8 @@ class StageExecutor:
         t0 = time.perf_counter()
         mb = self.batches[a.mb]
         lo, hi = self.bounds[a.slice], self.bounds[a.slice + 1]
-        meter = _SavedBytes(self.param_ptrs) if self.measure and sl.deferred else None
+        meter = (_SavedBytes(self.param_ptrs, set(sl.counted)) if self.measure and sl.deferred
+                 else None)
         if meter is not None:
             meter.__enter__()
         try:

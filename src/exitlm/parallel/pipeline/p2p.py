@@ -41,6 +41,17 @@ class P2P:
         except RuntimeError as err:
             raise PipelineError(f"sending {what} to rank {dst} failed: {err}") from err
         self.pending.append((work, t, f"{what} to rank {dst}"))
+        self._reap()
+
+    def _reap(self) -> None:
+        """Forget sends that completed, so their buffers are freed before the step ends."""
+        keep = []
+        for work, t, what in self.pending:
+            if work.is_completed():
+                self._wait(work, what)  # returns at once; raises if the send failed
+            else:
+                keep.append((work, t, what))
+        self.pending = keep
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
              what: str) -> torch.Tensor:

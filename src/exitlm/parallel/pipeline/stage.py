@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from exitlm.config import ConfigError
@@ -138,10 +139,10 @@ def stage_parameter_names(model: EarlyExitLM, spec: StageSpec) -> set[str]:
 
 
 def prune_to_stage(model: EarlyExitLM, spec: StageSpec) -> set[str]:
-    """Drop the transformer layers and exit heads another stage owns (their memory is
-    freed); freeze shared modules this stage does not use. Returns the stage's parameter
-    names. Parameter names of what is kept are unchanged, so state dicts of all stages
-    together are the whole model's."""
+    """Drop the transformer layers and exit heads another stage owns and empty the shared
+    tensors (embedding, final norm / head) this stage does not use, so a stage holds only its
+    own parameters. Returns the stage's parameter names. Names are unchanged, so the state
+    dicts of all stages together are the whole model's."""
     owned = stage_parameter_names(model, spec)
     for i in range(model.num_layers):
         if not spec.start <= i < spec.end:
@@ -150,8 +151,9 @@ def prune_to_stage(model: EarlyExitLM, spec: StageSpec) -> set[str]:
         if int(key) not in spec.exits:
             del model.exits[key]
     for name, p in model.named_parameters():
-        if name not in owned:
+        if name not in owned:  # shared modules another stage uses: keep dtype/device only
             p.requires_grad_(False)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     return owned
 
 
