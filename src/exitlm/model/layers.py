@@ -7,9 +7,14 @@ decoding on CPU without changing their values.
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import math
+import os
 import weakref
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,10 +43,68 @@ def is_packed(weight: torch.Tensor) -> bool:
     return entry is not None and entry[0]() is weight and entry[1] == weight._version
 
 
+def _find_openblas_threads() -> Callable[[int], None] | None:
+    """The thread-count setter of the OpenBLAS that numpy calls, or None when numpy uses
+    another BLAS or it cannot be found (numpy's GEMV path is then not used)."""
+    names = (
+        "scipy_openblas_set_num_threads64_",  # numpy >= 2 wheels
+        "scipy_openblas_set_num_threads",
+        "openblas_set_num_threads64_",  # numpy 1.x wheels
+        "openblas_set_num_threads",
+    )
+    root = os.path.dirname(os.path.dirname(np.__file__))
+    candidates = glob.glob(os.path.join(root, "numpy.libs", "*openblas*"))  # Linux wheels
+    candidates += glob.glob(os.path.join(os.path.dirname(np.__file__), ".dylibs", "*openblas*"))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in names:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                fn.restype = None
+                return fn
+    return None
+
+
+class _NumpyGemv:
+    """Batch-1 fp32 GEMV through numpy's OpenBLAS, on zero-copy views of torch's tensors.
+
+    On this project's CPUs OpenBLAS' ``sgemv`` streams fp32 weights ~1.2-1.5x faster than the
+    MKL kernel behind ``F.linear`` (README "Performance"), and also scales to two threads,
+    which MKL's does not. It runs with as many threads as ``torch.get_num_threads()``.
+    """
+
+    def __init__(self) -> None:
+        self.set_threads = _find_openblas_threads()
+        self.enabled = self.set_threads is not None
+        self.threads = -1
+        self.threads_override: int | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        n = self.threads_override or torch.get_num_threads()
+        if n != self.threads:
+            assert self.set_threads is not None
+            self.set_threads(n)
+            self.threads = n
+        xn = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
+        y = torch.from_numpy(np.dot(xn, weight.detach().numpy().T))
+        if x.dim() == 3:
+            return y.view(x.shape[0], x.shape[1], -1)
+        return y.view(*x.shape[:-1], -1)
+
+
+_NUMPY_GEMV = _NumpyGemv()
+_PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the CPU fast paths of :mod:`exitlm.model.layout`.
 
     * a weight pre-packed for oneDNN (bf16 inference) is used when no gradient is needed;
+    * one fp32 row without gradients (batch-1 decoding) goes through numpy's OpenBLAS GEMV;
     * CPU fp16 GEMM with many rows (prefill) is ~50x slower than fp32, so such inputs are
       computed in fp32 and cast back; one-row GEMV (decoding) stays in fp16, where it is fast.
     """
@@ -54,6 +117,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and x.dtype == weight.dtype
         ):
             return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+    if (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and _NUMPY_GEMV.enabled
+        and x.numel() == x.shape[-1]  # one row: batch-1 decoding
+        and x.is_cpu
+        and weight.is_cpu
+        and not torch.is_grad_enabled()
+        and type(weight) in _PLAIN_TENSORS
+        and type(x) is torch.Tensor
+    ):
+        y = _NUMPY_GEMV(x, weight)
+        return y if bias is None else y + bias
     if x.dtype == torch.float16 and x.device.type == "cpu" and x.numel() > 8 * x.shape[-1]:
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.float16)
