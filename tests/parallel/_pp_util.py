@@ -10,17 +10,15 @@ gradients per rank go to ``ROOT/<case>/rank<r>.safetensors``.
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
+from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.parallel.dims import ParallelConfig, ProcessGrid
 from exitlm.parallel.pipeline.engine import PipelineEngine
@@ -31,12 +29,6 @@ from exitlm.train.losses import multi_exit_loss
 
 SEQ = 12
 BATCH = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_model(case: dict[str, Any]) -> EarlyExitLM:
@@ -108,17 +100,8 @@ def _worker(rank: int, world: int, port: int, root: str, cases: list[dict[str, A
 
 
 def spawn(world: int, root: Path, cases: list[dict[str, Any]], timeout: float = 240.0) -> None:
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(root), cases),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("pipeline workers did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_processes(_worker, (world, free_port(), str(root), cases), world, timeout,
+                  "pipeline workers")
 
 
 def reference_grads(case: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[int, float]]:

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _pp_util import SEQ, batches_of, build_model, free_port
+from _pp_util import SEQ, batches_of, build_model
 
+from _dist import free_port
 from exitlm.parallel.dims import ParallelConfig, ProcessGrid
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.p2p import PipelineError

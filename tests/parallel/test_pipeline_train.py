@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _pp_util import free_port
+
+from _dist import free_port, run_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 from _train_util import tiny_config
@@ -53,17 +52,8 @@ def _worker(rank: int, world: int, port: int, root: str, jobs: list[dict[str, An
 
 
 def _spawn(world: int, root: Path, jobs: list[dict[str, Any]], timeout: float = 240.0) -> None:
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(root), jobs), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("pipeline training workers did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_processes(_worker, (world, free_port(), str(root), jobs), world, timeout,
+                  "pipeline training workers")
 
 
 def _same_params(result: dict[str, Any], model: torch.nn.Module) -> None:

@@ -17,18 +17,16 @@ Both gradients must equal each other and a single-process autograd reference of
 
 from __future__ import annotations
 
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.parallel.dims import ParallelConfig, ProcessGrid
 from exitlm.parallel.pipeline.engine import PipelineEngine
@@ -39,12 +37,6 @@ PP = 2
 M = 3  # microbatches
 BATCH = 2  # rows per microbatch
 SEQ = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model() -> EarlyExitLM:
@@ -119,17 +111,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
 
 def _spawn(root: Path, timeout: float = 120.0) -> None:
-    ctx = mp.start_processes(_worker, args=(PP, _free_port(), str(root)), nprocs=PP,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("pipelining workers did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_processes(_worker, (PP, free_port(), str(root)), PP, timeout, "pipelining workers")
 
 
 def _reference() -> dict[str, torch.Tensor]:

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _train_util import tiny_config
 
+from _dist import free_port, run_processes
 from exitlm.train.trainer import Trainer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp") -> None:
@@ -44,18 +36,8 @@ def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp") 
 
 
 def _spawn(world: int, root: Path, parallel: str, timeout: float = 150.0) -> None:
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(root), parallel),
-                             nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("DDP workers did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_processes(_worker, (world, free_port(), str(root), parallel), world, timeout,
+                  "DDP workers")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -94,17 +76,7 @@ def _resume_worker(rank: int, world: int, port: int, root: str) -> None:
 def test_fsdp_checkpoint_resume_reproduces_losses(tmp_path: Path) -> None:
     """FSDP gathers full tensors into the layout-independent checkpoint and re-shards them on
     resume; the resumed run continues the uninterrupted run's loss curve."""
-    ctx = mp.start_processes(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 150.0
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("FSDP workers did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_processes(_resume_worker, (2, free_port(), str(tmp_path)), 2, 150.0, "FSDP workers")
     r0 = json.loads((tmp_path / "resume0.json").read_text())
     assert len(r0["straight"]) == 4
     assert r0["resumed"] == pytest.approx(r0["straight"][2:], rel=1e-6)
