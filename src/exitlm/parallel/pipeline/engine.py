@@ -206,7 +206,9 @@ class PipelineEngine:
 
     # ----- state ----------------------------------------------------------------------------------
     def gather(self, payload: Any) -> list[Any] | None:
-        """Collect one object per stage of replica 0 on global rank 0 (others get None)."""
+        """Collect one object per stage of replica 0 on global rank 0 (others get None).
+        Tensors inside ``payload`` travel as CPU copies."""
+        payload = _to_cpu(payload)
         if not dist.is_initialized():
             return [payload]
         if self.grid.replica != 0:
@@ -214,3 +216,14 @@ class PipelineEngine:
         out: list[Any] | None = [None] * self.grid.pp if self.grid.rank == 0 else None
         dist.gather_object(payload, out, dst=self.grid.rank_of(0, 0), group=self.pipe_group)
         return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor (in dicts, lists, tuples) replaced by a detached CPU copy."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
