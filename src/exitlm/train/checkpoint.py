@@ -77,13 +77,6 @@ def optimizer_state_from_tensors(tensors: dict[str, torch.Tensor], meta: Any) ->
     return {"state": state, "param_groups": groups}
 
 
-def optimizer_from_tensors(
-    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: Any
-) -> None:
-    """Load what :func:`optimizer_to_tensors` wrote into ``opt``."""
-    opt.load_state_dict(optimizer_state_from_tensors(tensors, meta))
-
-
 def optimizer_state_by_name(opt: torch.optim.Optimizer,
                             names: dict[int, str]) -> dict[str, Any]:
     """``opt.state_dict()`` keyed by parameter *name* instead of position (``names`` maps
@@ -192,29 +185,3 @@ def read_checkpoint(
     _set_rng_state(meta["rng"])
     return weights, optim, TrainState(meta["step"], meta["data_position"], meta["scheduler"],
                                       meta["extra"])
-
-
-def load_checkpoint(
-    path: Path, *, model: EarlyExitLM, optimizer: torch.optim.Optimizer
-) -> TrainState:
-    """Load weights into ``model``, state into ``optimizer``, restore RNG; return the rest."""
-    meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    if meta.get("version") != STATE_VERSION:
-        raise ValueError(f"{path}: checkpoint state version {meta.get('version')} is not "
-                         f"{STATE_VERSION}")
-    weights = load_file(str(path / "model.safetensors"))
-    own = model.state_dict()
-    unknown = sorted(set(weights) - set(own))
-    if unknown:
-        raise ValueError(f"{path}: checkpoint has tensors {unknown[:5]} this model lacks - was "
-                         "it written for another model configuration?")
-    with torch.no_grad():
-        for name, t in weights.items():
-            if own[name].shape != t.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the model "
-                                 f"{tuple(own[name].shape)}")
-            own[name].copy_(t)
-    optimizer_from_tensors(optimizer, load_file(str(path / "optimizer.safetensors")),
-                           meta["optimizer"])
-    _set_rng_state(meta["rng"])
-    return TrainState(meta["step"], meta["data_position"], meta["scheduler"], meta["extra"])
