@@ -19,6 +19,7 @@ from exitlm.infer.result import FinishReason, GenerationResult, SequenceResult, 
 from exitlm.infer.sampling import choose, make_generator
 from exitlm.infer.stopping import TextCallback, TextTracker
 from exitlm.model.kv_cache import KVCache
+from exitlm.model.layers import decode_threads, gemv_bound
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -108,17 +109,18 @@ def generate_ar(
         active = _record(ids, trackers, finish, stop_ids, max_new)
         positions = lengths.to(device)[:, None].clone()  # (B, 1): each sequence's next slot
         decode_tokens = 0
-        while active:
-            h = model.embed(nxt[:, None], positions)
-            ctx = model.context(positions, cache)
-            h = model.run_layers(h, 0, num_layers, cache=cache, ctx=ctx)
-            logits = model.final_logits(h[:, -1])  # (B, V)
-            positions += 1
-            cache.lengths += 1
-            nxt = choose(logits, sampling, generator)
-            ids = nxt.tolist()
-            decode_tokens += active
-            active = _record(ids, trackers, finish, stop_ids, max_new)
+        with decode_threads(b == 1 and gemv_bound(model.embed_tokens.weight.dtype, device)):
+            while active:
+                h = model.embed(nxt[:, None], positions)
+                ctx = model.context(positions, cache)
+                h = model.run_layers(h, 0, num_layers, cache=cache, ctx=ctx)
+                logits = model.final_logits(h[:, -1])  # (B, V)
+                positions += 1
+                cache.lengths += 1
+                nxt = choose(logits, sampling, generator)
+                ids = nxt.tolist()
+                decode_tokens += active
+                active = _record(ids, trackers, finish, stop_ids, max_new)
         t2 = time.perf_counter()
     timings.decode_s = t2 - t1
     timings.decode_tokens = decode_tokens

@@ -12,7 +12,8 @@ import glob
 import math
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -74,7 +75,9 @@ class _NumpyGemv:
 
     On this project's CPUs OpenBLAS' ``sgemv`` streams fp32 weights ~1.2-1.5x faster than the
     MKL kernel behind ``F.linear`` (README "Performance"), and also scales to two threads,
-    which MKL's does not. It runs with as many threads as ``torch.get_num_threads()``.
+    which MKL's does not. It runs on the calling thread only, except inside
+    :func:`decode_threads`: OpenBLAS worker threads next to torch's busy-waiting OpenMP
+    workers make every GEMV wait for the scheduler (decoding ~8x slower on 2 cores).
     """
 
     def __init__(self) -> None:
@@ -84,7 +87,7 @@ class _NumpyGemv:
         self.threads_override: int | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        n = self.threads_override or torch.get_num_threads()
+        n = self.threads_override or 1
         if n != self.threads:
             assert self.set_threads is not None
             self.set_threads(n)
@@ -98,6 +101,35 @@ class _NumpyGemv:
 
 _NUMPY_GEMV = _NumpyGemv()
 _PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
+
+
+def gemv_bound(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether batch-1 decoding of weights of ``dtype`` on ``device`` runs its GEMVs through
+    numpy's OpenBLAS (see :func:`decode_threads`)."""
+    return _NUMPY_GEMV.enabled and dtype == torch.float32 and device.type == "cpu"
+
+
+@contextmanager
+def decode_threads(enabled: bool = True) -> Iterator[None]:
+    """Give torch's intra-op threads to the GEMVs of batch-1 fp32 decoding.
+
+    Inside, numpy's OpenBLAS keeps ``torch.get_num_threads()`` threads while torch itself
+    runs on one: the other ops of a decoding step are far too small to split, and with two
+    OpenMP threads torch's idle worker spins on the core OpenBLAS' worker needs. Nothing
+    changes when there is one thread, or when ``enabled`` is false.
+    """
+    n = torch.get_num_threads()
+    if not enabled or n <= 1 or not _NUMPY_GEMV.enabled:
+        yield
+        return
+    prev = _NUMPY_GEMV.threads_override
+    _NUMPY_GEMV.threads_override = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _NUMPY_GEMV.threads_override = prev
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
