@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.model.kv_cache import KVCache, WritePlan
@@ -86,12 +87,19 @@ class _NumpyGemv:
         self.threads = -1
         self.threads_override: int | None = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def sync_threads(self) -> None:
         n = self.threads_override or 1
         if n != self.threads:
             assert self.set_threads is not None
             self.set_threads(n)
             self.threads = n
+
+    def vector(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``weight @ x`` for a contiguous 1-row ``x`` without gradient, as a 1-D tensor."""
+        return torch.from_numpy(np.dot(x.numpy().reshape(-1), weight.detach().numpy().T))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.sync_threads()
         xn = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
         y = torch.from_numpy(np.dot(xn, weight.detach().numpy().T))
         if x.dim() == 3:
@@ -244,8 +252,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
     Equals ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
     """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    swapped = x.roll(x.shape[-1] // 2, -1)  # [x2, x1]
     return torch.addcmul(x * cos, swapped, signed_sin)
 
 
@@ -345,5 +352,89 @@ class Block(nn.Module):
         plan: WritePlan | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        if (
+            plan is not None
+            and h.shape[1] == 1
+            and h.shape[0] == 1
+            and h.dtype is torch.float32
+            and _NUMPY_GEMV.enabled
+            and mask is None
+            and rope is not None
+            and cache is not None
+            and plan.index is None
+            and not torch.is_grad_enabled()
+            and not h.requires_grad
+        ):
+            parts = self._decode_parts()
+            if parts is not None:
+                return self._decode_step(parts, h, rope, cache, slot, plan)
         h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask)
         return h + self.mlp(self.norm_mlp(h))
+
+    def _decode_parts(self) -> tuple | None:
+        """What :meth:`_decode_step` needs, or None unless it computes exactly what the
+        sub-modules would: the stock Llama-family modules (RMSNorm, rotary attention, SwiGLU,
+        no biases), plain fp32 weights on the CPU, and no hooks that calling the sub-modules
+        would run. Reads the modules' dicts directly: this runs for every layer of every
+        decoding step."""
+        mods = self._modules
+        attn, mlp, n1, n2 = mods["attn"], mods["mlp"], mods["norm_attn"], mods["norm_mlp"]
+        if (
+            type(attn) is not Attention or type(mlp) is not MLP
+            or type(n1) is not Norm or type(n2) is not Norm
+            or n1.kind != "rmsnorm" or n2.kind != "rmsnorm"
+            or not mlp.gated or mlp.act is not F.silu or not attn.use_rope
+            or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+        ):
+            return None
+        for m in (attn, mlp, n1, n2):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
+        am, mm = attn._modules, mlp._modules
+        weights = []
+        for lin in (am["wqkv"], am["wo"], mm["w_in"], mm["w_out"]):
+            params = lin._parameters
+            w = params["weight"]
+            if (
+                type(lin) is not Linear or lin._forward_hooks or lin._forward_pre_hooks
+                or params["bias"] is not None or type(w) not in _PLAIN_TENSORS
+                or w.dtype is not torch.float32 or not w.is_cpu
+            ):
+                return None
+            weights.append(w)
+        return (attn, mlp, n1, n2, *weights)
+
+    def _decode_step(
+        self,
+        parts: tuple,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        slot: int,
+        plan: WritePlan,
+    ) -> torch.Tensor:
+        """One token of one sequence (fp32, CPU): the same operations as the sub-modules,
+        with their GEMVs straight through numpy and none of their general-case code. Every
+        layer of a batch-1 decoding step pays this code's cost, from caches that the previous
+        multi-megabyte GEMV just flushed, so fewer calls measurably matter (README
+        "Performance")."""
+        attn, mlp, n1, n2, w_qkv, w_o, w_in, w_out = parts
+        nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        gemv = _NUMPY_GEMV.vector
+        _NUMPY_GEMV.sync_threads()
+        dim = (h.shape[-1],)
+        x = torch.rms_norm(h, dim, n1._parameters["weight"], n1.eps)
+        qkv = gemv(x, w_qkv).view(1, 1, nh + 2 * nkv, d)
+        qk = apply_rope(qkv[:, :, : nh + nkv], *rope)
+        q = qk[:, :, :nh].transpose(1, 2)
+        k, v = cache.write(
+            slot, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv :].transpose(1, 2), plan
+        )
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=nkv != nh)
+        h = h + gemv(out, w_o).view(h.shape)
+        x = torch.rms_norm(h, dim, n2._parameters["weight"], n2.eps)
+        y = gemv(x, w_in)
+        hidden = mlp.hidden
+        return h + gemv(F.silu(y[:hidden]) * y[hidden:], w_out).view(h.shape)
+
+
