@@ -6,7 +6,9 @@ the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thr
 
 * fp32: ``F.linear`` with the ``(out, in)`` weight stored **column-major** streams 13-16 GB/s
   when ``out > in`` (q/k/v, MLP input, LM head) against 8-9 GB/s row-major; when
-  ``out <= in`` row-major is as fast or faster.
+  ``out <= in`` row-major is as fast or faster. Batch-1 fp32 decoding actually runs its
+  GEMVs through numpy's OpenBLAS (:func:`exitlm.model.layers.linear`, 17-25 GB/s on one
+  thread), which prefers the same layouts.
 * fp16: row-major only (column-major is 5-40x slower).
 * bf16: ATen's GEMV reaches ~6 GB/s; oneDNN with a pre-packed weight ~10 GB/s, bit-identical.
   Packing keeps a second copy of each linear weight (inference only).
