@@ -1,0 +1,92 @@
+"""The batch-1 fp32 decode fast paths compute what the general code computes: numpy's
+OpenBLAS GEMV in ``linear``, the lean per-layer decode step in ``Block``, and the thread
+hand-off of ``decode_threads``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from exitlm import EarlyExitLM, ExitConfig, preset
+from exitlm.model import layers
+from exitlm.model.layers import decode_threads, linear
+
+needs_numpy_blas = pytest.mark.skipif(not layers._NUMPY_GEMV.enabled,
+                                      reason="numpy's OpenBLAS not found: fast path unused")
+
+
+@needs_numpy_blas
+def test_numpy_gemv_matches_f_linear() -> None:
+    w = torch.randn(96, 40)
+    x = torch.randn(1, 1, 40)
+    b = torch.randn(96)
+    with torch.no_grad():
+        got = linear(x, w, b)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert got.shape == (1, 1, 96)
+        wc = w.t().contiguous().t()  # column-major weights (exitlm.model.layout)
+        torch.testing.assert_close(linear(x, wc), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # with gradients the autograd path runs
+    xg = x.clone().requires_grad_()
+    linear(xg, w).sum().backward()
+    assert xg.grad is not None
+
+
+@needs_numpy_blas
+def test_lean_decode_step_equals_the_general_block() -> None:
+    """Decode a few tokens twice: with the lean step, and with it disabled by a forward hook
+    on a sub-module (the lean step never runs when hooks would). Bit-identical."""
+    cfg = preset("debug", exits=ExitConfig(layers=()))
+    model = EarlyExitLM(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+
+    def run() -> list[torch.Tensor]:
+        cache = model.new_cache(1, 16)
+        outs = []
+        with torch.no_grad():
+            h = model.embed(tokens[:, :3])
+            model.run_layers(h, 0, cfg.num_layers, positions=torch.arange(3)[None], cache=cache)
+            for p in range(3, 6):
+                h = model.embed(tokens[:, p : p + 1])
+                outs.append(model.run_layers(h, 0, cfg.num_layers,
+                                             positions=torch.tensor([[p]]), cache=cache))
+        return outs
+
+    calls = []
+    original = layers.Block._decode_step
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    layers.Block._decode_step = counting  # type: ignore[method-assign]
+    try:
+        fast = run()
+        assert len(calls) == 3 * cfg.num_layers  # the lean step really ran
+        handles = [blk.mlp.register_forward_hook(lambda *a: None) for blk in model.layers]
+        try:
+            slow = run()
+        finally:
+            for hnd in handles:
+                hnd.remove()
+        assert len(calls) == 3 * cfg.num_layers  # and not with hooks
+    finally:
+        layers.Block._decode_step = original  # type: ignore[method-assign]
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_decode_threads_restores_torch_threads() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with decode_threads():
+            inside = torch.get_num_threads()
+        assert torch.get_num_threads() == 2
+        if layers._NUMPY_GEMV.enabled:
+            assert inside == 1  # torch's threads lent to OpenBLAS meanwhile
+        with decode_threads(enabled=False):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
