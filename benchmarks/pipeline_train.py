@@ -69,14 +69,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 
 from exitlm.config import ExitConfig, ModelConfig, preset
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.dims import ParallelConfig, ProcessGrid
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.pipeline.stage import StageSpec, build_stages, prune_to_stage
+from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
 
 CPU = torch.device("cpu")
 
@@ -110,20 +109,6 @@ def make_batches(vocab: int, count: int, rows: int, seq: int, seed: int) -> list
         x = torch.randint(0, vocab, (rows, seq + 1), generator=g)
         out.append(Microbatch(x[:, :-1], x[:, 1:]))
     return out
-
-
-class TorchStage(nn.Module):
-    """One exitlm stage as a module for ``torch.distributed.pipelining.PipelineStage``."""
-
-    def __init__(self, model: EarlyExitLM, spec: StageSpec) -> None:
-        super().__init__()
-        self.model = model
-        self.spec = spec
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed(x) if self.spec.first else x
-        h = self.model.run_layers(h, self.spec.start, self.spec.end)
-        return self.model.final_logits(h) if self.spec.last else h
 
 
 def mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -193,7 +178,7 @@ class TorchRunner(Runner):
         self.model = build(a, ())
         self.spec = build_stages(self.model, grid.pp)[grid.stage]
         prune_to_stage(self.model, self.spec)
-        stage = PipelineStage(TorchStage(self.model, self.spec), grid.stage, grid.pp, CPU)
+        stage = PipelineStage(StageModule(self.model, self.spec), grid.stage, grid.pp, CPU)
         self.sched = Schedule1F1B(stage, n_microbatches=len(batches), loss_fn=mean_ce,
                                   scale_grads=True)
         self.tokens = torch.cat([b.tokens for b in batches])  # (M*B, T), split back by torch

@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.parallel.dims import ParallelConfig, ProcessGrid
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.pipeline.stage import StageSpec, build_stages, prune_to_stage
+from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
 
 PP = 2
 M = 3  # microbatches
@@ -50,21 +49,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     x = torch.randint(0, 64, (M * BATCH, SEQ + 1), generator=g)
     return x[:, :-1], x[:, 1:]  # tokens, labels: (M*B, T)
-
-
-class TorchStage(nn.Module):
-    """One exitlm stage as a plain module: token ids or hidden states in, hidden states or
-    final logits out."""
-
-    def __init__(self, model: EarlyExitLM, spec: StageSpec) -> None:
-        super().__init__()
-        self.model = model
-        self.spec = spec
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed(x) if self.spec.first else x
-        h = self.model.run_layers(h, self.spec.start, self.spec.end)
-        return self.model.final_logits(h) if self.spec.last else h
 
 
 def _mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -88,7 +72,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         ref_model = _model()
         spec = build_stages(ref_model, PP)[rank]
         prune_to_stage(ref_model, spec)
-        stage = PipelineStage(TorchStage(ref_model, spec), rank, PP, torch.device("cpu"))
+        stage = PipelineStage(StageModule(ref_model, spec), rank, PP, torch.device("cpu"))
         sched = Schedule1F1B(stage, n_microbatches=M, loss_fn=_mean_ce, scale_grads=True)
         if spec.first:
             sched.step(tokens)

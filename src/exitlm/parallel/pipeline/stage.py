@@ -164,3 +164,20 @@ def shared_parameter_users(model: EarlyExitLM, specs: list[StageSpec]) -> dict[s
         for name in stage_parameter_names(model, spec):
             users.setdefault(name, []).append(spec.index)
     return {n: sorted(s) for n, s in sorted(users.items()) if len(s) > 1}
+
+
+class StageModule(nn.Module):
+    """One stage as a plain module without exits: token ids (first stage) or hidden states
+    in, hidden states or final logits (last stage) out. For interoperating with
+    ``torch.distributed.pipelining.PipelineStage`` (the no-exit gradient oracle and the
+    benchmark baseline); exitlm's own executor does not need it."""
+
+    def __init__(self, model: EarlyExitLM, spec: StageSpec) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed(x) if self.spec.first else x
+        h = self.model.run_layers(h, self.spec.start, self.spec.end)
+        return self.model.final_logits(h) if self.spec.last else h
