@@ -46,3 +46,14 @@ def test_test_module_basenames_are_unique() -> None:
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
         seen[path.name] = path
+
+
+def test_every_shipped_config_loads() -> None:
+    from exitlm.train.config import load_config
+
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(str(path))
+        assert cfg.train.steps >= 1, path
+    assert load_config(str(ROOT / "configs" / "scratch-ee-pipeline.yaml")).parallel.pp == 2
