@@ -62,8 +62,8 @@ def test_fill_routes() -> None:
     assert fill_routes(4, [], 2, 2, 2.0) == [Route(3, 2, "fill2"), Route(3, 3, "fill2")]
 
 
-@pytest.mark.parametrize("kind,fill", itertools.product(["1f1b", "gpipe"],
-                                                        ["none", "warmup", "cooldown", "both"]))
+@pytest.mark.parametrize("kind,fill", list(itertools.product(["1f1b", "gpipe"],
+                                                        ["none", "warmup", "cooldown", "both"])))
 def test_every_schedule_is_complete_and_deadlock_free(kind: str, fill: str) -> None:
     for p, m, slices in itertools.product([1, 2, 3, 4, 6], [1, 2, 5, 8], [(1,), (3, 3)]):
         s = build_schedule(kind, p, m, slices, fill=fill, exit_stages=list(range(p)),
