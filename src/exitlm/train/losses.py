@@ -33,17 +33,21 @@ IGNORE_INDEX = -100
 
 
 def lm_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over labels that are not ``ignore_index`` (fp32 math).
 
     ``logits`` ``(B, T, V)`` and ``labels`` ``(B, T)`` are already aligned (labels are the
     inputs shifted by one). Returns 0 (with a gradient path) when every label is ignored.
+    ``count`` replaces the number of labels as the divisor: a token slice of a sequence
+    (TeraPipe) divides by the whole microbatch's count, so slice losses add up to its mean.
     """
     flat = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
     lab = labels.reshape(-1)
     total = F.cross_entropy(flat, lab, ignore_index=ignore_index, reduction="sum")
-    count = (lab != ignore_index).sum().clamp_min(1)
+    if count is None:
+        count = (lab != ignore_index).sum().clamp_min(1)
     return total / count
 
 

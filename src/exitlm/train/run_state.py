@@ -56,17 +56,16 @@ class RunStateMixin:
             if self.rank == 0:
                 print(f"no checkpoint under {self.out}; starting from step 0", flush=True)
             return
+        weights, optim, state = read_checkpoint(ckpt)
         if self.fsdp:
             # Every rank reads the full tensors and keeps its own shards of them.
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            weights, optim, state = read_checkpoint(ckpt)
             set_state_dict(self.model, self.optimizer, model_state_dict=weights,
                            optim_state_dict=optim,
                            options=StateDictOptions(full_state_dict=True,
                                                     strict=self.trained_names is None))
         else:
-            weights, optim, state = read_checkpoint(ckpt)
             self._load_weights(ckpt, weights)
             load_optimizer_state(self.optimizer, optim, self.param_names)
         self.step = state.step
@@ -78,11 +77,8 @@ class RunStateMixin:
     def _load_weights(self, ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
         """Copy checkpoint tensors into this process's parameters (a pipeline stage takes
         the ones it holds; checkpoints do not depend on the layout that wrote them)."""
-        own = dict(self.model.state_dict())
-        known = set(own)
-        if self.pipeline is not None:
-            known = self.pipeline.all_names
-            own = {n: t for n, t in own.items() if n in self.pipeline.owned}
+        own = self._own_state()
+        known = set(own) if self.pipeline is None else self.pipeline.all_names
         unknown = sorted(set(weights) - known)
         if unknown:
             raise ValueError(f"{ckpt}: checkpoint has tensors {unknown[:5]} this model lacks - "
@@ -151,11 +147,7 @@ class RunStateMixin:
             if parts is None:
                 return None
             host = EarlyExitLM(self.model.config)
-            full: dict[str, torch.Tensor] = {}
-            for part in parts:
-                for k, v in part.items():
-                    full.setdefault(k, v.detach().cpu())
-            host.load_state_dict(full)
+            host.load_state_dict(_union(parts))
             return host
         if not self.fsdp:
             return self.model if self.rank == 0 else None
@@ -173,16 +165,22 @@ class RunStateMixin:
 def _merge_parts(parts: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Union of the stages' ``(model tensors, optimizer state by name)``; a parameter
     replicated on several stages (tied weights) is identical everywhere, the first is kept."""
-    model: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for weights, optim in parts:
-        for k, v in weights.items():
-            model.setdefault(k, v)
-        for k, v in optim["state"].items():
-            state.setdefault(k, v)
+    for _, optim in parts:
         for i, g in enumerate(optim["param_groups"]):
             if i == len(groups):
                 groups.append({**g, "params": []})
             groups[i]["params"] += [p for p in g["params"] if p not in groups[i]["params"]]
+    model = _union([weights for weights, _ in parts])
+    state = _union([optim["state"] for _, optim in parts])
     return model, {"state": state, "param_groups": groups}
+
+
+def _union(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stages' name -> value maps as one; a name several stages hold (a replicated,
+    tied parameter, equal everywhere) keeps the first stage's value."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out

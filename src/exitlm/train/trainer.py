@@ -232,8 +232,7 @@ class Trainer(RunStateMixin):
 
         box: list[Any] = [None]
         if self.rank == 0:
-            box[0] = plan_token_slices(self.model.config, self.cfg.data.seq_len, grid.pp,
-                                       batch=self.cfg.train.batch_size)
+            box[0] = plan_token_slices(self.model.config, self.cfg.data.seq_len, grid.pp)
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
         return tuple(box[0])

@@ -26,13 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.parallel.pipeline.p2p import P2P, message_tag
 from exitlm.parallel.pipeline.schedule import Action, PipelineSchedule
 from exitlm.parallel.pipeline.slices import SliceKV
 from exitlm.parallel.pipeline.stage import StageSpec
+from exitlm.train.losses import lm_cross_entropy
 
 
 @dataclass
@@ -173,7 +173,6 @@ class StageExecutor:
         mb = self.batches[a.mb]
         n_slices = len(self.schedule.slices)
         lo, hi = self.bounds[a.slice], self.bounds[a.slice + 1]
-        bsz = int(mb.tokens.shape[0])
         st = self.states.get(a.mb)
         if st is None:
             count = (mb.labels != self.ignore_index).sum().clamp_min(1)
@@ -181,7 +180,7 @@ class StageExecutor:
         grad_here = route.backwards(k)
         x_in = None
         if not spec.first:
-            x_in = self.p2p.recv((bsz, hi - lo, self.dim), self._act_dtype(),
+            x_in = self.p2p.recv(self._shape(a), self._act_dtype(),
                                  self.ranks[k - 1], message_tag(a.mb, a.slice, n_slices, False),
                                  f"activations of microbatch {a.mb} slice {a.slice}")
             if grad_here and k > route.bwd_first:
@@ -245,9 +244,7 @@ class StageExecutor:
 
     def _add_loss(self, sl: _Slice, mb: int, layer: int, logits: torch.Tensor,
                   labels: torch.Tensor, count: torch.Tensor) -> None:
-        flat = logits.reshape(-1, logits.shape[-1]).float()  # (B*t, V)
-        ce = F.cross_entropy(flat, labels.reshape(-1), ignore_index=self.ignore_index,
-                             reduction="sum") / count
+        ce = lm_cross_entropy(logits, labels, self.ignore_index, count)
         term = ce * (self.weights[layer] * self.scale)
         sl.loss = term if sl.loss is None else sl.loss + term
         if self.schedule.routes[mb].kind == "regular":
@@ -267,8 +264,7 @@ class StageExecutor:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if k < route.fwd_last:
-            g = self.p2p.recv(tuple(sl.out.shape) if sl.out is not None else
-                              self._shape(a), self._act_dtype(), self.ranks[k + 1],
+            g = self.p2p.recv(self._shape(a), self._act_dtype(), self.ranks[k + 1],
                               message_tag(a.mb, a.slice, n_slices, True),
                               f"gradients of microbatch {a.mb} slice {a.slice}")
             if sl.out is not None and sl.out.requires_grad:

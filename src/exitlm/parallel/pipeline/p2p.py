@@ -58,12 +58,10 @@ class P2P:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         try:
             work = dist.irecv(buf, src=src, tag=tag)
-            self._wait(work, f"{what} from rank {src}")
-        except PipelineError:
-            raise
         except RuntimeError as err:
             raise PipelineError(f"receiving {what} from rank {src} failed (did that rank "
                                 f"die?): {err}") from err
+        self._wait(work, f"{what} from rank {src}")
         return buf
 
     def flush(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from exitlm.config import ModelConfig
 from exitlm.model.kv_cache import WritePlan
 
 
@@ -104,16 +105,16 @@ class SliceKV:
                     lst[index] = lst[index].detach()
 
 
-def plan_token_slices(cfg: object, seq_len: int, stages: int, *, batch: int = 1,
+def plan_token_slices(cfg: ModelConfig, seq_len: int, stages: int, *,
                       threads: int | None = 1) -> tuple[int, ...]:
     """TeraPipe's optimal slicing (Alg. 1, Eq. 5-8) for one stage of ``cfg`` on this machine:
     the per-stage forward time ``t(l, c)`` is measured and fitted (Eq. 9, see
     :func:`exitlm.plan.profile.profile_terapipe`), then solved by the exact dynamic program
-    of :func:`exitlm.plan.terapipe.plan_slices`. ``batch`` rows scale every slice alike, so
-    the plan is made for one row."""
+    of :func:`exitlm.plan.terapipe.plan_slices`. The plan is made for one row: the rows of a
+    microbatch scale every slice alike."""
     from exitlm.plan.profile import profile_terapipe
     from exitlm.plan.terapipe import plan_slices
 
-    perf, _ = profile_terapipe(cfg, seq_len, stages, threads=threads)  # type: ignore[arg-type]
+    perf, _ = profile_terapipe(cfg, seq_len, stages, threads=threads)
     plan = plan_slices(perf.matrix(), stages, method="bisect")
     return tuple(int(x) for x in plan["slices"])  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from exitlm.config import ConfigError
+from exitlm.config import ConfigError, ModelConfig
 from exitlm.model.transformer import EarlyExitLM
 
 
@@ -78,13 +78,13 @@ def split_layers(num_layers: int, stages: int,
     return out
 
 
-def build_stages(model_or_cfg: EarlyExitLM | object, stages: int,
+def build_stages(model_or_cfg: EarlyExitLM | ModelConfig, stages: int,
                  boundaries: tuple[int, ...] = (),
                  placement: str = "next") -> list[StageSpec]:
     """Stage specs for a model (or its :class:`~exitlm.config.ModelConfig`)."""
     cfg = model_or_cfg.config if isinstance(model_or_cfg, EarlyExitLM) else model_or_cfg
-    L = cfg.num_layers  # type: ignore[attr-defined]
-    exits = tuple(cfg.exit_layers)  # type: ignore[attr-defined]
+    L = cfg.num_layers
+    exits = tuple(cfg.exit_layers)
     if placement not in ("next", "end"):
         raise ConfigError(f"parallel.exit_placement must be next or end, got {placement!r}")
     ranges = split_layers(L, stages, boundaries)
