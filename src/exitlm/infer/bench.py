@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -109,14 +108,10 @@ def builtin_prompts(n: int) -> list[str]:
 
 def load_prompts(path: str) -> list[str]:
     """Prompts from a JSONL file: one JSON string or ``{"prompt": ...}`` object per line."""
+    from exitlm.train.data import iter_jsonl
+
     prompts = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
+    for i, rec in iter_jsonl(Path(path)):
         text = rec if isinstance(rec, str) else rec.get("prompt") if isinstance(rec, dict) else None
         if not isinstance(text, str):
             raise ConfigError(f"{path}:{i + 1}: expected a string or an object with 'prompt'")

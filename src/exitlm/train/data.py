@@ -139,23 +139,30 @@ def _is_val(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
+def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
+    """``(0-based line number, decoded JSON value)`` per non-blank line of a JSONL file;
+    a line that is not JSON raises :class:`ConfigError` naming the file and line. ``errors``:
+    how undecodable UTF-8 is handled (``open``'s argument)."""
+    with Path(path).open(encoding="utf-8", errors=errors) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
+
+
 def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
     """``(key, text)`` per document: a whole file, or one JSONL line (key ``file:line``)."""
     for key, path in list_sources(cfg):
         if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8", errors="replace") as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
-                    text = rec.get(cfg.text_field) if isinstance(rec, dict) else None
-                    if not isinstance(text, str):
-                        raise ConfigError(f"{path}:{i + 1}: no string field "
-                                          f"{cfg.text_field!r} (set data.text_field)")
-                    yield f"{key}:{i}", text
+            for i, rec in iter_jsonl(path, errors="replace"):
+                text = rec.get(cfg.text_field) if isinstance(rec, dict) else None
+                if not isinstance(text, str):
+                    raise ConfigError(f"{path}:{i + 1}: no string field "
+                                      f"{cfg.text_field!r} (set data.text_field)")
+                yield f"{key}:{i}", text
         else:
             yield key, path.read_bytes().decode("utf-8", errors="replace")
 
