@@ -34,6 +34,35 @@ def test_numpy_gemv_matches_f_linear() -> None:
 
 
 @needs_numpy_blas
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 9])
+@pytest.mark.parametrize("col_major", [False, True])
+def test_small_row_products_match_f_linear(rows: int, col_major: bool) -> None:
+    """2-8 rows go through OpenBLAS' small-matrix GEMM in blocks of weight rows (several
+    blocks here, the last one partial); 9 rows through ``F.linear``. Same values either way."""
+    w = torch.randn(300, 1536)  # 1536 inputs: blocks shrink below 128 rows for 5+ rows
+    if col_major:
+        w = w.t().contiguous().t()
+    x = torch.randn(1, rows, 1536)
+    b = torch.randn(300)
+    calls = []
+    real = layers._NumpyGemv.rows
+
+    def spy(self: object, *args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return real(self, *args)
+
+    layers._NumpyGemv.rows = spy  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            got = linear(x, w, b)
+    finally:
+        layers._NumpyGemv.rows = real  # type: ignore[method-assign]
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert got.shape == (1, rows, 300)
+    assert len(calls) == (1 if rows <= layers.SMALL_ROWS[1] else 0)
+
+
+@needs_numpy_blas
 def test_lean_decode_step_equals_the_general_block() -> None:
     """Decode a few tokens twice: with the lean step, and with it disabled by a forward hook
     on a sub-module (the lean step never runs when hooks would). Bit-identical."""

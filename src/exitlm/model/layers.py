@@ -105,6 +105,45 @@ class _NumpyGemv:
             return y.view(x.shape[0], x.shape[1], -1)
         return y.view(*x.shape[:-1], -1)
 
+    def rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for a few fp32 rows (``SMALL_ROWS``), in blocks of weight rows.
+
+        Verification in self-speculative decoding, KV recomputation and small decoding
+        batches multiply 2-8 rows. MKL and OpenBLAS pack the whole weight matrix for such a
+        GEMM, so it costs 3-5 GEMVs; OpenBLAS' small-matrix kernel, which needs no packing,
+        only takes products of at most ~1e6 multiply-adds. Cutting the weight into blocks of
+        rows that fit brings 5 rows to ~2.5 GEMVs (README "Performance").
+        """
+        self.sync_threads()
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        m, k = x2.shape
+        n = weight.shape[0]
+        xn = x2.numpy()
+        out = np.empty((m, n), dtype=np.float32)
+        block = _row_block(m, k)
+        if weight.is_contiguous():
+            w = weight.detach().numpy()
+            for a in range(0, n, block):
+                np.matmul(xn, w[a : a + block].T, out=out[:, a : a + block])
+        else:  # column-major (layout.optimize_layout): weight.T is a contiguous (in, out)
+            wt = weight.detach().t().numpy()
+            for a in range(0, n, block):
+                np.matmul(xn, wt[:, a : a + block], out=out[:, a : a + block])
+        return torch.from_numpy(out).view(*x.shape[:-1], n)
+
+
+SMALL_ROWS = (2, 8)
+"""Row counts (inclusive) whose fp32 products go through :meth:`_NumpyGemv.rows`."""
+
+
+def _row_block(m: int, k: int) -> int:
+    """Weight rows per block so that ``m x block x k`` stays within OpenBLAS' small-matrix
+    kernel (measured limit ~1e6 multiply-adds; blocks above 128 rows fell off it too)."""
+    block = 128
+    while block > 8 and m * block * k > 1_000_000:
+        block //= 2
+    return block
+
 
 _NUMPY_GEMV = _NumpyGemv()
 _PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
@@ -143,7 +182,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` with the CPU fast paths of :mod:`exitlm.model.layout`.
 
     * a weight pre-packed for oneDNN (bf16 inference) is used when no gradient is needed;
-    * one fp32 row without gradients (batch-1 decoding) goes through numpy's OpenBLAS GEMV;
+    * one fp32 row without gradients (batch-1 decoding) goes through numpy's OpenBLAS GEMV,
+      and 2-8 rows (verification, KV recomputation, small batches) through its small-matrix
+      GEMM in blocks of weight rows (:meth:`_NumpyGemv.rows`);
     * CPU fp16 GEMM with many rows (prefill) is ~50x slower than fp32, so such inputs are
       computed in fp32 and cast back; one-row GEMV (decoding) stays in fp16, where it is fast.
     """
@@ -168,6 +209,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and type(x) is torch.Tensor
     ):
         y = _NUMPY_GEMV(x, weight)
+        return y if bias is None else y + bias
+    if (
+        x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and _NUMPY_GEMV.enabled
+        and SMALL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_ROWS[1]
+        and x.is_cpu
+        and weight.is_cpu
+        and not torch.is_grad_enabled()
+        and type(weight) in _PLAIN_TENSORS
+        and type(x) is torch.Tensor
+        and x.is_contiguous()
+        and (weight.is_contiguous() or weight.t().is_contiguous())
+    ):
+        y = _NUMPY_GEMV.rows(x, weight)
         return y if bias is None else y + bias
     if x.dtype == torch.float16 and x.device.type == "cpu" and x.numel() > 8 * x.shape[-1]:
         b = None if bias is None else bias.float()
