@@ -418,11 +418,11 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if (
             plan is not None
-            and h.shape[1] == 1
             and h.shape[0] == 1
+            and h.shape[1] <= SMALL_ROWS[1]
             and h.dtype is torch.float32
             and _NUMPY_GEMV.enabled
-            and mask is None
+            and (mask is None) == (h.shape[1] == 1)
             and rope is not None
             and cache is not None
             and plan.index is None
@@ -431,7 +431,7 @@ class Block(nn.Module):
         ):
             parts = self._decode_parts()
             if parts is not None:
-                return self._decode_step(parts, h, rope, cache, slot, plan)
+                return self._decode_step(parts, h, rope, cache, slot, plan, mask)
         h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask)
         return h + self.mlp(self.norm_mlp(h))
 
@@ -463,6 +463,7 @@ class Block(nn.Module):
                 type(lin) is not Linear or lin._forward_hooks or lin._forward_pre_hooks
                 or params["bias"] is not None or type(w) not in _PLAIN_TENSORS
                 or w.dtype is not torch.float32 or not w.is_cpu
+                or not (w.is_contiguous() or w.t().is_contiguous())
             ):
                 return None
             weights.append(w)
@@ -476,28 +477,35 @@ class Block(nn.Module):
         cache: KVCache,
         slot: int,
         plan: WritePlan,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One token of one sequence (fp32, CPU): the same operations as the sub-modules,
-        with their GEMVs straight through numpy and none of their general-case code. Every
-        layer of a batch-1 decoding step pays this code's cost, from caches that the previous
-        multi-megabyte GEMV just flushed, so fewer calls measurably matter (README
-        "Performance")."""
+        """One sequence's next token(s) (fp32, CPU): the same operations as the sub-modules,
+        with their products straight through numpy and none of their general-case code.
+
+        One row is a decoding step (no mask: it attends to every filled slot); 2-8 rows are
+        a verification or KV-recomputation chunk (with its mask; products through
+        :meth:`_NumpyGemv.rows`, as :func:`linear` would). Every layer of every step pays
+        this code's cost, from caches that the previous multi-megabyte product just flushed,
+        so fewer calls measurably matter (README "Performance")."""
         attn, mlp, n1, n2, w_qkv, w_o, w_in, w_out = parts
         nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        gemv = _NUMPY_GEMV.vector
+        m = h.shape[1]
+        mm = _NUMPY_GEMV.vector if m == 1 else _NUMPY_GEMV.rows
         _NUMPY_GEMV.sync_threads()
         x = _rms_norm_fp32(h, n1)
-        qkv = gemv(x, w_qkv).view(1, 1, nh + 2 * nkv, d)
+        qkv = mm(x, w_qkv).view(1, m, nh + 2 * nkv, d)
         qk = apply_rope(qkv[:, :, : nh + nkv], *rope)
         q = qk[:, :, :nh].transpose(1, 2)
         k, v = cache.write(
             slot, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv :].transpose(1, 2), plan
         )
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=nkv != nh)
-        h = h + gemv(out, w_o).view(h.shape)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+        if m > 1:  # (1, H, m, D) -> (1, m, H*D); one row's layout is that already
+            out = out.transpose(1, 2).reshape(1, m, nh * d)
+        h = h + mm(out, w_o).view(h.shape)
         x = _rms_norm_fp32(h, n2)
-        y = gemv(x, w_in)
+        y = mm(x, w_in)
         hidden = mlp.hidden
-        return h + gemv(F.silu(y[:hidden]) * y[hidden:], w_out).view(h.shape)
+        return h + mm(F.silu(y[..., :hidden]) * y[..., hidden:], w_out).view(h.shape)
 
 
