@@ -93,3 +93,21 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = json.loads(capsys.readouterr().out)["sweep"]["rows"]
     assert rows[0]["exact_match"] == 1.0
     assert (tmp_path / "out" / "sweep_thresholds.png").is_file()
+
+
+@pytest.mark.usefixtures("_keep_threads")
+def test_bench_transformers_baselines_use_the_benchmarked_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """For any model but the embedded default, ``hf`` and ``hf-ee`` run an export of the very
+    model benchmarked, so their greedy tokens equal ours."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"def f(x):"\n', encoding="utf-8")
+    rc = main(["bench", "--model", "debug", "--prompts", str(prompts), "--max-new-tokens", "8",
+               "--strategies", "ar,hf,hf-ee", "--exit-layer", "2", "--num-speculations", "2",
+               "--out-dir", str(tmp_path / "out")])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert res["hf"]["exact_match"] == 1.0
+    assert res["hf-ee"]["exact_match"] == 1.0

@@ -26,6 +26,6 @@ def test_bf16_training_on_cuda_learns_and_resumes(tmp_path: Path) -> None:
     rest = resumed.train()
     assert [r["step"] for r in rest] == list(range(21, 31))
     # the saved model loads on the CPU and is fp32 there
-    model = load_model(str(tmp_path / "run" / "model"))
+    model = load_model(str(tmp_path / "run" / "model")).model
     assert next(model.parameters()).device.type == "cpu"
     assert next(model.parameters()).dtype == torch.float32

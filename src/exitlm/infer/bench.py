@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,15 +190,27 @@ class Bench:
 
     # -- transformers --
     def hf_model(self) -> Any:
+        """``transformers``' model with the benchmarked backbone's weights: the embedded
+        default loads from its own GGUF (as a ``transformers`` user would load it), any other
+        model through a temporary Hugging Face export (:func:`exitlm.io.save.export_hf`)."""
         if self._hf is None:
             from transformers import AutoModelForCausalLM
 
-            from exitlm.io.default_model import default_gguf_path
+            if self.model_name in ("default", "default-ee"):
+                from exitlm.io.default_model import default_gguf_path
 
-            gguf = default_gguf_path()
-            _note("bench: loading transformers' model from the same GGUF ...")
-            self._hf = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=self.dtype).eval()
+                gguf = default_gguf_path()
+                _note("bench: loading transformers' model from the same GGUF ...")
+                self._hf = AutoModelForCausalLM.from_pretrained(
+                    str(gguf.parent), gguf_file=gguf.name, dtype=self.dtype).eval()
+            else:
+                from exitlm.io.save import export_hf
+
+                with tempfile.TemporaryDirectory() as tmp:
+                    _note("bench: exporting the model for transformers ...")
+                    path = export_hf(self.model, Path(tmp) / "hf")
+                    self._hf = AutoModelForCausalLM.from_pretrained(
+                        str(path), dtype=self.dtype).eval()
         return self._hf
 
     def run_hf(self, ids: list[int], new: int, early_exit: int | None,
