@@ -46,6 +46,31 @@ def test_greedy_is_token_identical_to_ar(head: str, every: bool, gpt2: bool) -> 
     assert small.stats["draft_vocab"] == 7
 
 
+def test_draft_threshold_stops_drafting_without_changing_output() -> None:
+    """Stopping a round's drafting at an unsure draft (batch: when every running row is
+    unsure) leaves the output identical; threshold 1.0 drafts one token per round, 0.0 the
+    full ``d``."""
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW).token_ids
+    kw = {"strategy": "self-spec", "exit_layer": 2, "num_speculations": 4,
+          "max_new_tokens": NEW}
+    full = generate(model, None, prompts, **kw)
+    for batch in (prompts, [prompts[0]]):
+        want = ar if len(batch) > 1 else ar[:1]
+        drafted = {}
+        for tau in (0.0, 0.5, 0.9, 1.0):
+            got = generate(model, None, batch, draft_threshold=tau, **kw)
+            assert got.token_ids == want, tau
+            assert got.stats["draft_threshold"] == tau
+            drafted[tau] = got.stats["drafted"] / got.stats["rounds"] / len(batch)
+        assert drafted[1.0] <= 1.0 < drafted[0.5] <= drafted[0.0]
+    assert generate(model, None, prompts, draft_threshold=0.0, **kw).stats["drafted"] == \
+        full.stats["drafted"]
+    with pytest.raises(ConfigError, match="draft_threshold"):
+        generate(model, None, prompts, draft_threshold=1.5, **kw)
+
+
 def _perfect_draft_model() -> torch.nn.Module:
     """Layer 4 is an identity (zero residual branches), so exit 3 (through the final norm and
     head) equals the final output: every draft passes and every round ends with a bonus."""
@@ -131,22 +156,26 @@ def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int,
     return probs
 
 
-@pytest.mark.parametrize(("temperature", "draft_vocab"), [(1.0, None), (0.7, 3)])
+@pytest.mark.parametrize(("temperature", "draft_vocab", "tau"),
+                         [(1.0, None, None), (0.7, 3, None), (1.0, None, 1.0)])
 def test_speculative_sampling_matches_target_distribution(
-    temperature: float, draft_vocab: int | None
+    temperature: float, draft_vocab: int | None, tau: float | None
 ) -> None:
     """Chi-square goodness of fit of 3-token continuations (125 cells) from 8,000 sequences
     sampled as one batch: token 1 comes from the prompt forward, tokens 2-3 from one
     speculative round with 2 drafts (rejections and bonus tokens both occur); with a draft
-    vocabulary of 3 ids, tokens 3 and 4 are only reachable through the residual."""
+    vocabulary of 3 ids, tokens 3 and 4 are only reachable through the residual. With a
+    draft threshold of 1.0 the round stops after its first draft (fewer drafts than asked)."""
     model = ee_model(every_layer=True, vocab=5, scale=0.5, seed=1)
     prompt = [1, 3, 0, 2]
     exact = _exact_joint(model, prompt, 3, temperature)
     n = 8000
     out = generate(model, None, [prompt] * n, strategy="self-spec", exit_layer=1,
                    num_speculations=2, max_new_tokens=3, temperature=temperature, seed=7,
-                   ignore_eos=True, draft_vocab=draft_vocab)
+                   ignore_eos=True, draft_vocab=draft_vocab, draft_threshold=tau)
     assert 0.03 < out.stats["acceptance_rate"] < 0.95
+    if tau is not None:
+        assert out.stats["drafted"] == n  # one draft per sequence, not two
     counts: dict[tuple[int, ...], int] = {}
     for toks in out.token_ids:
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1

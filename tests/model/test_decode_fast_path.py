@@ -64,18 +64,19 @@ def test_small_row_products_match_f_linear(rows: int, col_major: bool) -> None:
 
 @needs_numpy_blas
 def test_lean_decode_step_equals_the_general_block() -> None:
-    """Run a 3-token prefill, three one-token steps and a 4-token chunk (a verification) twice:
+    """Run a 3-token prefill, three one-token steps, a 4-token and a 12-token chunk
+    (verifications; products through OpenBLAS blocks, then F.linear) twice:
     with the lean step, and with it disabled by a forward hook on a sub-module (the lean step
     never runs when hooks would). Bit-identical."""
     cfg = preset("debug", exits=ExitConfig(layers=()))
     model = EarlyExitLM(cfg).eval()
-    tokens = torch.randint(0, cfg.vocab_size, (1, 10))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 22))
 
     def run() -> list[torch.Tensor]:
-        cache = model.new_cache(1, 16)
+        cache = model.new_cache(1, 32)
         outs = []
         with torch.no_grad():
-            for a, b in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 10)):
+            for a, b in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 10), (10, 22)):
                 h = model.embed(tokens[:, a:b])
                 outs.append(model.run_layers(h, 0, cfg.num_layers,
                                              positions=torch.arange(a, b)[None], cache=cache))
@@ -91,14 +92,14 @@ def test_lean_decode_step_equals_the_general_block() -> None:
     layers.Block._decode_step = counting  # type: ignore[method-assign]
     try:
         fast = run()
-        assert len(calls) == 5 * cfg.num_layers  # the lean step really ran
+        assert len(calls) == 6 * cfg.num_layers  # the lean step really ran
         handles = [blk.mlp.register_forward_hook(lambda *a: None) for blk in model.layers]
         try:
             slow = run()
         finally:
             for hnd in handles:
                 hnd.remove()
-        assert len(calls) == 5 * cfg.num_layers  # and not with hooks
+        assert len(calls) == 6 * cfg.num_layers  # and not with hooks
     finally:
         layers.Block._decode_step = original  # type: ignore[method-assign]
     for a, b in zip(fast, slow, strict=True):

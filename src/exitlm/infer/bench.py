@@ -214,7 +214,11 @@ class Bench:
         return self._hf
 
     def run_hf(self, ids: list[int], new: int, early_exit: int | None,
-               num_speculations: int) -> Run:
+               num_speculations: int, confidence: float | None = None) -> Run:
+        """``transformers``' greedy ``generate``; with ``early_exit``, its LayerSkip
+        integration (``assistant_early_exit``) drafting ``num_speculations`` tokens per round,
+        stopping early below ``confidence`` (``assistant_confidence_threshold``; ``None``
+        keeps ``transformers``' default, 0.4 in the versions tested)."""
         model = self.hf_model()
         inp = torch.tensor([ids])
         timer = _StreamTimer()
@@ -222,6 +226,8 @@ class Bench:
         if early_exit is not None:
             extra = {"assistant_early_exit": early_exit, "num_assistant_tokens": num_speculations,
                      "num_assistant_tokens_schedule": "constant"}
+            if confidence is not None:
+                extra["assistant_confidence_threshold"] = confidence
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
@@ -249,7 +255,8 @@ class Bench:
             return self.run_hf(ids, new, None, 1)
         if strategy == "hf-ee":
             e = opts.get("exit_layer") or self.default_exit()
-            return self.run_hf(ids, new, e, opts.get("num_speculations", 4))
+            return self.run_hf(ids, new, e, opts.get("num_speculations", 4),
+                               opts.get("draft_threshold"))
         return self.run_ours(strategy, ids, new, opts)
 
     def default_exit(self) -> int:

@@ -37,7 +37,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "exit_layer": ("self-spec", "hf-ee"), "num_speculations": ("self-spec", "hf-ee"),
     "threshold": ("early-exit",), "max_pending": ("early-exit",), "exit_layers": ("early-exit",),
     "kv": ("early-exit",), "ppd_layer": ("ppd",), "ppd_k": ("ppd",),
-    "draft_vocab": ("self-spec", "ppd"),
+    "draft_vocab": ("self-spec", "ppd"), "draft_threshold": ("self-spec", "hf-ee"),
 }
 
 

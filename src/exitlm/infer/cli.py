@@ -74,6 +74,7 @@ STRATEGY_FLAGS: dict[str, str] = {
     "exit_layer": "--exit-layer", "num_speculations": "--num-speculations",
     "threshold": "--threshold", "max_pending": "--max-pending", "exit_layers": "--exit-layers",
     "kv": "--kv", "ppd_layer": "--ppd-layer", "ppd_k": "--ppd-k", "draft_vocab": "--draft-vocab",
+    "draft_threshold": "--draft-threshold",
 }
 
 
@@ -96,6 +97,9 @@ def add_strategy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="self-spec / ppd: draft (or take the top-k) among the first N token "
                         "ids only (cheaper exit projection; output unchanged)")
+    g.add_argument("--draft-threshold", type=float, default=None,
+                   help="self-spec: stop a round's drafting once the exit's probability of "
+                        "its draft falls below this (output unchanged)")
     g.add_argument("--ppd-layer", type=int, default=None,
                    help="ppd: layer d_bar of the early top-k prediction (d/2 <= d_bar < d)")
     g.add_argument("--ppd-k", type=int, default=None, help="ppd: number of branches k")

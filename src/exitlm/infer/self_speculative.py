@@ -62,15 +62,27 @@ class SelfSpecOptions:
             on small models costs as much as several layers. Still exact: verification uses
             the full vocabulary, and a draft distribution with zeros outside the subset is
             as valid for rejection sampling as any other. ``None``: the whole vocabulary.
+        draft_threshold: stop drafting a round early once the exit's probability of its own
+            draft falls below this (for every running sequence of the batch): an unsure draft
+            is likely rejected, and drafting on after it wastes ``E`` layers per token. The
+            unsure draft itself is still verified. Still exact, greedy or sampled: when to
+            stop depends only on the drafts so far (``transformers`` calls this
+            ``assistant_confidence_threshold``). ``None``: always draft ``d`` tokens, as
+            LayerSkip does.
     """
 
     exit_layer: int | None = None
     num_speculations: int = 4
     draft_vocab: int | None = None
+    draft_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculations < 1:
             raise ConfigError(f"num_speculations must be >= 1, got {self.num_speculations}")
+        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
+            raise ConfigError(
+                f"draft_threshold must lie in [0, 1] (or None: off), got {self.draft_threshold}"
+            )
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"draft_vocab must be >= 1 (or None: all), got {self.draft_vocab}")
 
@@ -112,6 +124,7 @@ def generate_self_spec(
     vocab = model.config.vocab_size
     n_draft = vocab if opts.draft_vocab is None else min(opts.draft_vocab, vocab)
     head = DraftHead(model, e, n_draft)
+    tau = opts.draft_threshold
     # fp32 GEMM with a few rows costs nearly a GEMV per row on CPU, so greedy verification
     # projects one position at a time and stops at the first rejection (see _accept_greedy_lazy)
     lazy = dev.type == "cpu" and model.embed_tokens.weight.dtype == torch.float32
@@ -139,6 +152,7 @@ def generate_self_spec(
             n = max(0, min(n_max, max(s.remaining(i) for i in range(b)) - 1))
             base = cache.lengths.to(dev)  # (B,) position of x0
             live = [s.running(i) for i in range(b)]
+            live_rows = torch.tensor(live, device=dev)
             # ---- self-drafting: first E layers + exit E, one token at a time ----
             drafts = torch.empty(b, n, dtype=torch.long, device=dev)
             q_probs = [] if not sampling.greedy else None
@@ -155,13 +169,20 @@ def generate_self_spec(
                 logits = head(hj, ctx, cache)[:, 0]  # (B, N)
                 if q_probs is None:
                     tok = torch.argmax(logits, dim=-1)
+                    if tau is not None and j + 1 < n:
+                        conf = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
                 else:
                     q_small = probabilities(logits, sampling)
                     tok = torch.multinomial(q_small, 1, generator=s.generator)[:, 0]
+                    if tau is not None and j + 1 < n:
+                        conf = q_small.gather(1, tok[:, None])[:, 0]
                     q = q_small if n_draft == vocab else torch.nn.functional.pad(
                         q_small, (0, vocab - n_draft))
                     q_probs.append(q)
                 drafts[:, j] = tok
+                if tau is not None and j + 1 < n and bool((conf[live_rows] < tau).all()):
+                    n = j + 1  # the next pass runs this last draft's first E layers only
+            drafts = drafts[:, :n]
             # ---- self-verification: layers E..L over x0, d_1 .. d_n in one pass ----
             pos = base[:, None] + steps[None, : n + 1]  # (B, n+1)
             ctx = model.context(pos, cache)
@@ -197,7 +218,8 @@ def generate_self_spec(
                           "acceptance_rate": accepted[i] / drafted[i] if drafted[i] else 0.0}
     total_d, total_a = sum(drafted), sum(accepted)
     return s.result("self-spec", {
-        "exit_layer": e, "num_speculations": n_max, "draft_vocab": n_draft, "rounds": rounds,
+        "exit_layer": e, "num_speculations": n_max, "draft_vocab": n_draft,
+        "draft_threshold": tau, "rounds": rounds,
         "drafted": total_d,
         "accepted": total_a, "acceptance_rate": total_a / total_d if total_d else 0.0,
         "tokens_per_round": sum(len(t.ids) - 1 for t in s.trackers) / max(1, rounds) / b,

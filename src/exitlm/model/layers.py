@@ -133,7 +133,16 @@ class _NumpyGemv:
 
 
 SMALL_ROWS = (2, 8)
-"""Row counts (inclusive) whose fp32 products go through :meth:`_NumpyGemv.rows`."""
+"""Row counts (inclusive) whose fp32 products go through :meth:`_NumpyGemv.rows` (beyond 8
+rows the blocks gain little over ``F.linear``)."""
+
+LEAN_ROWS = 16
+"""The most tokens of one sequence that :meth:`Block._decode_step` runs (verification of up
+to 15 drafts); longer chunks (prefills) take the general path."""
+
+
+def _dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
 
 
 def _row_block(m: int, k: int) -> int:
@@ -419,7 +428,7 @@ class Block(nn.Module):
         if (
             plan is not None
             and h.shape[0] == 1
-            and h.shape[1] <= SMALL_ROWS[1]
+            and h.shape[1] <= LEAN_ROWS
             and h.dtype is torch.float32
             and _NUMPY_GEMV.enabled
             and (mask is None) == (h.shape[1] == 1)
@@ -482,15 +491,19 @@ class Block(nn.Module):
         """One sequence's next token(s) (fp32, CPU): the same operations as the sub-modules,
         with their products straight through numpy and none of their general-case code.
 
-        One row is a decoding step (no mask: it attends to every filled slot); 2-8 rows are
-        a verification or KV-recomputation chunk (with its mask; products through
-        :meth:`_NumpyGemv.rows`, as :func:`linear` would). Every layer of every step pays
-        this code's cost, from caches that the previous multi-megabyte product just flushed,
-        so fewer calls measurably matter (README "Performance")."""
+        One row is a decoding step (no mask: it attends to every filled slot); 2 to
+        ``LEAN_ROWS`` rows are a verification or KV-recomputation chunk (with its mask;
+        products through :meth:`_NumpyGemv.rows` or ``F.linear``, as :func:`linear` would).
+        Every layer of every step pays this code's cost, from caches that the previous
+        multi-megabyte product just flushed, so fewer calls measurably matter (README
+        "Performance")."""
         attn, mlp, n1, n2, w_qkv, w_o, w_in, w_out = parts
         nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         m = h.shape[1]
-        mm = _NUMPY_GEMV.vector if m == 1 else _NUMPY_GEMV.rows
+        if m == 1:
+            mm = _NUMPY_GEMV.vector
+        else:
+            mm = _NUMPY_GEMV.rows if m <= SMALL_ROWS[1] else _dense_rows
         _NUMPY_GEMV.sync_threads()
         x = _rms_norm_fp32(h, n1)
         qkv = mm(x, w_qkv).view(1, m, nh + 2 * nkv, d)
