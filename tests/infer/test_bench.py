@@ -100,14 +100,20 @@ def test_bench_transformers_baselines_use_the_benchmarked_weights(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """For any model but the embedded default, ``hf`` and ``hf-ee`` run an export of the very
-    model benchmarked, so their greedy tokens equal ours."""
+    model benchmarked, so their greedy tokens equal ours (``--draft-threshold`` reaches
+    both self-spec and ``transformers``' ``assistant_confidence_threshold``)."""
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('"def f(x):"\n', encoding="utf-8")
     rc = main(["bench", "--model", "debug", "--prompts", str(prompts), "--max-new-tokens", "8",
-               "--strategies", "ar,hf,hf-ee", "--exit-layer", "2", "--num-speculations", "2",
+               "--strategies", "ar,self-spec,hf,hf-ee", "--exit-layer", "2",
+               "--num-speculations", "2", "--draft-threshold", "0.5",
                "--out-dir", str(tmp_path / "out")])
     assert rc == 0
-    res = json.loads(capsys.readouterr().out)["results"]
+    rep = json.loads(capsys.readouterr().out)
+    res = rep["results"]
+    assert rep["config"]["options"]["hf-ee"]["draft_threshold"] == 0.5
+    assert rep["config"]["options"]["self-spec"]["draft_threshold"] == 0.5
+    assert res["self-spec"]["exact_match"] == 1.0
     assert res["hf"]["exact_match"] == 1.0
     assert res["hf-ee"]["exact_match"] == 1.0
