@@ -167,20 +167,21 @@ def generate_self_spec(
                         model.exit_features(hj, e, cache=cache, ctx=ctx)
                     break  # the last draft only needs its first E layers for verification
                 logits = head(hj, ctx, cache)[:, 0]  # (B, N)
+                may_stop = tau is not None and j + 1 < n
                 if q_probs is None:
                     tok = torch.argmax(logits, dim=-1)
-                    if tau is not None and j + 1 < n:
+                    if may_stop:
                         conf = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
                 else:
                     q_small = probabilities(logits, sampling)
                     tok = torch.multinomial(q_small, 1, generator=s.generator)[:, 0]
-                    if tau is not None and j + 1 < n:
+                    if may_stop:
                         conf = q_small.gather(1, tok[:, None])[:, 0]
                     q = q_small if n_draft == vocab else torch.nn.functional.pad(
                         q_small, (0, vocab - n_draft))
                     q_probs.append(q)
                 drafts[:, j] = tok
-                if tau is not None and j + 1 < n and bool((conf[live_rows] < tau).all()):
+                if may_stop and bool((conf[live_rows] < tau).all()):
                     n = j + 1  # the next pass runs this last draft's first E layers only
             drafts = drafts[:, :n]
             # ---- self-verification: layers E..L over x0, d_1 .. d_n in one pass ----

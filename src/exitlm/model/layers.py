@@ -119,16 +119,14 @@ class _NumpyGemv:
         m, k = x2.shape
         n = weight.shape[0]
         xn = x2.numpy()
+        # a strided view: for a column-major weight (layout.optimize_layout) each block's
+        # transpose is a contiguous slice of the (in, out) matrix, for a row-major one a
+        # transposed block; OpenBLAS takes either without a copy
+        w = weight.detach().numpy()
         out = np.empty((m, n), dtype=np.float32)
         block = _row_block(m, k)
-        if weight.is_contiguous():
-            w = weight.detach().numpy()
-            for a in range(0, n, block):
-                np.matmul(xn, w[a : a + block].T, out=out[:, a : a + block])
-        else:  # column-major (layout.optimize_layout): weight.T is a contiguous (in, out)
-            wt = weight.detach().t().numpy()
-            for a in range(0, n, block):
-                np.matmul(xn, wt[:, a : a + block], out=out[:, a : a + block])
+        for a in range(0, n, block):
+            np.matmul(xn, w[a : a + block].T, out=out[:, a : a + block])
         return torch.from_numpy(out).view(*x.shape[:-1], n)
 
 
@@ -141,8 +139,10 @@ LEAN_ROWS = 16
 to 15 drafts); longer chunks (prefills) take the general path."""
 
 
-def _dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def _blas_layout(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is row- or column-major, the layouts :meth:`_NumpyGemv.rows`
+    hands to OpenBLAS as they are."""
+    return weight.is_contiguous() or weight.t().is_contiguous()
 
 
 def _row_block(m: int, k: int) -> int:
@@ -210,30 +210,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.dtype is torch.float32
         and weight.dtype is torch.float32
         and _NUMPY_GEMV.enabled
-        and x.numel() == x.shape[-1]  # one row: batch-1 decoding
         and x.is_cpu
         and weight.is_cpu
         and not torch.is_grad_enabled()
         and type(weight) in _PLAIN_TENSORS
         and type(x) is torch.Tensor
     ):
-        y = _NUMPY_GEMV(x, weight)
-        return y if bias is None else y + bias
-    if (
-        x.dtype is torch.float32
-        and weight.dtype is torch.float32
-        and _NUMPY_GEMV.enabled
-        and SMALL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_ROWS[1]
-        and x.is_cpu
-        and weight.is_cpu
-        and not torch.is_grad_enabled()
-        and type(weight) in _PLAIN_TENSORS
-        and type(x) is torch.Tensor
-        and x.is_contiguous()
-        and (weight.is_contiguous() or weight.t().is_contiguous())
-    ):
-        y = _NUMPY_GEMV.rows(x, weight)
-        return y if bias is None else y + bias
+        if x.numel() == x.shape[-1]:  # one row: batch-1 decoding
+            y = _NUMPY_GEMV(x, weight)
+            return y if bias is None else y + bias
+        if (
+            SMALL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_ROWS[1]
+            and x.is_contiguous()
+            and _blas_layout(weight)
+        ):
+            y = _NUMPY_GEMV.rows(x, weight)
+            return y if bias is None else y + bias
     if x.dtype == torch.float16 and x.device.type == "cpu" and x.numel() > 8 * x.shape[-1]:
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.float16)
@@ -472,7 +464,7 @@ class Block(nn.Module):
                 type(lin) is not Linear or lin._forward_hooks or lin._forward_pre_hooks
                 or params["bias"] is not None or type(w) not in _PLAIN_TENSORS
                 or w.dtype is not torch.float32 or not w.is_cpu
-                or not (w.is_contiguous() or w.t().is_contiguous())
+                or not _blas_layout(w)
             ):
                 return None
             weights.append(w)
@@ -502,8 +494,10 @@ class Block(nn.Module):
         m = h.shape[1]
         if m == 1:
             mm = _NUMPY_GEMV.vector
+        elif m <= SMALL_ROWS[1]:
+            mm = _NUMPY_GEMV.rows
         else:
-            mm = _NUMPY_GEMV.rows if m <= SMALL_ROWS[1] else _dense_rows
+            mm = F.linear
         _NUMPY_GEMV.sync_threads()
         x = _rms_norm_fp32(h, n1)
         qkv = mm(x, w_qkv).view(1, m, nh + 2 * nkv, d)
