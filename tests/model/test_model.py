@@ -56,7 +56,7 @@ def test_every_layer_exits_through_final_head() -> None:
 def test_missing_exit_is_a_clear_error() -> None:
     model = _model(layers=(1,))
     h = torch.zeros(1, 2, model.config.dim)
-    with pytest.raises(ValueError, match="no exit at layer 2"):
+    with pytest.raises(ValueError, match="2 is not an exit of this model"):
         model.exit_logits(h, 2)
 
 

@@ -46,12 +46,11 @@ class ExitMetrics:
 def exit_logits_any(
     model: EarlyExitLM, h: torch.Tensor, layer: int, ctx: object = None
 ) -> tuple[torch.Tensor, str]:
-    """Logits after ``layer``: its own head if it has one, else the shared final head."""
-    if layer == model.num_layers:
-        return model.final_logits(h), "final"
-    if str(layer) in model.exits:
-        return model.exit_logits(h, layer, ctx=ctx), model.config.exits.head  # type: ignore[arg-type]
-    return model.final_logits(h), "shared"
+    """Logits after ``layer`` and how they were made: the exit's own head if it has one,
+    else the shared final norm and head (``"shared"``; ``"final"`` at the last layer)."""
+    route = model.exit_route(layer, shared_ok=True)
+    kind = "final" if layer == model.num_layers else route.kind
+    return model.exit_logits(h, layer, ctx=ctx, shared_ok=True), kind  # type: ignore[arg-type]
 
 
 @torch.no_grad()
@@ -85,13 +84,10 @@ def evaluate_exits(
                 continue
             pos = default_positions(tokens)
             ctx = model.context(pos)
-            h = model.embed(tokens, pos)
-            done = 0
+            h0 = model.embed(tokens, pos)
             top1: dict[int, torch.Tensor] = {}
             topk_ids: dict[int, torch.Tensor] = {}
-            for k in want:
-                h = model.run_layers(h, done, k, ctx=ctx)
-                done = k
+            for k, h in model.walk(h0, 0, L, want, ctx=ctx):
                 logits, heads[k] = exit_logits_any(model, h, k, ctx)
                 logits = logits.float()[valid]  # (N, V)
                 lab = labels[valid]

@@ -15,6 +15,11 @@ Two kinds of bookkeeping are kept:
 
 ``crop`` rolls both back, which is all speculative decoding needs on rejection: stale entries
 past the new length are simply overwritten later.
+
+A serving engine keeps one cache as a pool of rows (one per running sequence): ``rows(lo,
+hi)`` is a cache over rows ``[lo, hi)`` sharing the pool's storage (its ``lengths`` and
+``fill`` are views too, assigned in place), ``move_row`` compacts the pool when a sequence
+leaves, and ``resize`` grows it when longer sequences arrive.
 """
 
 from __future__ import annotations
@@ -59,12 +64,100 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_slots)]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.fill = torch.zeros(num_slots, batch_size, dtype=torch.long)
+        self._lengths = torch.zeros(batch_size, dtype=torch.long)
+        self._fill = torch.zeros(num_slots, batch_size, dtype=torch.long)
 
     @property
     def num_slots(self) -> int:
         return len(self.keys)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` committed tokens per sequence (the next token's position); assignments
+        are copied in place, so a :meth:`rows` view updates its pool."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        self._lengths.copy_(value)
+
+    @property
+    def fill(self) -> torch.Tensor:
+        """``(slots, B)`` valid leading positions per slot and sequence (assigned in place)."""
+        return self._fill
+
+    @fill.setter
+    def fill(self, value: torch.Tensor) -> None:
+        self._fill.copy_(value)
+
+    # ----- a pool of rows ----------------------------------------------------------------------
+    def rows(self, lo: int, hi: int) -> KVCache:
+        """A cache over rows ``[lo, hi)`` that shares this one's storage and bookkeeping."""
+        if not 0 <= lo < hi <= self.batch_size:
+            raise ValueError(f"rows [{lo}, {hi}) outside the cache's {self.batch_size} rows")
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[lo:hi] for k in self.keys]
+        view.values = [v[lo:hi] for v in self.values]
+        view.batch_size = hi - lo
+        view.max_seq_len = self.max_seq_len
+        view._lengths = self._lengths[lo:hi]
+        view._fill = self._fill[:, lo:hi]
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row ``src`` (its first ``max(fill)`` positions and bookkeeping) to ``dst``."""
+        n = int(self._fill[:, src].max()) if self.num_slots else 0
+        n = max(n, int(self._lengths[src]))
+        for t in (*self.keys, *self.values):
+            t[dst, :, :n] = t[src, :, :n]
+        self._lengths[dst] = self._lengths[src]
+        self._fill[:, dst] = self._fill[:, src]
+
+    def clear_row(self, row: int) -> None:
+        """Forget row ``row`` (length and fill 0; its entries are overwritten later)."""
+        self._lengths[row] = 0
+        self._fill[:, row] = 0
+
+    def resize(self, batch_size: int, max_seq_len: int) -> None:
+        """Reallocate to ``batch_size`` rows x ``max_seq_len`` positions, keeping what fits."""
+        if batch_size <= 0 or max_seq_len <= 0:
+            raise ValueError(f"resize needs positive sizes, got {batch_size}, {max_seq_len}")
+        if (batch_size, max_seq_len) == (self.batch_size, self.max_seq_len):
+            return
+        b, s = min(batch_size, self.batch_size), min(max_seq_len, self.max_seq_len)
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(batch_size, t.shape[1], max_seq_len, t.shape[3])
+            out[:b, :, :s] = t[:b, :, :s]
+            return out
+
+        self.keys = [grown(k) for k in self.keys]
+        self.values = [grown(v) for v in self.values]
+        lengths = torch.zeros(batch_size, dtype=torch.long)
+        lengths[:b] = self._lengths[:b].clamp(max=max_seq_len)
+        fill = torch.zeros(self.num_slots, batch_size, dtype=torch.long)
+        fill[:, :b] = self._fill[:, :b].clamp(max=max_seq_len)
+        self._lengths, self._fill = lengths, fill
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def put(
+        self, slot: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store ``k, v`` ``(n, Hkv, T, D)`` at ``positions`` ``(n, T)`` of ``rows`` ``(n,)``
+        (``fill`` is the caller's to update)."""
+        kc, vc = self.keys[slot], self.values[slot]
+        r = rows.to(kc.device)[:, None]
+        p = positions.to(kc.device)
+        kc[r, :, p] = k.transpose(1, 2).to(kc.dtype)  # indexed view is (n, T, Hkv, D)
+        vc[r, :, p] = v.transpose(1, 2).to(vc.dtype)
+
+    def copy_from(self, src: KVCache, slots: int, position: int) -> None:
+        """Copy ``position`` of the first ``slots`` slots of ``src`` (same rows) into this
+        cache (PPD shares one new entry per token between its caches)."""
+        for i in range(slots):
+            self.keys[i][:, :, position] = src.keys[i][:, :, position]
+            self.values[i][:, :, position] = src.values[i][:, :, position]
 
     def plan(self, positions: torch.Tensor) -> WritePlan:
         """Precompute how a forward over ``positions`` ``(B, T)`` writes into every slot.
@@ -120,17 +213,8 @@ class KVCache:
         lengths = lengths.to(torch.long).cpu()
         if lengths.shape != (self.batch_size,) or bool((lengths < 0).any()):
             raise ValueError(f"crop needs {self.batch_size} non-negative lengths, got {lengths}")
-        self.lengths = torch.minimum(self.lengths, lengths)
-        self.fill = torch.minimum(self.fill, lengths[None, :])
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep/reorder sequences along the batch dimension (e.g. drop finished ones)."""
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
-        cpu_index = index.cpu()
-        self.lengths = self.lengths.index_select(0, cpu_index)
-        self.fill = self.fill.index_select(1, cpu_index)
-        self.batch_size = int(index.numel())
+        torch.minimum(self._lengths, lengths, out=self._lengths)
+        torch.minimum(self._fill, lengths[None, :], out=self._fill)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -326,6 +326,19 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.num_heads * cfg.hdim, cfg.dim, bias=cfg.out_bias)
 
+    def kv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``(B, Hkv, T, D)`` of the (normed) input ``x`` ``(B, T, D)``."""
+        b, t, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.wqkv(x)
+        qkv = qkv.to(attention_dtype(qkv.dtype, qkv.device)).view(b, t, h + 2 * hkv, d)
+        k, v = qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
+        if rope is not None:
+            k = apply_rope(k, *rope)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -435,6 +448,12 @@ class Block(nn.Module):
                 return self._decode_step(parts, h, rope, cache, slot, plan, mask)
         h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask)
         return h + self.mlp(self.norm_mlp(h))
+
+    def kv(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this layer's attention computes from its input ``h``."""
+        return self.attn.kv(self.norm_attn(h), rope)
 
     def _decode_parts(self) -> tuple | None:
         """What :meth:`_decode_step` needs, or None unless it computes exactly what the

@@ -1,13 +1,17 @@
 """The early-exit decoder-only transformer (one class for the Llama family and GPT-2).
 
-Every algorithm in exitlm is a composition of four calls (DESIGN.md, "One model, sliced by
+Every algorithm in exitlm is a composition of a few calls (DESIGN.md, "One model, sliced by
 layer range"):
 
 * :meth:`EarlyExitLM.embed` - token (+ learned position) embedding;
 * :meth:`EarlyExitLM.run_layers` - layers ``[start, end)`` (0-based slots) on hidden states,
   with explicit positions and an optional :class:`~exitlm.model.kv_cache.KVCache`;
+* :meth:`EarlyExitLM.walk` - the same, stopping after each layer of a set of exits: the one
+  loop every multi-exit computation (forward, losses, evaluation, prefill, pipeline stages)
+  goes through;
 * :meth:`EarlyExitLM.exit_logits` - logits of the exit after layer ``l`` (1-based, as in the
-  papers; ``l = L`` is the final output);
+  papers; ``l = L`` is the final output), following :meth:`EarlyExitLM.exit_route`, the one
+  place that says which head, norm, output matrix and cache slot an exit uses;
 * :meth:`EarlyExitLM.final_logits` - final norm + LM head.
 
 The model never imports ``torch.distributed``; parallelism wraps it from ``exitlm.parallel``.
@@ -15,13 +19,14 @@ The model never imports ``torch.distributed``; parallelism wraps it from ``exitl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
-from exitlm.config import ModelConfig
+from exitlm.config import ConfigError, ModelConfig
 from exitlm.model.exits import ExitHead
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import (
@@ -41,6 +46,41 @@ class ModelOutput:
 
     logits: torch.Tensor
     exit_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExitRoute:
+    """How the exit after layer ``layer`` turns a hidden state into logits (EE-LLM App. D.1,
+    LayerSkip Sec. 4.2): ``h -> [head.block | head.mlp] -> norm -> output embedding``.
+
+    Attributes:
+        layer: the 1-based layer (``L`` is the final output).
+        head: the exit's own parameters (:class:`~exitlm.model.exits.ExitHead`), or ``None``
+            when it exits through the shared final norm and LM head (LayerSkip, the final
+            output, or a shared-head evaluation of any layer).
+        norm: ``own`` (the head's norm), ``final`` (the backbone's) or ``none``.
+        output: ``own`` (the head's matrix), ``tied_embedding`` (the input embedding) or
+            ``final_head`` (the LM head, which is the input embedding when tied).
+        cache_slot: the KV-cache slot of a block head (``None`` for other heads).
+    """
+
+    layer: int
+    head: ExitHead | None
+    norm: Literal["own", "final", "none"]
+    output: Literal["own", "tied_embedding", "final_head"]
+    cache_slot: int | None
+
+    @property
+    def has_block(self) -> bool:
+        """Whether the exit runs a transformer block of its own (with its own KV slot)."""
+        return self.head is not None and self.head.block is not None
+
+    @property
+    def kind(self) -> str:
+        """``final``, ``shared`` (final norm + head at an earlier layer) or the head type."""
+        if self.head is not None:
+            return "block" if self.has_block else "mlp" if self.head.mlp is not None else "linear"
+        return "shared"
 
 
 @dataclass
@@ -202,6 +242,58 @@ class EarlyExitLM(nn.Module):
                 h = h.index_copy(0, rows, out)
         return h
 
+    def walk(
+        self,
+        h: torch.Tensor,
+        start: int,
+        end: int,
+        stops: Sequence[int] = (),
+        *,
+        cache: KVCache | None = None,
+        ctx: StepContext | None = None,
+        active: Sequence[torch.Tensor | None] | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Run layers ``[start, end)`` and yield ``(layer, h)`` after every 1-based layer of
+        ``stops`` in ``[start, end]`` and, last, after ``end`` (once, in increasing order).
+
+        The one walk through a set of exits (multi-exit forward, EE-LLM Eq. 1 losses,
+        per-exit evaluation, prefill, pipeline stages); a stop at ``start`` yields ``h``
+        unchanged (an exit after a stage's first layer placed on the next stage, EE-LLM
+        Optimization 2). ``active`` is LayerSkip's per-layer row selection (see
+        :meth:`run_layers`), one entry per model layer.
+        """
+        points = sorted({int(s) for s in stops if start <= s <= end} | {end})
+        done = start
+        for p in points:
+            rows = None if active is None else active[done:p]
+            h = self.run_layers(h, done, p, cache=cache, ctx=ctx, active=rows)
+            done = p
+            yield p, h
+
+    def exit_route(self, layer: int, *, shared_ok: bool = False,
+                   setting: str = "exit layer") -> ExitRoute:
+        """How the exit after 1-based ``layer`` computes its logits (see :class:`ExitRoute`).
+
+        Raises a :class:`~exitlm.config.ConfigError` naming ``setting`` when the model cannot
+        exit there: the one check of "is this layer an exit". ``shared_ok`` lets any layer
+        exit through the final norm and head (per-exit evaluation of an untrained model).
+        """
+        cfg = self.config
+        if not 1 <= layer <= cfg.num_layers or (
+            layer < cfg.num_layers and str(layer) not in self.exits
+            and not (cfg.exits.every_layer or shared_ok)
+        ):
+            raise ConfigError(
+                f"{setting} {layer} is not an exit of this model (configured exits: "
+                f"{list(cfg.exits.layers)}, every_layer={cfg.exits.every_layer}); exits lie in "
+                f"[1, {cfg.num_layers - 1}] and {cfg.num_layers} is the final output"
+            )
+        if layer == cfg.num_layers or str(layer) not in self.exits:
+            return ExitRoute(layer, None, "final", "final_head", None)
+        ex = cfg.exits
+        return ExitRoute(layer, self.exits[str(layer)], ex.norm, ex.output,
+                         self._block_exit_slots.get(layer))
+
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the last layer (final norm + LM head)."""
         return linear(self.norm(h), self.output_embedding())
@@ -213,13 +305,16 @@ class EarlyExitLM(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         ctx: StepContext | None = None,
+        *,
+        shared_ok: bool = False,
     ) -> torch.Tensor:
         """Logits of the exit after layer ``layer`` (1-based; ``layer == L`` is final).
 
         ``h`` is the hidden state after that layer. Layers without their own head exit
-        through the final norm and LM head when ``exits.every_layer`` is set (LayerSkip).
+        through the final norm and LM head when ``exits.every_layer`` (LayerSkip) or
+        ``shared_ok`` is set (see :meth:`exit_route`).
         """
-        return linear(*self.exit_features(h, layer, positions, cache, ctx))
+        return linear(*self.exit_features(h, layer, positions, cache, ctx, shared_ok=shared_ok))
 
     def exit_features(
         self,
@@ -228,41 +323,46 @@ class EarlyExitLM(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         ctx: StepContext | None = None,
+        *,
+        shared_ok: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exit's input to its output embedding and that embedding ``(V, D)``:
         ``exit_logits == linear(*exit_features(...))``. Decoders that need only some
         vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight."""
-        if layer == self.num_layers:
-            return self.norm(h), self.output_embedding()
-        head = self.exits[str(layer)] if str(layer) in self.exits else None  # noqa: SIM401
-        if head is None:
-            if not self.config.exits.every_layer:
-                raise ValueError(
-                    f"the model has no exit at layer {layer}; configured exits: "
-                    f"{list(self.config.exits.layers)} (set exits.layers or exits.every_layer)"
-                )
-            return self.norm(h), self.output_embedding()
-        if head.block is not None:
+        route = self.exit_route(layer, shared_ok=shared_ok)
+        head = route.head
+        if head is not None and head.block is not None:
+            assert route.cache_slot is not None
             if ctx is None:
                 if positions is None:
                     positions = default_positions(h[..., 0])
                 ctx = self.context(positions, cache)
-            h = head.block(h, ctx.rope, cache, self._block_exit_slots[layer], ctx.plan, ctx.mask)
-        if head.mlp is not None:
+            h = head.block(h, ctx.rope, cache, route.cache_slot, ctx.plan, ctx.mask)
+        if head is not None and head.mlp is not None:
             h = h + head.mlp(head.mlp_norm(h))
-        norm = self.config.exits.norm
-        if norm == "own":
+        if route.norm == "own":
+            assert head is not None
             h = head.norm(h)
-        elif norm == "final":
+        elif route.norm == "final":
             h = self.norm(h)
-        out = self.config.exits.output
-        if out == "own":
-            weight = head.proj.weight
-        elif out == "tied_embedding":
-            weight = self.embed_tokens.weight
-        else:
-            weight = self.output_embedding()
-        return h, weight
+        if route.output == "own":
+            assert head is not None
+            return h, head.proj.weight
+        if route.output == "tied_embedding":
+            return h, self.embed_tokens.weight
+        return h, self.output_embedding()
+
+    def write_kv(
+        self, h: torch.Tensor, layer: int, positions: torch.Tensor, cache: KVCache,
+        rows: torch.Tensor,
+    ) -> None:
+        """Write the keys/values that 0-based ``layer`` computes from its input hidden
+        states ``h`` ``(n, T, D)`` at ``positions`` ``(n, T)`` of cache rows ``rows``
+        ``(n,)``: the key/value half of the layer only (CALM-style state propagation,
+        EE-LLM Sec. 4). ``cache.fill`` is left to the caller."""
+        rope = self.context(positions).rope
+        k, v = self.layers[layer].kv(h, rope)
+        cache.put(layer, rows, positions, k, v)
 
     def forward(
         self,
@@ -278,14 +378,11 @@ class EarlyExitLM(nn.Module):
             positions = default_positions(tokens)
         want = self.config.exits.layers if exit_layers is None else tuple(exit_layers)
         ctx = self.context(positions, cache)
-        h = self.embed(tokens, positions)
+        h0 = self.embed(tokens, positions)
         exits: dict[int, torch.Tensor] = {}
-        done = 0
-        for layer in sorted(want):
-            h = self.run_layers(h, done, layer, cache=cache, ctx=ctx)
-            done = layer
-            exits[layer] = self.exit_logits(h, layer, cache=cache, ctx=ctx)
-        h = self.run_layers(h, done, self.num_layers, cache=cache, ctx=ctx)
+        for layer, h in self.walk(h0, 0, self.num_layers, want, cache=cache, ctx=ctx):
+            if layer < self.num_layers:
+                exits[layer] = self.exit_logits(h, layer, cache=cache, ctx=ctx)
         return ModelOutput(self.final_logits(h), exits)
 
     def num_parameters(self, *, exits_only: bool = False) -> int:

@@ -89,15 +89,10 @@ def multi_exit_loss(
     if positions is None:
         positions = default_positions(tokens)
     ctx = model.context(positions)
-    h = model.embed(tokens, positions)
-    total = torch.zeros((), device=h.device, dtype=torch.float32)
+    h0 = model.embed(tokens, positions)
+    total = torch.zeros((), device=h0.device, dtype=torch.float32)
     per_exit: dict[int, torch.Tensor] = {}
-    done = 0
-    for k in want:
-        h = model.run_layers(
-            h, done, k, ctx=ctx, active=None if active is None else active[done:k]
-        )
-        done = k
+    for k, h in model.walk(h0, 0, want[-1], want, ctx=ctx, active=active):
         loss = lm_cross_entropy(model.exit_logits(h, k, ctx=ctx), labels, ignore_index)
         total = total + float(weights[k]) * loss
         per_exit[k] = loss.detach()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -219,24 +220,21 @@ class StageExecutor:
             st.kv.begin(a.slice, hi - lo)
         ctx = model.context(positions, st.kv)  # type: ignore[arg-type]
         sl.ctx = ctx
-        h = model.embed(tokens, positions) if spec.first else x_in
-        assert h is not None
-        done = spec.start
-        active = mb.active
+        h_in = model.embed(tokens, positions) if spec.first else x_in
+        assert h_in is not None
         labels = mb.labels[:, lo:hi]
         loss_layers = [layer for layer in spec.exits if layer in self.weights] if grad_here \
             else []
-        for layer in loss_layers:
-            h = model.run_layers(h, done, layer, cache=st.kv, ctx=ctx,  # type: ignore[arg-type]
-                                 active=None if active is None else active[done:layer])
-            done = layer
+        kv: Any = st.kv
+        for layer, h in model.walk(h_in, spec.start, spec.end, loss_layers, cache=kv,
+                                   ctx=ctx, active=mb.active):
+            if layer not in loss_layers:
+                continue
             if self.deferred:
                 sl.deferred.append((layer, h))
             else:
                 logits = model.exit_logits(h, layer, cache=st.kv, ctx=ctx)  # type: ignore[arg-type]
                 self._add_loss(sl, a.mb, layer, logits, labels, st.count)
-        h = model.run_layers(h, done, spec.end, cache=st.kv, ctx=ctx,  # type: ignore[arg-type]
-                             active=None if active is None else active[done:spec.end])
         final = spec.num_layers
         if spec.last and grad_here and final in self.weights:
             self._add_loss(sl, a.mb, final, model.final_logits(h), labels, st.count)
