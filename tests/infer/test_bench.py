@@ -10,7 +10,9 @@ import pytest
 
 from exitlm.cli import main
 from exitlm.infer.bench import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
+from exitlm.infer.ppd import PPDStats
 from exitlm.infer.rouge import lcs_length, rouge_l, rouge_l_tokens, words
+from exitlm.infer.self_speculative import SelfSpecStats
 from exitlm.plan.ppd_theory import expected_latency
 
 
@@ -42,13 +44,13 @@ def test_load_prompts_jsonl(tmp_path: Path) -> None:
 
 def test_summarize_and_ppd_theory() -> None:
     ar = [Run([1, 2, 3], "a b c", 2.0, 2, 2.5), Run([4, 5], "d e", 1.0, 1, 1.2)]
-    other = [Run([1, 2, 9], "a b z", 1.0, 2, 1.5, {"drafted": 4, "accepted": 3}),
-             Run([4, 5], "d e", 0.5, 1, 0.7, {"drafted": 2, "accepted": 1})]
+    other = [Run([1, 2, 9], "a b z", 1.0, 2, 1.5, SelfSpecStats(drafted=4, accepted=3)),
+             Run([4, 5], "d e", 0.5, 1, 0.7, SelfSpecStats(drafted=2, accepted=1))]
     s = summarize(other, ar)
     assert s["decode_tokens_per_s"] == pytest.approx(3 / 1.5)
     assert s["exact_match"] == 0.5 and s["acceptance_rate"] == pytest.approx(4 / 6)
     assert s["rouge_l"] == pytest.approx((2 / 3 + 1) / 2)
-    ppd = [Run([1] * 11, "", 3.0, 10, 3.5, {"forks": 9, "matches": 3})]
+    ppd = [Run([1] * 11, "", 3.0, 10, 3.5, PPDStats(forks=9, matches=3))]
     ref = [Run([1] * 11, "", 4.0, 10, 4.5)]
     t = ppd_vs_theory(ppd, ref, 30, 20, 1)
     unit = 4.0 / 10 / 30

@@ -40,7 +40,7 @@ def test_lossless_strategies_match_greedy_on_cuda(head: str, every: bool) -> Non
             got = generate(model, None, [p], strategy="ppd", ppd_layer=3, ppd_k=2,
                            parallel=parallel, max_new_tokens=NEW)
             assert got.token_ids == [want], parallel
-            assert got.stats["forks"] == NEW - 2  # one per decoded token but the last
+            assert got.stats.forks == NEW - 2  # one per decoded token but the last
 
 
 def test_kv_recomputation_matches_cpu_decisions_on_cuda() -> None:

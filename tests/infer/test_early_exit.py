@@ -8,10 +8,8 @@ import torch
 from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
 from exitlm.config import ConfigError
-from exitlm.infer import generate
-from exitlm.infer.early_exit import state_kv
-from exitlm.infer.kv_recompute import RecomputeDecoder, reference_decode
-from exitlm.infer.options import SamplingOptions
+from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
+from exitlm.infer.kv_recompute import reference_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,29 +59,30 @@ def test_kv_recompute_equals_cache_free_reference(
 
 def test_fill_tracks_missing_layers_and_pending_joins_at_its_exit() -> None:
     model = ee_model("linear")
-    prompt = random_prompts(sizes=(6,))
-    cache = model.new_cache(1, 64)
-    with torch.inference_mode():
-        model(torch.tensor(prompt), cache=cache)
-    cache.lengths[:] = 6
-    cache.fill[:] = 6
+    prompt = random_prompts(sizes=(6,))[0]
     # threshold 0: every token exits at the first check (layer 2) until max_pending forces
-    dec = RecomputeDecoder(model, cache, (2,), 0.0, 3, SamplingOptions(), None)
-    tok = torch.tensor([5])
+    engine = Engine(model, None, "early-exit",
+                    EarlyExitOptions(threshold=0.0, max_pending=3, exit_layers=(2,)),
+                    max_batch=1)
+    req = engine.submit(prompt, SamplingOptions(max_new_tokens=10, ignore_eos=True))
     seen = []
+    evals = 0
     for _ in range(4):
-        toks, layers, evals = dec.step(tok)
-        seen.append((layers[0], evals[0], cache.fill[:, 0].tolist()))
-        tok = torch.tensor(toks)
-    # step 1: exit at layer 2 -> layers 0,1 hold position 6, layers 2,3 stop at 6
-    assert seen[0] == (2, 2, [7, 7, 6, 6])
+        engine.step()  # the first step also prefills (one full-depth token)
+        assert engine.pool.cache is not None
+        seen.append((req.exit_layers[-1], req.layer_evaluations - evals,
+                     engine.pool.cache.fill[:, 0].tolist()))
+        evals = req.layer_evaluations
+    # step 1: prefill (4 layers) + exit at layer 2 -> layers 0,1 hold position 6
+    assert seen[0] == (2, 4 + 2, [7, 7, 6, 6])
     # step 2: nothing pending below layer 2; exits again
     assert seen[1] == (2, 2, [8, 8, 6, 6])
     assert seen[2] == (2, 2, [9, 9, 6, 6])
     # step 4: 3 pending -> forced full pass; they join at layer 2 (not layer 1):
     # 2 layers x 1 new token + 2 layers x 4 tokens (3 pending + new)
     assert seen[3] == (4, 2 + 2 * 4, [10, 10, 10, 10])
-    assert int(dec.pending()[0]) == 0
+    assert req.stats.forced_full == 1  # type: ignore[attr-defined]
+    assert req.stats.recompute_evaluations == 2 * 3  # type: ignore[attr-defined]
 
 
 def test_fixed_layer_exit_is_the_truncated_model() -> None:
@@ -112,14 +111,16 @@ def test_state_copy_writes_exit_state_projections() -> None:
                      max_new_tokens=NEW)
     assert any(x < 4 for s in lossy.sequences for x in s.exit_layers)
     # the projections equal what the layer itself writes for the same input
-    h = torch.randn(1, 1, 32)
-    cache = model.new_cache(1, 8)
-    pos = torch.zeros(1, 1, dtype=torch.long)
+    h = torch.randn(2, 1, 32)
+    cache = model.new_cache(2, 8)
+    pos = torch.tensor([[0], [3]])
+    copied = model.new_cache(2, 8)
     with torch.inference_mode():
         model.run_layers(h, 1, 2, cache=cache, ctx=model.context(pos, cache))
-        k, v = state_kv(model, 1, h, model.context(pos).rope)
-    torch.testing.assert_close(k[:, :, 0], cache.keys[1][:, :, 0])
-    torch.testing.assert_close(v[:, :, 0], cache.values[1][:, :, 0])
+        model.write_kv(h[1:], 1, pos[1:], copied, torch.tensor([1]))
+    torch.testing.assert_close(copied.keys[1][1, :, 3], cache.keys[1][1, :, 3])
+    torch.testing.assert_close(copied.values[1][1, :, 3], cache.values[1][1, :, 3])
+    assert float(copied.keys[1][0].abs().sum()) == 0.0  # row 0 untouched
 
 
 def test_sampling_and_stop_tokens_per_sequence() -> None:
@@ -139,7 +140,7 @@ def test_sampling_and_stop_tokens_per_sequence() -> None:
 
 def test_config_errors() -> None:
     model = ee_model("linear", layers=(2,))
-    with pytest.raises(ConfigError, match="not exits"):
+    with pytest.raises(ConfigError, match="1 is not an exit"):
         generate(model, None, [1, 2], strategy="early-exit", exit_layers=(1,))
     with pytest.raises(ConfigError, match="max_pending"):
         generate(model, None, [1, 2], strategy="early-exit", max_pending=0)

@@ -36,16 +36,15 @@ def test_ppd_stats_match_theorem_4_1() -> None:
     got = generate(model, None, random_prompts(sizes=(6,))[0], strategy="ppd", ppd_layer=3,
                    ppd_k=2, max_new_tokens=NEW)
     st = got.stats
-    flags = got.sequences[0].stats["early_prediction_correct"]
-    assert st["forks"] == NEW - 2 == len(flags)  # one fork per decoded token but the last
-    assert st["matches"] == sum(flags) and 0 < st["matches"] < st["forks"]
-    assert st["p_correct"] == pytest.approx(st["matches"] / st["forks"])
-    theory = st["theory"]
-    assert theory["latency"] == pytest.approx(expected_latency(4, 3, 2, NEW - 1, st["p_correct"]))
+    assert st.forks == NEW - 2  # one fork per decoded token but the last
+    assert 0 < st.matches < st.forks
+    assert st.p_correct == pytest.approx(st.matches / st.forks)
+    theory = st.theory(4, 3, 2, NEW - 1)
+    assert theory["latency"] == pytest.approx(expected_latency(4, 3, 2, NEW - 1, st.p_correct))
     # layer evaluations: d for the first token; per decoded token d, minus (d - d_bar) after a
     # confirmed prediction, plus k (d - d_bar) per fork (PPD Theorem 4.1's compute)
     m = 4 - 3
-    expect = 4 + (NEW - 1) * 4 - m * st["matches"] + 2 * m * st["forks"]
+    expect = 4 + (NEW - 1) * 4 - m * st.matches + 2 * m * st.forks
     assert got.sequences[0].layer_evaluations == expect
 
 
@@ -63,7 +62,16 @@ def test_ppd_config_errors() -> None:
     model = ee_model(every_layer=True)
     with pytest.raises(ConfigError, match="d/2 <= d_bar < d"):
         generate(model, None, [1, 2], strategy="ppd", ppd_layer=1)
-    with pytest.raises(ConfigError, match="one prompt"):
-        generate(model, None, [[1, 2], [3]], strategy="ppd")
     with pytest.raises(ConfigError, match="greedy"):
         generate(model, None, [1, 2], strategy="ppd", temperature=0.5)
+
+
+def test_ppd_batch_runs_one_sequence_at_a_time() -> None:
+    """A batch of prompts under PPD is served one sequence after the other (the engine queues
+    them); each equals its greedy output."""
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW).token_ids
+    got = generate(model, None, prompts, strategy="ppd", ppd_layer=3, max_new_tokens=NEW)
+    assert got.token_ids == ar
+    assert got.stats.forks == len(prompts) * (NEW - 2)

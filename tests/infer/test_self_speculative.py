@@ -32,7 +32,7 @@ def test_greedy_is_token_identical_to_ar(head: str, every: bool, gpt2: bool) -> 
         ss = generate(model, None, prompts, strategy="self-spec", exit_layer=e,
                       num_speculations=d, max_new_tokens=NEW)
         assert ss.token_ids == ar.token_ids, (e, d)
-        assert ss.stats["drafted"] > 0
+        assert ss.stats.drafted > 0
         for seq in ss.sequences:
             assert len(seq.exit_layers) == len(seq.token_ids) == NEW
             assert set(seq.exit_layers) <= {e, 4}
@@ -43,7 +43,7 @@ def test_greedy_is_token_identical_to_ar(head: str, every: bool, gpt2: bool) -> 
     small = generate(model, None, prompts, strategy="self-spec", exit_layer=3,
                      num_speculations=3, draft_vocab=7, max_new_tokens=NEW)
     assert small.token_ids == ar.token_ids
-    assert small.stats["draft_vocab"] == 7
+    assert small.options["draft_vocab"] == 7
 
 
 def test_draft_threshold_stops_drafting_without_changing_output() -> None:
@@ -62,11 +62,11 @@ def test_draft_threshold_stops_drafting_without_changing_output() -> None:
         for tau in (0.0, 0.5, 0.9, 1.0):
             got = generate(model, None, batch, draft_threshold=tau, **kw)
             assert got.token_ids == want, tau
-            assert got.stats["draft_threshold"] == tau
-            drafted[tau] = got.stats["drafted"] / got.stats["rounds"] / len(batch)
+            assert got.options["draft_threshold"] == tau
+            drafted[tau] = got.stats.drafted / got.stats.rounds
         assert drafted[1.0] <= 1.0 < drafted[0.5] <= drafted[0.0]
-    assert generate(model, None, prompts, draft_threshold=0.0, **kw).stats["drafted"] == \
-        full.stats["drafted"]
+    assert generate(model, None, prompts, draft_threshold=0.0, **kw).stats.drafted == \
+        full.stats.drafted
     with pytest.raises(ConfigError, match="draft_threshold"):
         generate(model, None, prompts, draft_threshold=1.5, **kw)
 
@@ -88,11 +88,11 @@ def test_all_drafts_accepted_gives_bonus_tokens() -> None:
     ss = generate(model, None, prompts, strategy="self-spec", exit_layer=3,
                   num_speculations=4, max_new_tokens=NEW)
     assert ss.token_ids == ar.token_ids
-    assert ss.stats["acceptance_rate"] == 1.0
+    assert ss.stats.acceptance_rate == 1.0
     # first token from the prompt, then rounds of 4 drafts + 1 bonus: 1 + 5 + 5 + ...
     seq = ss.sequences[0]
     assert seq.exit_layers[:7] == [4, 3, 3, 3, 3, 4, 3]
-    assert ss.stats["rounds"] == math.ceil((NEW - 1) / 5)
+    assert ss.stats.rounds == len(prompts) * math.ceil((NEW - 1) / 5)
 
 
 def test_stop_token_mid_round_and_batch_independence() -> None:
@@ -108,39 +108,32 @@ def test_stop_token_mid_round_and_batch_independence() -> None:
 
 
 def test_cache_rollback_keeps_only_accepted_tokens() -> None:
-    """After a run, every slot's fill equals each sequence's committed length, and the kept
-    keys equal those of a plain cached forward over prompt + output (nothing stale)."""
-    from exitlm.infer import self_speculative as ss_mod
+    """After every round, each row's fill equals its committed length, and the kept keys
+    equal those of a plain cached forward over prompt + output (nothing stale)."""
+    from exitlm.infer import Engine, SamplingOptions, SelfSpecOptions
 
     model = ee_model(every_layer=True)
     prompts = random_prompts()
-    caches = []
-    orig = ss_mod.Session.new_cache
-
-    def spy(self: ss_mod.Session) -> torch.nn.Module:
-        c = orig(self)
-        caches.append(c)
-        return c
-
-    ss_mod.Session.new_cache = spy  # type: ignore[method-assign]
-    try:
-        out = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
-                       num_speculations=3, max_new_tokens=10, ignore_eos=True)
-    finally:
-        ss_mod.Session.new_cache = orig  # type: ignore[method-assign]
-    cache = caches[0]
-    for i, (p, toks) in enumerate(zip(prompts, out.token_ids, strict=True)):
-        full = p + toks[:-1]  # the last token is x0 of the next round: not cached yet
-        n = len(full)
-        assert int(cache.lengths[i]) <= n
-        assert bool((cache.fill[:, i] == cache.lengths[i]).all())
+    engine = Engine(model, None, "self-spec", SelfSpecOptions(exit_layer=2, num_speculations=3),
+                    max_batch=3)
+    reqs = [engine.submit(p, SamplingOptions(max_new_tokens=10, ignore_eos=True))
+            for p in prompts]
+    engine.step()  # prefill + one round
+    engine.step()  # another round
+    cache = engine.pool.cache
+    assert cache is not None
+    for i, req in enumerate(engine.running):
+        full = req.prompt_ids + req.token_ids[:-1]  # the last token is x0 of the next round
+        m = int(cache.lengths[i])
+        assert m == len(full)
+        assert bool((cache.fill[:4, i] == m).all())
         ref = model.new_cache(1, 64)
         with torch.inference_mode():
             model(torch.tensor([full]), cache=ref)
-        m = int(cache.lengths[i])
         for layer in range(4):
             torch.testing.assert_close(cache.keys[layer][i, :, :m], ref.keys[layer][0, :, :m],
                                        atol=1e-4, rtol=1e-4)
+    assert len(engine.running) == len(reqs)
 
 
 def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int,
@@ -173,9 +166,9 @@ def test_speculative_sampling_matches_target_distribution(
     out = generate(model, None, [prompt] * n, strategy="self-spec", exit_layer=1,
                    num_speculations=2, max_new_tokens=3, temperature=temperature, seed=7,
                    ignore_eos=True, draft_vocab=draft_vocab, draft_threshold=tau)
-    assert 0.03 < out.stats["acceptance_rate"] < 0.95
+    assert 0.03 < out.stats.acceptance_rate < 0.95
     if tau is not None:
-        assert out.stats["drafted"] == n  # one draft per sequence, not two
+        assert out.stats.drafted == n  # one draft per sequence, not two
     counts: dict[tuple[int, ...], int] = {}
     for toks in out.token_ids:
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
@@ -207,11 +200,8 @@ def test_rejection_sampling_step_distribution() -> None:
     q = torch.tensor([[0.5, 0.1, 0.3, 0.1]])
     n = 60000
     drafts = torch.multinomial(q.expand(n, 4), 1, replacement=True, generator=gen)  # (n, 1)
-    logits = torch.cat([p_logits, p_logits], 0)[None].expand(n, 2, 4)
-    from exitlm.infer.options import SamplingOptions
-
-    n_acc, final = _accept_sampled(drafts, [q.expand(n, 4)], logits, SamplingOptions(
-        temperature=1.0), gen)
+    p = torch.softmax(p_logits, -1)[:, None].expand(n, 2, 4)  # (n, n_drafts + 1, V)
+    n_acc, final = _accept_sampled(drafts, q.expand(n, 4)[:, None], p, gen)
     first = torch.where(n_acc >= 1, drafts[:, 0], final)
     freq = torch.bincount(first, minlength=4).double() / n
     torch.testing.assert_close(freq, torch.softmax(p_logits[0].double(), 0), atol=0.01, rtol=0)
@@ -219,7 +209,7 @@ def test_rejection_sampling_step_distribution() -> None:
 
 def test_config_errors() -> None:
     model = ee_model(layers=(2,))
-    with pytest.raises(ConfigError, match="not an early exit"):
+    with pytest.raises(ConfigError, match="1 is not an exit of this model"):
         generate(model, None, [1, 2], strategy="self-spec", exit_layer=1)
     with pytest.raises(ConfigError, match="num_speculations"):
         generate(model, None, [1, 2], strategy="self-spec", num_speculations=0)
@@ -236,8 +226,10 @@ def test_lazy_and_batched_greedy_verification_agree() -> None:
     drafts[1, 0] += 1  # reject at 0
     drafts[2, 2] += 1  # reject at 2
     drafts[3, 1] += 1
+    limit = torch.tensor([3, 3, 3, 3, 3, 1])  # the last row may keep one draft only
     with torch.inference_mode():
-        a = _accept_greedy(drafts, model.final_logits(hv))
-        b = _accept_greedy_lazy(model, drafts, hv)
-    assert a[0].tolist() == b[0].tolist() == [3, 0, 2, 1, 3, 3]
+        a = _accept_greedy(model, drafts, hv, limit)
+        b = _accept_greedy_lazy(model, drafts, hv, limit)
+    assert a[0].tolist() == b[0].tolist() == [3, 0, 2, 1, 3, 1]
     assert a[1].tolist() == b[1].tolist()
+    assert a[1].tolist() == [int(target[i, j]) for i, j in enumerate([3, 0, 2, 1, 3, 1])]

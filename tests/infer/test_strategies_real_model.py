@@ -50,7 +50,7 @@ def test_early_exit_threshold_one_and_self_spec_batch(loaded, greedy) -> None:
     ss = generate(loaded.model, loaded.tokenizer, PROMPTS, strategy="self-spec", exit_layer=24,
                   num_speculations=3, max_new_tokens=NEW, ignore_eos=True)
     assert ss.token_ids == greedy
-    assert ss.stats["accepted"] > 0
+    assert ss.stats.accepted > 0
 
 
 def test_self_spec_and_ppd_single_prompt(loaded, greedy) -> None:
@@ -62,7 +62,7 @@ def test_self_spec_and_ppd_single_prompt(loaded, greedy) -> None:
     ppd = generate(loaded.model, loaded.tokenizer, PROMPTS[1], strategy="ppd", ppd_layer=20,
                    ppd_k=2, max_new_tokens=NEW, ignore_eos=True)
     assert ppd.token_ids[0] == greedy[1]
-    assert 0.0 <= ppd.stats["p_correct"] <= 1.0
+    assert 0.0 <= ppd.stats.p_correct <= 1.0
 
 
 def test_kv_recompute_equals_reference(loaded) -> None:
@@ -94,7 +94,7 @@ def test_default_ee_heads_self_spec_and_ppd(greedy) -> None:
     ss = generate(ee.model, ee.tokenizer, PROMPTS, strategy="self-spec", exit_layer=20,
                   num_speculations=2, max_new_tokens=NEW, ignore_eos=True)
     assert ss.token_ids == greedy
-    assert ss.stats["acceptance_rate"] > 0.05
+    assert ss.stats.acceptance_rate > 0.05
     ppd = generate(ee.model, ee.tokenizer, PROMPTS[2], strategy="ppd", ppd_layer=20,
                    max_new_tokens=NEW, ignore_eos=True)
     assert ppd.token_ids[0] == greedy[2]

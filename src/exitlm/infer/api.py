@@ -1,70 +1,29 @@
-"""The single entry point for text generation: :func:`generate`.
+"""The single entry point for one-shot text generation: :func:`generate`.
 
-Decoding strategies register themselves in :data:`STRATEGIES` with a typed options dataclass
-and a runner; every runner takes token-id prompts plus :class:`SamplingOptions` and returns a
-:class:`~exitlm.infer.result.GenerationResult`.
+It is a thin driver of the :class:`~exitlm.infer.engine.Engine`: every prompt becomes a
+request of one engine sized for the batch, the engine runs until all are done, and the
+requests' results become one :class:`~exitlm.infer.result.GenerationResult`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from exitlm.config import ConfigError
-from exitlm.infer.autoregressive import AROptions, generate_ar
-from exitlm.infer.early_exit import EarlyExitOptions, generate_early_exit
+from exitlm.infer.engine import Engine, Update
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
-from exitlm.infer.ppd import PPDOptions, generate_ppd
-from exitlm.infer.result import GenerationResult
-from exitlm.infer.self_speculative import SelfSpecOptions, generate_self_spec
+from exitlm.infer.result import GenerationResult, Timings
 from exitlm.infer.stopping import TextCallback
-from exitlm.model.layout import optimize_layout
+from exitlm.infer.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
 Prompts = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
-
-@dataclass(frozen=True)
-class Strategy:
-    """A decoding strategy: its options type and the function that runs it.
-
-    ``run(model, prompt_ids, sampling, *, tokenizer, stream, options, start_time)`` returns a
-    :class:`GenerationResult`.
-    """
-
-    name: str
-    options_type: type
-    run: Callable[..., GenerationResult]
-    description: str = ""
-
-
-STRATEGIES: dict[str, Strategy] = {}
-
-
-def register_strategy(strategy: Strategy) -> None:
-    """Make ``strategy`` available to :func:`generate` under ``strategy.name``."""
-    STRATEGIES[strategy.name] = strategy
-
-
-register_strategy(
-    Strategy("ar", AROptions, generate_ar, "plain autoregressive decoding (the baseline)")
-)
-register_strategy(
-    Strategy("early-exit", EarlyExitOptions, generate_early_exit,
-             "confidence exits with KV recomputation (EE-LLM); fixed-layer exit (LayerSkip)")
-)
-register_strategy(
-    Strategy("self-spec", SelfSpecOptions, generate_self_spec,
-             "self-speculative decoding: draft with exit E, verify with layers E..L (LayerSkip)")
-)
-register_strategy(
-    Strategy("ppd", PPDOptions, generate_ppd,
-             "Predictive Pipelined Decoding: top-k early guesses start the next token in parallel")
-)
+__all__ = ["STRATEGIES", "Strategy", "encode_prompts", "generate", "register_strategy"]
 
 
 def generate(
@@ -79,7 +38,7 @@ def generate(
     chat: bool = False,
     **overrides: Any,
 ) -> GenerationResult:
-    """Generate continuations of one or several prompts as one padded batch.
+    """Generate continuations of one or several prompts, decoded together.
 
     Args:
         model: the model (its dtype and device are used as they are).
@@ -87,46 +46,67 @@ def generate(
             are token ids (the result's texts are then empty).
         prompts: a string, a list of strings, a list of token ids, or a list of such lists.
         strategy: the decoding strategy, a key of :data:`STRATEGIES`.
-        sampling: token choice and stopping (default: greedy, 64 new tokens).
+        sampling: token choice and stopping (default: greedy, 64 new tokens). With a seed
+            ``s``, sequence ``i`` samples from its own generator seeded ``s + i``, so each
+            sequence gets the same tokens as when generated alone with seed ``s + i``.
         options: the strategy's own options dataclass (default: its defaults).
         stream: ``stream(sequence_index, text_piece)`` receives text as it is produced;
-            the pieces of a sequence concatenate to its final ``text``.
+            the pieces of a sequence concatenate to its final ``text``. A callback with a true
+            ``wants_layers`` attribute is called as ``stream(index, piece, exit_layer)``.
         chat: wrap each text prompt as a user message with the tokenizer's chat template.
         **overrides: fields of :class:`SamplingOptions` (``max_new_tokens=16``,
             ``temperature=0.7``, ...) or of the strategy's options, replacing those given.
     """
     start = time.perf_counter()
-    if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"unknown decoding strategy {strategy!r}; available: {sorted(STRATEGIES)}"
-        )
-    strat = STRATEGIES[strategy]
-    sampling = sampling or SamplingOptions()
-    opts = options if options is not None else strat.options_type()
-    if not isinstance(opts, strat.options_type):
-        raise ConfigError(
-            f"strategy {strategy!r} takes options of type {strat.options_type.__name__}, "
-            f"got {type(opts).__name__}"
-        )
-    own_fields = {f.name for f in dataclasses.fields(opts)}
+    strat = get_strategy(strategy)
+    own_fields = {f.name for f in dataclasses.fields(strat.options_type)}
     unknown = sorted(set(overrides) - SAMPLING_FIELDS - own_fields)
     if unknown:
-        raise ConfigError(
-            f"unknown generation options {unknown}; sampling options: {sorted(SAMPLING_FIELDS)}"
-            f", {strategy!r} options: {sorted(own_fields)}"
-        )
-    sampling_changes = {k: v for k, v in overrides.items() if k in SAMPLING_FIELDS}
-    if sampling_changes:
-        sampling = sampling.replace(**sampling_changes)
-    own_changes = {k: v for k, v in overrides.items() if k in own_fields}
-    if own_changes:
-        opts = dataclasses.replace(opts, **own_changes)
+        raise ConfigError(f"unknown generation options {unknown}; sampling options: "
+                          f"{sorted(SAMPLING_FIELDS)}, {strategy!r} options: {sorted(own_fields)}")
+    own = {k: v for k, v in overrides.items() if k not in SAMPLING_FIELDS}
+    opts = strat.options(options, **own)
+    sampling = (sampling or SamplingOptions()).replace(
+        **{k: v for k, v in overrides.items() if k in SAMPLING_FIELDS})
     prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
-    optimize_layout(model)  # idempotent: re-strides weights for fast batch-1 GEMV once
-    return strat.run(
-        model, prompt_ids, sampling, tokenizer=tokenizer, stream=stream, options=opts,
-        start_time=start,
+    engine = Engine(model, tokenizer, strategy, opts, max_batch=len(prompt_ids),
+                    max_seq_len=model.config.max_seq_len)
+    try:
+        reqs = []
+        for i, ids in enumerate(prompt_ids):
+            seeded = sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i)
+            reqs.append(engine.submit(ids, seeded, on_update=_streamer(stream, i)))
+        engine.run()
+    finally:
+        engine.close()
+    seqs = [r.result(model.num_layers) for r in reqs]
+    t_first = max(r.t_first for r in reqs)
+    timings = Timings(
+        prefill_s=engine.prefill_s, decode_s=engine.decode_s,
+        prompt_tokens=sum(len(ids) for ids in prompt_ids),
+        new_tokens=sum(len(s.token_ids) for s in seqs),
+        decode_tokens=sum(max(0, len(s.token_ids) - 1) for s in seqs),
+        time_to_first_token_s=t_first - start, total_s=time.perf_counter() - start,
     )
+    return GenerationResult(seqs, timings, strategy=strategy, num_layers=model.num_layers,
+                            stats=engine.decoder.stats_type.total(s.stats for s in seqs),
+                            options=engine.decoder.resolved_options())
+
+
+def _streamer(stream: TextCallback | None, index: int) -> Any:
+    """An engine update callback feeding ``stream`` the text of sequence ``index``."""
+    if stream is None:
+        return None
+    with_layers = bool(getattr(stream, "wants_layers", False))
+
+    def on_update(update: Update) -> None:
+        for piece, layer in update.pieces:
+            if with_layers:
+                stream(index, piece, layer)  # type: ignore[call-arg]
+            else:
+                stream(index, piece)
+
+    return on_update
 
 
 def encode_prompts(
@@ -137,20 +117,20 @@ def encode_prompts(
         prompts = [prompts]
     items = list(prompts)
     if not items:
-        raise ValueError("no prompts given")
+        raise ConfigError("no prompts given")
     if all(isinstance(x, int) for x in items):
         return [[int(x) for x in items]]  # type: ignore[arg-type]
     out: list[list[int]] = []
     for p in items:
         if isinstance(p, str):
             if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+                raise ConfigError("text prompts need a tokenizer; pass token ids instead")
             text = (
                 tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
             )
             out.append(tokenizer.encode(text))
         else:
             if chat:
-                raise ValueError("chat=True needs text prompts, got token ids")
+                raise ConfigError("chat=True needs text prompts, got token ids")
             out.append([int(x) for x in p])  # type: ignore[union-attr]
     return out

@@ -35,7 +35,10 @@ import torch
 
 from exitlm.config import ConfigError
 from exitlm.infer.api import generate
+from exitlm.infer.ppd import PPDStats
+from exitlm.infer.result import DecodeStats
 from exitlm.infer.rouge import rouge_l
+from exitlm.infer.self_speculative import SelfSpecStats
 from exitlm.plan import ppd_theory
 
 OURS = ("ar", "early-exit", "self-spec", "ppd")
@@ -133,7 +136,8 @@ class Run:
     decode_s: float
     decode_tokens: int
     total_s: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    exit_layers: list[int] = field(default_factory=list)
 
 
 class _StreamTimer:
@@ -248,7 +252,7 @@ class Bench:
         t_end = time.perf_counter()
         seq = res.sequences[0]
         return Run(seq.token_ids, seq.text, res.timings.decode_s, res.timings.decode_tokens,
-                   t_end - t0, {**res.stats, "exit_layers": seq.exit_layers})
+                   t_end - t0, seq.stats, seq.exit_layers)
 
     def run(self, strategy: str, ids: list[int], new: int, opts: dict[str, Any]) -> Run:
         if strategy == "hf":
@@ -296,11 +300,10 @@ def summarize(runs: list[Run], ref: list[Run] | None) -> dict[str, Any]:
                                  ) / len(runs)
         out["rouge_l"] = sum(rouge_l(r.text, a.text).f for r, a in zip(runs, ref, strict=True)
                              ) / len(runs)
-    acc = [r.stats for r in runs if "drafted" in r.stats]
+    acc = [r.stats for r in runs if isinstance(r.stats, SelfSpecStats)]
     if acc:
-        drafted = sum(s["drafted"] for s in acc)
-        out["acceptance_rate"] = sum(s["accepted"] for s in acc) / drafted if drafted else 0.0
-    exits = [x for r in runs for x in r.stats.get("exit_layers", [])]
+        out["acceptance_rate"] = SelfSpecStats.total(acc).acceptance_rate
+    exits = [x for r in runs for x in r.exit_layers]
     if exits:
         out["mean_exit_layer"] = sum(exits) / len(exits)
     return out
@@ -309,9 +312,7 @@ def summarize(runs: list[Run], ref: list[Run] | None) -> dict[str, Any]:
 def ppd_vs_theory(ppd: list[Run], ar: list[Run], d: int, d_bar: int, k: int) -> dict[str, Any]:
     """PPD's measured decode time against Theorem 4.1 for the measured p_correct; one time
     unit = the autoregressive decode time per token / d, from the same prompts and run."""
-    forks = sum(r.stats.get("forks", 0) for r in ppd)
-    matches = sum(r.stats.get("matches", 0) for r in ppd)
-    p_hat = matches / forks if forks else 0.0
+    p_hat = PPDStats.total(r.stats for r in ppd if isinstance(r.stats, PPDStats)).p_correct
     rows = []
     pred_total = meas_total = ar_total = 0.0
     for r, a in zip(ppd, ar, strict=True):
@@ -413,7 +414,7 @@ def sweep_thresholds(b: Bench, thresholds: list[float], out_dir: Path) -> dict[s
     rows = []
     for t in thresholds:
         s = summarize(runs[f"t{t}"], runs["ar"])
-        exits = [x for r in runs[f"t{t}"] for x in r.stats.get("exit_layers", [])]
+        exits = [x for r in runs[f"t{t}"] for x in r.exit_layers]
         rows.append({"threshold": t, "decode_tokens_per_s": s["decode_tokens_per_s"],
                      "speedup": s["decode_tokens_per_s"] / ref,
                      "rouge_l": s["rouge_l"], "exact_match": s["exact_match"],

@@ -29,16 +29,19 @@ from exitlm.infer.bench import (
     sweep_self_spec,
     sweep_thresholds,
 )
-from exitlm.infer.cli import add_strategy_arguments
+from exitlm.infer.flags import add_strategy_flags, strategies_taking
+from exitlm.infer.strategies import STRATEGIES
 
-# which strategies a flag configures in the benchmark (--exit-layer is the draft exit of
-# self-spec and of transformers' assistant_early_exit, not early-exit's fixed exit)
-ROUTES: dict[str, tuple[str, ...]] = {
-    "exit_layer": ("self-spec", "hf-ee"), "num_speculations": ("self-spec", "hf-ee"),
-    "threshold": ("early-exit",), "max_pending": ("early-exit",), "exit_layers": ("early-exit",),
-    "kv": ("early-exit",), "ppd_layer": ("ppd",), "ppd_k": ("ppd",),
-    "draft_vocab": ("self-spec", "ppd"), "draft_threshold": ("self-spec", "hf-ee"),
-}
+# --exit-layer is the draft exit of self-spec (and transformers' assistant_early_exit) in the
+# benchmark, not early-exit's fixed exit; hf-ee mirrors self-spec's drafting options
+_NOT_IN_BENCH = {"exit_layer": ("early-exit",)}
+_HF_EE = ("exit_layer", "num_speculations", "draft_threshold")
+
+
+def routes(name: str) -> tuple[str, ...]:
+    """The benchmarked strategies a strategy flag configures."""
+    targets = [s for s in strategies_taking(name) if s not in _NOT_IN_BENCH.get(name, ())]
+    return (*targets, "hf-ee") if name in _HF_EE else tuple(targets)
 
 
 def register(subparsers: Any) -> None:
@@ -66,7 +69,7 @@ def register(subparsers: Any) -> None:
                    help="exit through the final norm + head at every layer (LayerSkip; the "
                         "exits transformers' assistant_early_exit uses) instead of the "
                         "model's own exit heads")
-    add_strategy_arguments(p)
+    add_strategy_flags(p)
     p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
                    help="speculation: self-spec over exit layer x speculations (LayerSkip "
                         "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
@@ -91,11 +94,12 @@ def _ints(text: str) -> list[int]:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     options: dict[str, dict[str, Any]] = {}
-    for name, targets in ROUTES.items():
+    names = {f for s in STRATEGIES.values() for f in s.options_type.__dataclass_fields__}
+    for name in sorted(names):
         value = getattr(args, name, None)
         if value is None:
             continue
-        for t in targets:
+        for t in routes(name):
             options.setdefault(t, {})[name] = value
     return BenchConfig(
         model=args.model, dtype=args.dtype, strategies=strategies, prompts_file=args.prompts,

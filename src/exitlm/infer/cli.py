@@ -14,8 +14,8 @@ instead: the :class:`~exitlm.infer.result.GenerationResult` plus the model and p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,12 @@ from typing import Any
 import torch
 
 from exitlm.config import ConfigError
-from exitlm.infer.api import STRATEGIES, generate
+from exitlm.infer.api import generate
+from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
+from exitlm.infer.strategies import STRATEGIES
+from exitlm.infer.threads import set_threads
 from exitlm.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,14 +54,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop string (repeatable); the text is cut before it")
+                   help="stop string (repeatable; \\n, \\t, \\xNN, \\uNNNN escapes are "
+                        "understood); the text is cut before it")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the model's end-of-sequence token")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message with the chat template")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
-    add_strategy_arguments(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: exitlm's thread policy, see README "
+                        "'Performance')")
+    add_strategy_flags(p)
     p.add_argument("--show-exits", action="store_true",
                    help="colour each token by the layer it exited at (ANSI colours on a "
                         "terminal, see --color) and print a per-layer summary to stderr")
@@ -69,66 +76,16 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-# CLI flag -> strategy option field (each strategy takes the fields its options type has).
-STRATEGY_FLAGS: dict[str, str] = {
-    "exit_layer": "--exit-layer", "num_speculations": "--num-speculations",
-    "threshold": "--threshold", "max_pending": "--max-pending", "exit_layers": "--exit-layers",
-    "kv": "--kv", "ppd_layer": "--ppd-layer", "ppd_k": "--ppd-k", "draft_vocab": "--draft-vocab",
-    "draft_threshold": "--draft-threshold",
-}
+def unescape(text: str) -> str:
+    r"""``\n``, ``\t``, ``\r``, ``\\``, ``\xNN`` and ``\uNNNN`` in ``text`` as the characters
+    they name (a shell passes ``--stop "\n\n"`` as backslashes)."""
+    simple = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "0": "\0"}
 
+    def one(m: re.Match[str]) -> str:
+        code = m.group(1)
+        return simple[code] if code in simple else chr(int(code[1:], 16))
 
-def add_strategy_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of the early-exit strategies (``exitlm generate`` and ``exitlm bench``)."""
-    g = p.add_argument_group("strategy options (default: each strategy's own defaults)")
-    g.add_argument("--exit-layer", type=int, default=None,
-                   help="self-spec: draft exit E; early-exit: fixed-layer exit at E (lossy)")
-    g.add_argument("--num-speculations", type=int, default=None,
-                   help="self-spec: draft tokens per round (d)")
-    g.add_argument("--threshold", type=float, default=None,
-                   help="early-exit: confidence threshold (1.0 = never exit early)")
-    g.add_argument("--max-pending", type=int, default=None,
-                   help="early-exit: force a full pass when this many tokens await KV "
-                        "recomputation")
-    g.add_argument("--exit-layers", type=_int_list, default=None, metavar="L1,L2,...",
-                   help="early-exit: the exits checked, in order")
-    g.add_argument("--kv", choices=("recompute", "copy"), default=None,
-                   help="early-exit: KV recomputation (exact KV) or CALM state copying (lossy)")
-    g.add_argument("--draft-vocab", type=int, default=None,
-                   help="self-spec / ppd: draft (or take the top-k) among the first N token "
-                        "ids only (cheaper exit projection; output unchanged)")
-    g.add_argument("--draft-threshold", type=float, default=None,
-                   help="self-spec: stop a round's drafting once the exit's probability of "
-                        "its draft falls below this (output unchanged)")
-    g.add_argument("--ppd-layer", type=int, default=None,
-                   help="ppd: layer d_bar of the early top-k prediction (d/2 <= d_bar < d)")
-    g.add_argument("--ppd-k", type=int, default=None, help="ppd: number of branches k")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        msg = f"expected comma-separated integers, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from err
-
-
-def strategy_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
-    """The strategy options given on the command line, checked against ``strategy``."""
-    fields = {f.name for f in dataclasses.fields(STRATEGIES[strategy].options_type)}
-    out: dict[str, Any] = {}
-    for name, flag in STRATEGY_FLAGS.items():
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if name not in fields:
-            takes = sorted(STRATEGY_FLAGS[f] for f in fields if f in STRATEGY_FLAGS)
-            raise ConfigError(
-                f"{flag} does not apply to --strategy {strategy} (it takes: "
-                f"{', '.join(takes) or 'no options'})"
-            )
-        out[name] = value
-    return out
+    return re.sub(r"\\(n|t|r|0|\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4})", one, text)
 
 
 def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
@@ -152,10 +109,13 @@ def run(args: argparse.Namespace) -> int:
         prompts = _collect_prompts(args)
         sampling = SamplingOptions(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
+            max_new_tokens=args.max_new_tokens,
+            stop_strings=tuple(unescape(x) for x in args.stop),
             ignore_eos=args.ignore_eos,
         )
         overrides = strategy_overrides(args, args.strategy)
+        if args.threads is not None:
+            set_threads(args.threads)
         loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
         tokenizer = loaded.tokenizer
         if tokenizer is None:
@@ -183,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
-               "options": overrides, **result.to_dict()}
+               **result.to_dict()}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     if stream is not None:
@@ -218,7 +178,7 @@ def exit_colour(layer: int, num_layers: int) -> str:
 
 class ExitColourStream:
     """A stream callback that prints each piece in the colour of its token's exit layer
-    (:class:`~exitlm.infer.common.Session` passes the layer since ``wants_layers`` is set)."""
+    (:func:`~exitlm.infer.api.generate` passes the layer since ``wants_layers`` is set)."""
 
     wants_layers = True
 
@@ -275,14 +235,10 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 
 def _summary(result: GenerationResult) -> str:
     t = result.timings
-    extra = ""
-    st = result.stats
-    if "acceptance_rate" in st:
-        extra = f"; acceptance {st['acceptance_rate']:.1%}"
-    elif "p_correct" in st:
-        extra = f"; p_correct {st['p_correct']:.1%}"
-    elif "early_exit_fraction" in st:
-        extra = f"; early exits {st['early_exit_fraction']:.1%}"
+    extra = result.stats.describe()
+    if not extra and result.strategy == "early-exit":
+        extra = f"early exits {result.exits().early_exit_fraction:.1%}"
+    extra = f"; {extra}" if extra else ""
     return (
         f"[{t.new_tokens} new tokens in {len(result.sequences)} sequence(s); prefill "
         f"{t.prefill_s * 1e3:.0f} ms ({t.prompt_tokens} prompt tokens), decode "

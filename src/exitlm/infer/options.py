@@ -14,6 +14,24 @@ from typing import Any
 from exitlm.config import ConfigError
 
 
+def option(default: Any, help: str, *, per_request: bool = False) -> Any:
+    """A field of a strategy's options dataclass.
+
+    ``help`` becomes the help of the command-line flag derived from the field
+    (``exit_layer`` -> ``--exit-layer``, :mod:`exitlm.infer.flags`); ``per_request`` marks
+    options that each request of a running engine may set for itself (the others shape the
+    decoder and are fixed when the engine starts).
+    """
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "per_request": per_request})
+
+
+def per_request_fields(options_type: type) -> frozenset[str]:
+    """Names of the fields of ``options_type`` that a request may set for itself."""
+    return frozenset(f.name for f in dataclasses.fields(options_type)
+                     if f.metadata.get("per_request"))
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Token choice and stopping rules.

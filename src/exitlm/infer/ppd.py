@@ -1,7 +1,7 @@
 """Predictive Pipelined Decoding (PPD Sec. 3, Alg. 1, and the general case Alg. 2 / App. C).
 
 A model has ``d`` layers; the early prediction is made at exit ``d_bar`` (``d/2 <= d_bar <
-d``). Per generated token ``x_t`` at position ``p``:
+d``). Per generated token ``x_t`` at position ``p`` (one :meth:`PPDDecoder.step`):
 
 * **main** (sequential): run ``x_t`` up to layer ``d_bar`` - from layer 1, or, when the last
   early prediction was confirmed, from layer ``d - d_bar`` on the hidden state the matching
@@ -21,62 +21,78 @@ winning branch's ``p + 1``) is copied into the other caches: ``O(d - d_bar)`` sm
 token, no prefix is ever copied twice. Every token goes through exactly the same single-row
 computations as plain greedy decoding, so the output is token-identical to greedy decoding.
 
-Timing: ``stats`` reports the measured ``p_correct`` (a confirmed early prediction per fork)
-and PPD Theorem 4.1's predicted latency for it (:mod:`exitlm.plan.ppd_theory`, in "time
-units" = one layer). Batch size 1 and greedy decoding only (PPD is defined for greedy).
+PPD holds one sequence at a time (``max_batch = 1``: the engine queues the others) and is
+defined for greedy decoding only. :class:`PPDStats` reports the measured ``p_correct`` and
+:meth:`PPDStats.theory` PPD Theorem 4.1's prediction for it (:mod:`exitlm.plan.ppd_theory`).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from exitlm.config import ConfigError
-from exitlm.infer.common import (
+from exitlm.infer.decoder import (
+    Batch,
+    Decoder,
     DraftHead,
-    Session,
-    has_block_head,
+    Emit,
+    Seq,
     last_positions,
     prefill_hidden,
-    require_exit,
 )
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.result import GenerationResult
-from exitlm.infer.stopping import TextCallback
+from exitlm.infer.options import option
+from exitlm.infer.result import DecodeStats
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan import ppd_theory
-from exitlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class PPDOptions:
-    """Options of the ``ppd`` strategy.
+    """Options of the ``ppd`` strategy."""
 
-    Attributes:
-        ppd_layer: ``d_bar``, the exit whose top-``k`` predictions start the next token
-            (default: the model's deepest configured exit head >= d/2, else ``d/2``).
-        ppd_k: ``k``, the number of candidate branches (sub-processes; PPD uses ``k + 1``
-            compute units).
-        parallel: run branches concurrently with the main process (threads / CUDA streams);
-            ``False`` runs them one after the other (same tokens, for debugging and timing).
-        draft_vocab: take the top-``k`` among the first ``N`` token ids only: the early
-            projection on the main thread's critical path shrinks from ``V`` to ``N`` rows
-            (Theorem 4.1 counts no cost for it). Output unchanged. ``None``: all ids.
-    """
-
-    ppd_layer: int | None = None
-    ppd_k: int = 1
-    parallel: bool = True
-    draft_vocab: int | None = None
+    ppd_layer: int | None = option(
+        None, "d_bar, the exit whose top-k predictions start the next token (d/2 <= d_bar < d; "
+        "default: the deepest exit head >= d/2, else d/2)")
+    ppd_k: int = option(1, "k, the number of candidate branches")
+    parallel: bool = option(
+        True, "run branches concurrently with the main thread (threads / CUDA streams); "
+        "--no-parallel runs them one after the other (same tokens)")
+    draft_vocab: int | None = option(
+        None, "take the top-k among the first N token ids only (a cheaper early projection "
+        "on the critical path); output unchanged")
 
     def __post_init__(self) -> None:
         if self.ppd_k < 1:
             raise ConfigError(f"ppd_k must be >= 1, got {self.ppd_k}")
         if self.draft_vocab is not None and self.draft_vocab < self.ppd_k:
             raise ConfigError(f"draft_vocab must be >= ppd_k, got {self.draft_vocab}")
+
+
+@dataclass
+class PPDStats(DecodeStats):
+    """Per-sequence counters of PPD: forks (early predictions made) and matches (confirmed)."""
+
+    forks: int = 0
+    matches: int = 0
+
+    @property
+    def p_correct(self) -> float:
+        return self.matches / self.forks if self.forks else 0.0
+
+    def derived(self) -> dict[str, float]:
+        return {"p_correct": self.p_correct}
+
+    def describe(self) -> str:
+        return f"p_correct {self.p_correct:.1%}"
+
+    def theory(self, d: int, d_bar: int, k: int, tokens: int) -> dict[str, float]:
+        """PPD Theorem 4.1 for the measured ``p_correct`` over ``tokens`` decoded tokens."""
+        return ppd_theory.predict(d, d_bar, k, tokens, self.p_correct)
 
 
 def resolve_ppd_layer(model: EarlyExitLM, ppd_layer: int | None) -> int:
@@ -99,182 +115,146 @@ def resolve_ppd_layer(model: EarlyExitLM, ppd_layer: int | None) -> int:
             f"ppd_layer (d_bar) must satisfy d/2 <= d_bar < d (PPD App. C), got {ppd_layer} "
             f"for d={d}"
         )
-    return require_exit(model, ppd_layer, "ppd_layer")
+    model.exit_route(ppd_layer, setting="ppd_layer")
+    return ppd_layer
 
 
-def generate_ppd(
-    model: EarlyExitLM,
-    prompt_ids: list[list[int]],
-    sampling: SamplingOptions,
-    *,
-    tokenizer: Tokenizer | None = None,
-    stream: TextCallback | None = None,
-    options: PPDOptions | None = None,
-    start_time: float | None = None,
-) -> GenerationResult:
-    """Greedy decoding with PPD (see the module docstring); one prompt at a time."""
-    opts = options or PPDOptions()
-    if len(prompt_ids) != 1:
-        raise ConfigError(f"ppd decodes one prompt at a time, got a batch of {len(prompt_ids)}")
-    if not sampling.greedy:
-        raise ConfigError("ppd is exact greedy decoding; use temperature=0")
-    d = model.num_layers
-    d_bar = resolve_ppd_layer(model, opts.ppd_layer)
-    k = min(opts.ppd_k, model.config.vocab_size)
-    m = d - d_bar  # layers a branch runs before the main thread needs its state
-    s = Session(model, prompt_ids, sampling, tokenizer=tokenizer, stream=stream,
-                start_time=start_time, extra_slots=1)
-    dev = s.device
-    block = has_block_head(model, d_bar)
-    vocab = model.config.vocab_size
-    head = DraftHead(model, d_bar, vocab if opts.draft_vocab is None
-                     else min(opts.draft_vocab, vocab))
-    main = s.new_cache()
-    cfg = model.config
-    branches = [KVCache(m, 1, s.capacity, cfg.n_kv_heads, cfg.hdim, dtype=main.keys[0].dtype,
-                        device=dev) for _ in range(k)]
-    pool = ThreadPoolExecutor(max_workers=k) if opts.parallel else None
-    streams = ([torch.cuda.Stream(device=dev) for _ in range(k)]
-               if dev.type == "cuda" and opts.parallel else None)
-    forks = matches = 0
-    predicted: list[bool] = []
-    try:
+class PPDDecoder(Decoder):
+    """Greedy decoding with PPD (see the module docstring); one sequence at a time."""
+
+    name = "ppd"
+    stats_type = PPDStats
+    max_batch = 1
+
+    def __init__(self, model: EarlyExitLM, options: PPDOptions) -> None:
+        super().__init__(model, options)
+        self.d = model.num_layers
+        self.d_bar = resolve_ppd_layer(model, options.ppd_layer)
+        self.k = min(options.ppd_k, model.config.vocab_size)
+        self.m = self.d - self.d_bar  # layers a branch runs before the main thread needs it
+        vocab = model.config.vocab_size
+        self.head = DraftHead(model, self.d_bar, vocab if options.draft_vocab is None
+                              else min(options.draft_vocab, vocab))
+        self.block = model.exit_route(self.d_bar).has_block
+        self.pool = ThreadPoolExecutor(max_workers=self.k) if options.parallel else None
+        self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.k)]
+                        if self.device.type == "cuda" and options.parallel else None)
+        self.branches: list[KVCache] = []
+        self.carried: torch.Tensor | None = None  # branch state after layer m, when matched
+
+    def resolved_options(self) -> dict[str, Any]:
+        return {**super().resolved_options(), "ppd_layer": self.d_bar, "ppd_k": self.k,
+                "draft_vocab": self.head.vocab}
+
+    def check(self, seq: Seq) -> None:
+        if not seq.sampling.greedy:
+            raise ConfigError("ppd is exact greedy decoding; use temperature=0")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def prefill(self, batch: Batch) -> list[Emit]:
+        h, lens = prefill_hidden(self.model, batch, exits=(self.d_bar,) if self.block else ())
+        seq, main = batch.seqs[0], batch.cache
+        cfg = self.model.config
+        capacity = len(seq.prompt) + seq.sampling.max_new_tokens + 1
+        self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
+                                 dtype=main.keys[0].dtype, device=self.device)
+                         for _ in range(self.k)]
+        for c in self.branches:  # the prompt's prefix entries, once
+            c.copy_from(main, self.m, slice(0, int(lens[0])))
+        self.carried = None
+        x = int(self.model.final_logits(last_positions(h, lens)).argmax(dim=-1)[0])
+        return [Emit([x], [self.d], self.d)]
+
+    def step(self, batch: Batch) -> list[Emit]:
+        """One token: main thread to ``d_bar``, fork ``k`` branches for the next token while
+        the main thread finishes, keep the branch the final layer confirms (Alg. 2)."""
+        model, main, seq = self.model, batch.cache, batch.seqs[0]
+        p = int(main.lengths[0])
+        pos = torch.full((1, 1), p, dtype=torch.long, device=self.device)
+        ctx = model.context(pos, main)
+        if self.carried is None:  # Alg. 2 line 10: from the first layer
+            h0 = model.embed(batch.lasts(self.device), pos)
+            hm = model.run_layers(h0, 0, self.d_bar, cache=main, ctx=ctx)
+            evals = self.d_bar
+            for c in self.branches:
+                c.copy_from(main, self.m, p)
+        else:  # line 12: continue the matching branch from layer d - d_bar
+            hm = model.run_layers(self.carried, self.m, self.d_bar, cache=main, ctx=ctx)
+            evals = self.d_bar - self.m
+        cands: list[int] = []
+        if seq.remaining > 1:
+            cands = torch.topk(self.head(hm, ctx, main)[0, -1], self.k).indices.tolist()
+        elif self.block:
+            model.exit_features(hm, self.d_bar, cache=main, ctx=ctx)
+        jobs = self._start_branches(cands, p + 1)
+        hf = model.run_layers(hm, self.d_bar, self.d, cache=main, ctx=ctx)  # main, in parallel
+        x = int(model.final_logits(hf)[0, -1].argmax())
+        states = self._finish_branches(jobs)
+        evals += self.m + len(cands) * self.m
+        self.carried = self._resolve(seq, main, cands, states, x, p + 1)
+        main.lengths = torch.tensor([p + 1])
+        return [Emit([x], [self.d], evals)]
+
+    # ----- branches ---------------------------------------------------------------------------
+    def _resolve(self, seq: Seq, main: KVCache, cands: list[int],
+                 states: list[torch.Tensor], x: int, p: int) -> torch.Tensor | None:
+        """Count the fork; on a confirmed candidate its entry at ``p`` becomes everyone's
+        and its state carries into the next token."""
+        if not cands:
+            return None
+        st: PPDStats = seq.stats  # type: ignore[assignment]
+        st.forks += 1
+        if x not in cands:
+            return None
+        st.matches += 1
+        win = self.branches[cands.index(x)]
+        for c in (main, *(c for c in self.branches if c is not win)):
+            c.copy_from(win, self.m, p)
+        return states[cands.index(x)]
+
+    def _start_branches(self, cands: list[int], p: int) -> list[Future[torch.Tensor] |
+                                                                 torch.Tensor]:
+        """Launch one branch per candidate; with no pool they run here, one after another."""
+        ready = None
+        if self.streams is not None and cands:
+            ready = torch.cuda.Event()
+            ready.record()  # branches wait for the main stream's writes (prefix entries)
+        jobs: list[Future[torch.Tensor] | torch.Tensor] = []
+        for j, tok in enumerate(cands):
+            stream = self.streams[j] if self.streams is not None else None
+            args = (self.branches[j], tok, p, stream, ready)
+            jobs.append(self._branch(*args) if self.pool is None
+                        else self.pool.submit(self._branch, *args))
+        return jobs
+
+    def _finish_branches(self, jobs: list[Future[torch.Tensor] | torch.Tensor]
+                         ) -> list[torch.Tensor]:
+        """Wait for every branch (and its CUDA stream) and return their states."""
+        out = [j.result() if isinstance(j, Future) else j for j in jobs]
+        if self.streams is not None:
+            cur = torch.cuda.current_stream()
+            for st in self.streams[: len(jobs)]:
+                cur.wait_stream(st)
+        return out
+
+    def _branch(self, cache: KVCache, token: int, p: int, stream: torch.cuda.Stream | None,
+                ready: torch.cuda.Event | None) -> torch.Tensor:
+        """One PPD sub-process (Alg. 2 line 23): candidate ``token`` at position ``p`` through
+        layers ``[0, m)`` on the branch's own cache; returns the hidden state ``(1, 1, D)``."""
         with torch.inference_mode():
-            s.start_prefill()
-            h, _ = prefill_hidden(model, s.tokens, main, exits=(d_bar,) if block else ())
-            n0 = int(s.lengths[0])
-            for c in branches:  # the prompt's prefix entries, once
-                for layer in range(m):
-                    c.keys[layer][:, :, :n0] = main.keys[layer][:, :, :n0]
-                    c.values[layer][:, :, :n0] = main.values[layer][:, :, :n0]
-            x = int(model.final_logits(last_positions(h, s.lengths)).argmax(dim=-1)[0])
-            s.push(0, [x], [d])
-            s.layer_evals[0] += d
-            s.end_prefill()
-            p = n0
-            carried: torch.Tensor | None = None  # branch state after layer m, when matched
-            while s.running(0):
-                pos = torch.full((1, 1), p, dtype=torch.long, device=dev)
-                ctx = model.context(pos, main)
-                if carried is None:  # Alg. 2 line 10: from the first layer
-                    hm = model.run_layers(model.embed(torch.tensor([[x]], device=dev), pos),
-                                          0, d_bar, cache=main, ctx=ctx)
-                    s.layer_evals[0] += d_bar
-                    _copy_entry(main, branches, m, p)
-                else:  # line 12: continue the matching branch from layer d - d_bar
-                    hm = model.run_layers(carried, m, d_bar, cache=main, ctx=ctx)
-                    s.layer_evals[0] += d_bar - m
-                fork = s.remaining(0) > 1
-                cands: list[int] = []
-                if fork:
-                    early = head(hm, ctx, main)[0, -1]
-                    cands = torch.topk(early, k).indices.tolist()
-                elif block:
-                    model.exit_features(hm, d_bar, cache=main, ctx=ctx)
-                jobs = _start_branches(model, branches, cands, p + 1, m, pool, streams)
-                hf = model.run_layers(hm, d_bar, d, cache=main, ctx=ctx)  # main, in parallel
-                x = int(model.final_logits(hf)[0, -1].argmax())
-                s.layer_evals[0] += d - d_bar
-                states = _finish_branches(jobs, streams)
-                carried = None
-                if fork:
-                    forks += 1
-                    s.layer_evals[0] += k * m
-                    hit = cands.index(x) if x in cands else -1
-                    predicted.append(hit >= 0)
-                    if hit >= 0:
-                        matches += 1
-                        carried = states[hit]
-                        _adopt_entry(branches[hit], main, branches, m, p + 1)
-                main.lengths[:] = p + 1
-                s.push(0, [x], [d])
-                p += 1
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
-    decode_tokens = max(0, len(s.trackers[0].ids) - 1)
-    p_hat = matches / forks if forks else 0.0
-    stats: dict[str, object] = {
-        "ppd_layer": d_bar, "ppd_k": k, "forks": forks, "matches": matches,
-        "p_correct": p_hat, "parallel": opts.parallel, "draft_vocab": head.vocab,
-    }
-    if decode_tokens >= 1:
-        theory = ppd_theory.predict(d, d_bar, k, decode_tokens, p_hat)
-        stats["theory"] = {"tokens": decode_tokens, **theory}
-    s.seq_stats[0] = {"early_prediction_correct": predicted}
-    return s.result("ppd", stats)
+            if stream is not None:
+                assert ready is not None
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    return self._branch_forward(cache, token, p)
+            return self._branch_forward(cache, token, p)
 
-
-def _copy_entry(src: KVCache, dsts: list[KVCache], m: int, p: int) -> None:
-    """Copy position ``p`` of layers ``[0, m)`` from ``src`` into every cache of ``dsts``."""
-    for c in dsts:
-        for layer in range(m):
-            c.keys[layer][:, :, p] = src.keys[layer][:, :, p]
-            c.values[layer][:, :, p] = src.values[layer][:, :, p]
-
-
-def _adopt_entry(win: KVCache, main: KVCache, branches: list[KVCache], m: int, p: int) -> None:
-    """The confirmed branch's entry at ``p`` becomes everyone's (main and the other branches)."""
-    _copy_entry(win, [main, *(c for c in branches if c is not win)], m, p)
-
-
-def _run_branch(
-    model: EarlyExitLM, cache: KVCache, token: int, p: int, m: int,
-    stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None,
-) -> torch.Tensor:
-    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` at position ``p`` through
-    layers ``[0, m)`` on the branch's own cache; returns the hidden state ``(1, 1, D)``."""
-    with torch.inference_mode():
-        dev = model.embed_tokens.weight.device
-        if stream is not None:
-            assert ready is not None
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                return _branch_forward(model, cache, token, p, m, dev)
-        return _branch_forward(model, cache, token, p, m, dev)
-
-
-def _branch_forward(
-    model: EarlyExitLM, cache: KVCache, token: int, p: int, m: int, dev: torch.device
-) -> torch.Tensor:
-    pos = torch.full((1, 1), p, dtype=torch.long, device=dev)
-    ctx = model.context(pos, cache)
-    h = model.embed(torch.tensor([[token]], device=dev), pos)
-    return model.run_layers(h, 0, m, cache=cache, ctx=ctx)
-
-
-Job = Future[torch.Tensor] | torch.Tensor
-
-
-def _start_branches(
-    model: EarlyExitLM, branches: list[KVCache], cands: list[int], p: int, m: int,
-    pool: ThreadPoolExecutor | None, streams: list[torch.cuda.Stream] | None,
-) -> list[Job]:
-    """Launch one branch per candidate; with no pool they run here, one after another."""
-    if not cands:
-        return []
-    ready = None
-    if streams is not None:
-        ready = torch.cuda.Event()
-        ready.record()  # branches wait for the main stream's writes (prefix entries)
-    jobs: list[Job] = []
-    for j, tok in enumerate(cands):
-        stream = streams[j] if streams is not None else None
-        if pool is None:
-            jobs.append(_run_branch(model, branches[j], tok, p, m, stream, ready))
-        else:
-            jobs.append(pool.submit(_run_branch, model, branches[j], tok, p, m, stream, ready))
-    return jobs
-
-
-def _finish_branches(
-    jobs: list[Job], streams: list[torch.cuda.Stream] | None
-) -> list[torch.Tensor]:
-    """Wait for every branch (and its CUDA stream) and return their states."""
-    out = [j.result() if isinstance(j, Future) else j for j in jobs]
-    if streams is not None:
-        cur = torch.cuda.current_stream()
-        for st in streams[: len(jobs)]:
-            cur.wait_stream(st)
-    return out
-
+    def _branch_forward(self, cache: KVCache, token: int, p: int) -> torch.Tensor:
+        model = self.model
+        pos = torch.full((1, 1), p, dtype=torch.long, device=self.device)
+        ctx = model.context(pos, cache)
+        h = model.embed(torch.tensor([[token]], device=self.device), pos)
+        return model.run_layers(h, 0, self.m, cache=cache, ctx=ctx)

@@ -2,20 +2,115 @@
 one result type").
 
 A :class:`GenerationResult` holds one :class:`SequenceResult` per prompt (generated token ids,
-text, the layer each token exited at, why it stopped, the layer evaluations spent), the
-:class:`Timings` of the call and a free-form ``stats`` dict for strategy-specific aggregates
-(acceptance rates of speculative decoding, ...). The CLI, the server and the benchmarks all
-read this object or its JSON form.
+text, the layer each token exited at, why it stopped, the layer evaluations spent, the
+strategy's per-sequence :class:`DecodeStats`), the :class:`Timings` of the call, the batch's
+summed statistics and the strategy options that were in force. :meth:`GenerationResult.exits`
+and :meth:`SequenceResult.exits` summarise where tokens exited (:class:`ExitSummary`). The CLI,
+the engine, the server and the benchmarks all read these objects or their JSON form.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-FinishReason = Literal["length", "stop_token", "stop_string"]
+FinishReason = Literal["length", "stop_token", "stop_string", "cancelled"]
+
+S = TypeVar("S", bound="DecodeStats")
+
+
+@dataclass
+class DecodeStats:
+    """Per-sequence counters of a decoding strategy; a batch's statistics are their sum.
+
+    Strategies subclass this with their own integer fields (drafts accepted, branches
+    confirmed, ...) and derived properties; plain decoding has none.
+    """
+
+    def add(self: S, other: S) -> S:
+        """The field-wise sum of two statistics of the same strategy."""
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                             for f in dataclasses.fields(self)})
+
+    @classmethod
+    def total(cls: type[S], items: Iterable[S]) -> S:
+        out = cls()
+        for x in items:
+            out = out.add(x)
+        return out
+
+    def derived(self) -> dict[str, float]:
+        """Rates computed from the counters (e.g. an acceptance rate)."""
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), **self.derived()}
+
+    def describe(self) -> str:
+        """A short human-readable summary for the CLI (empty when there is nothing to say)."""
+        return ""
+
+
+@dataclass(frozen=True)
+class ExitSummary:
+    """Where a set of generated tokens exited (EE-LLM / LayerSkip speed-up accounting).
+
+    Attributes:
+        tokens_per_layer: generated tokens by the 1-based layer whose output chose them.
+        layer_evaluations: transformer-layer evaluations (token x layer) spent, recomputation
+            and rejected drafts included.
+        num_layers: the model's depth ``L``.
+    """
+
+    tokens_per_layer: dict[int, int]
+    layer_evaluations: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, exit_layers: Iterable[int], layer_evaluations: int,
+           num_layers: int) -> ExitSummary:
+        counts: dict[int, int] = {}
+        for layer in exit_layers:
+            counts[layer] = counts.get(layer, 0) + 1
+        return cls(dict(sorted(counts.items())), layer_evaluations, num_layers)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tokens_per_layer.values())
+
+    @property
+    def early_exit_fraction(self) -> float:
+        """Share of tokens chosen before the last layer."""
+        n = self.tokens
+        early = sum(c for layer, c in self.tokens_per_layer.items() if layer < self.num_layers)
+        return early / n if n else 0.0
+
+    @property
+    def mean_exit_layer(self) -> float:
+        n = self.tokens
+        return sum(layer * c for layer, c in self.tokens_per_layer.items()) / n if n else 0.0
+
+    @property
+    def layer_speedup(self) -> float:
+        """``tokens x L / evaluations``: 1 for plain decoding, > 1 when layers were saved."""
+        return self.tokens * self.num_layers / self.layer_evaluations if self.layer_evaluations \
+            else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        n = self.tokens
+        return {
+            "tokens_per_layer": {str(k): v for k, v in self.tokens_per_layer.items()},
+            "share_per_layer": {str(k): v / n for k, v in self.tokens_per_layer.items()} if n
+            else {},
+            "early_exit_fraction": self.early_exit_fraction,
+            "mean_exit_layer": self.mean_exit_layer,
+            "layer_evaluations": self.layer_evaluations,
+            "full_depth_evaluations": n * self.num_layers,
+            "layer_speedup": self.layer_speedup,
+        }
 
 
 @dataclass
@@ -61,12 +156,14 @@ class SequenceResult:
         text: the decoded generated text (special tokens skipped, cut before a stop string).
         exit_layers: for every generated token, the 1-based layer whose output chose it
             (``num_layers`` for the final layer, i.e. plain decoding).
-        finish_reason: ``length`` (max_new_tokens reached), ``stop_token`` or ``stop_string``.
+        finish_reason: ``length`` (max_new_tokens reached), ``stop_token``, ``stop_string``
+            or ``cancelled``.
         prompt_tokens: the prompt's length in tokens.
         layer_evaluations: transformer-layer evaluations (token x layer) spent after the prompt,
             counting the prompt's last position, which produces the first token. Plain
             decoding spends ``len(token_ids) * num_layers``.
-        stats: strategy-specific per-sequence numbers (e.g. draft tokens accepted).
+        stats: the strategy's per-sequence statistics.
+        num_layers: the model's depth.
     """
 
     token_ids: list[int]
@@ -75,21 +172,35 @@ class SequenceResult:
     finish_reason: FinishReason
     prompt_tokens: int = 0
     layer_evaluations: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    num_layers: int = 0
+
+    def exits(self) -> ExitSummary:
+        return ExitSummary.of(self.exit_layers, self.layer_evaluations, self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            "token_ids": list(self.token_ids), "text": self.text,
+            "exit_layers": list(self.exit_layers), "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens, "layer_evaluations": self.layer_evaluations,
+            "stats": self.stats.to_dict(),
+        }
 
 
 @dataclass
 class GenerationResult:
-    """The outcome of :func:`exitlm.infer.generate` for a batch of prompts."""
+    """The outcome of :func:`exitlm.infer.generate` for a batch of prompts.
+
+    ``stats`` is the sum of the sequences' statistics; ``options`` the strategy options that
+    were used (defaults resolved, e.g. the draft exit chosen for the model).
+    """
 
     sequences: list[SequenceResult]
     timings: Timings
     strategy: str = "ar"
     num_layers: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def texts(self) -> list[str]:
@@ -108,13 +219,20 @@ class GenerationResult:
             )
         return self.sequences[0].text
 
+    def exits(self) -> ExitSummary:
+        """Where the batch's tokens exited."""
+        return ExitSummary.of((x for s in self.sequences for x in s.exit_layers),
+                              sum(s.layer_evaluations for s in self.sequences), self.num_layers)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "num_layers": self.num_layers,
+            "options": dict(self.options),
             "sequences": [s.to_dict() for s in self.sequences],
             "timings": self.timings.to_dict(),
-            "stats": dict(self.stats),
+            "stats": self.stats.to_dict(),
+            "exits": self.exits().to_dict(),
         }
 
     def to_json(self, **kwargs: Any) -> str:

@@ -79,3 +79,16 @@ def choose(
         return greedy(logits)
     probs = probabilities(logits, opts)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def choose_rows(
+    logits: torch.Tensor, sampling: list[SamplingOptions],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """Next token of every row of ``logits`` ``(R, V)``, each under its own options and
+    random generator: a seeded request draws the same tokens whatever else shares its batch."""
+    tokens = greedy(logits).tolist()
+    for i, (opts, gen) in enumerate(zip(sampling, generators, strict=True)):
+        if not opts.greedy:
+            tokens[i] = int(choose(logits[i : i + 1], opts, gen)[0])
+    return tokens

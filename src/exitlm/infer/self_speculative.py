@@ -1,16 +1,15 @@
 """Self-speculative decoding (LayerSkip Sec. 4.3, pseudo code in App. A.6).
 
-Each round, for every sequence of the batch at once:
+Each round (one :meth:`SelfSpecDecoder.step`), for every sequence of the batch at once:
 
-1. **Self-drafting** (Sec. 4.3.1): starting from the last accepted token ``x0``, draft ``d``
-   tokens autoregressively with the first ``E`` layers and exit ``E`` (``forward_early``).
-2. **Self-verification** (Sec. 4.3.2): run layers ``E..L`` once over ``x0, d_1 .. d_d``
-   (``forward_remainder``) and compare.
+1. **Self-drafting** (Sec. 4.3.1): starting from the last accepted token ``x0``, draft up to
+   ``d`` tokens autoregressively with the first ``E`` layers and exit ``E``.
+2. **Self-verification** (Sec. 4.3.2): run layers ``E..L`` once over ``x0, d_1 .. d_n``.
 3. **Cache reuse** (Sec. 4.3.3): there is a **single KV cache**: drafting writes layers
    ``1..E`` of every draft token, verification writes layers ``E+1..L`` - nothing is computed
    twice. The **exit-query cache** is the hidden state after layer ``E`` of each draft step
-   (``(B, d+1, D)``, preallocated), from which verification starts; only the last draft, never
-   fed back during drafting, needs its first ``E`` layers run before verification.
+   (``(B, n+1, D)``), from which verification starts; only the last draft, never fed back
+   during drafting, needs its first ``E`` layers run before verification.
 4. Accept the longest agreeing prefix plus the verifier's own next token (the correction on a
    mismatch, the **bonus token** when every draft passes), and roll the cache back
    (:meth:`~exitlm.model.kv_cache.KVCache.crop`) to the accepted tokens.
@@ -20,8 +19,13 @@ token-identical to plain greedy decoding. Sampling uses speculative rejection sa
 (Leviathan et al. 2023, Chen et al. 2023): accept ``x ~ q`` with probability
 ``min(1, p(x)/q(x))``, else sample ``norm(max(0, p - q))``; the emitted tokens are then
 distributed exactly as plain sampling from ``p`` (draft ``q`` and target ``p`` both go through
-the same temperature / top-k / top-p). Sequences of a batch accept independently: each row
-keeps its own length and is cropped to its own accepted prefix.
+the same temperature / top-k / top-p).
+
+Sequences are independent: each drafts its own number of tokens ``n_i`` (its
+``num_speculations``, its remaining budget, its ``draft_threshold``), draws from its own
+generator, accepts its own prefix and is cropped to it. The batch drafts ``max n_i`` steps;
+a sequence past its own ``n_i`` rides along as a dummy whose drafts are neither sampled nor
+verified, so what it produces never depends on what else shares the batch.
 
 Per-token exit layers report ``E`` for accepted drafts and ``L`` for the verifier's tokens.
 """
@@ -33,58 +37,72 @@ from dataclasses import dataclass
 import torch
 
 from exitlm.config import ConfigError
-from exitlm.infer.common import (
+from exitlm.infer.decoder import (
+    Batch,
+    Decoder,
     DraftHead,
-    Session,
-    has_block_head,
+    Emit,
+    Seq,
     last_positions,
     prefill_hidden,
-    require_exit,
 )
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.result import GenerationResult
-from exitlm.infer.sampling import choose, probabilities
-from exitlm.infer.stopping import TextCallback
+from exitlm.infer.options import option
+from exitlm.infer.result import DecodeStats
+from exitlm.infer.sampling import probabilities
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.tokenizer import Tokenizer
+
+MAX_SPECULATIONS = 64
+"""The most draft tokens a round may hold (bounds the cache slots a round writes)."""
 
 
 @dataclass(frozen=True)
 class SelfSpecOptions:
-    """Options of the ``self-spec`` strategy.
+    """Options of the ``self-spec`` strategy."""
 
-    Attributes:
-        exit_layer: ``E``, the draft exit (default: the model's deepest configured exit head,
-            or ``L // 2`` for LayerSkip-style ``every_layer`` models).
-        num_speculations: ``d``, draft tokens per round (LayerSkip Sec. 4.3.1).
-        draft_vocab: draft only among the first ``N`` token ids (BPE ids roughly follow merge
-            frequency): the exit's output projection shrinks from ``V`` to ``N`` rows, which
-            on small models costs as much as several layers. Still exact: verification uses
-            the full vocabulary, and a draft distribution with zeros outside the subset is
-            as valid for rejection sampling as any other. ``None``: the whole vocabulary.
-        draft_threshold: stop drafting a round early once the exit's probability of its own
-            draft falls below this (for every running sequence of the batch): an unsure draft
-            is likely rejected, and drafting on after it wastes ``E`` layers per token. The
-            unsure draft itself is still verified. Still exact, greedy or sampled: when to
-            stop depends only on the drafts so far (``transformers`` calls this
-            ``assistant_confidence_threshold``). ``None``: always draft ``d`` tokens, as
-            LayerSkip does.
-    """
-
-    exit_layer: int | None = None
-    num_speculations: int = 4
-    draft_vocab: int | None = None
-    draft_threshold: float | None = None
+    exit_layer: int | None = option(
+        None, "the draft exit E (default: the model's deepest exit head, or L // 2 for "
+        "LayerSkip every-layer exits)")
+    num_speculations: int = option(
+        4, "d, draft tokens per round (LayerSkip Sec. 4.3.1)", per_request=True)
+    draft_vocab: int | None = option(
+        None, "draft only among the first N token ids (BPE ids roughly follow merge "
+        "frequency): a cheaper exit projection; output unchanged")
+    draft_threshold: float | None = option(
+        None, "stop a round's drafting once the exit's probability of its own draft falls "
+        "below this (transformers' assistant_confidence_threshold); output unchanged",
+        per_request=True)
 
     def __post_init__(self) -> None:
-        if self.num_speculations < 1:
-            raise ConfigError(f"num_speculations must be >= 1, got {self.num_speculations}")
+        if not 1 <= self.num_speculations <= MAX_SPECULATIONS:
+            raise ConfigError(f"num_speculations must lie in [1, {MAX_SPECULATIONS}], got "
+                              f"{self.num_speculations}")
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
             raise ConfigError(
                 f"draft_threshold must lie in [0, 1] (or None: off), got {self.draft_threshold}"
             )
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"draft_vocab must be >= 1 (or None: all), got {self.draft_vocab}")
+
+
+@dataclass
+class SelfSpecStats(DecodeStats):
+    """Per-sequence counters of self-speculative decoding."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def derived(self) -> dict[str, float]:
+        return {"acceptance_rate": self.acceptance_rate,
+                "tokens_per_round": (self.accepted + self.rounds) / self.rounds
+                if self.rounds else 0.0}
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def describe(self) -> str:
+        return f"acceptance {self.acceptance_rate:.1%}"
 
 
 def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
@@ -99,158 +117,189 @@ def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
             "self-speculative decoding needs an early exit; load the model with exits "
             "(e.g. ExitConfig(every_layer=True)) or use strategy 'ar'"
         )
-    return require_exit(model, exit_layer, "exit_layer")
+    if exit_layer >= model.num_layers:
+        raise ConfigError(f"exit_layer {exit_layer} is not an early exit; the draft exit must "
+                          f"lie in [1, {model.num_layers - 1}]")
+    model.exit_route(exit_layer, setting="exit_layer")
+    return exit_layer
 
 
-def generate_self_spec(
-    model: EarlyExitLM,
-    prompt_ids: list[list[int]],
-    sampling: SamplingOptions,
-    *,
-    tokenizer: Tokenizer | None = None,
-    stream: TextCallback | None = None,
-    options: SelfSpecOptions | None = None,
-    start_time: float | None = None,
-) -> GenerationResult:
-    """Run self-speculative decoding (see the module docstring) on a batch of prompts."""
-    opts = options or SelfSpecOptions()
-    e = resolve_exit_layer(model, opts.exit_layer)
-    n_max = opts.num_speculations
-    num_layers = model.num_layers
-    s = Session(model, prompt_ids, sampling, tokenizer=tokenizer, stream=stream,
-                start_time=start_time, extra_slots=n_max + 1)
-    b, dev = s.b, s.device
-    block = has_block_head(model, e)
-    vocab = model.config.vocab_size
-    n_draft = vocab if opts.draft_vocab is None else min(opts.draft_vocab, vocab)
-    head = DraftHead(model, e, n_draft)
-    tau = opts.draft_threshold
-    # fp32 GEMM with a few rows costs nearly a GEMV per row on CPU, so greedy verification
-    # projects one position at a time and stops at the first rejection (see _accept_greedy_lazy)
-    lazy = dev.type == "cpu" and model.embed_tokens.weight.dtype == torch.float32
-    cache = s.new_cache()
-    drafted = [0] * b
-    accepted = [0] * b
-    rounds = 0
-    with torch.inference_mode():
-        s.start_prefill()
-        h, _ = prefill_hidden(model, s.tokens, cache, exits=(e,) if block else ())
-        nxt = choose(model.final_logits(last_positions(h, s.lengths)), sampling, s.generator)
-        cache.lengths = s.lengths.clone()
-        cache.fill[:] = s.lengths[None, :]
-        for i, tok in enumerate(nxt.tolist()):
-            s.push(i, [tok], [num_layers])
-            s.layer_evals[i] += num_layers
-        s.end_prefill()
-        # exit-query cache: hidden state after layer E of x0, d_1 .. d_n (LayerSkip 4.3.3)
-        exit_query = torch.empty(b, n_max + 1, model.config.dim,
-                                 dtype=model.embed_tokens.weight.dtype, device=dev)
-        steps = torch.arange(n_max + 1, device=dev)
-        x0 = nxt
-        while s.num_running:
-            rounds += 1
-            n = max(0, min(n_max, max(s.remaining(i) for i in range(b)) - 1))
-            base = cache.lengths.to(dev)  # (B,) position of x0
-            live = [s.running(i) for i in range(b)]
-            live_rows = torch.tensor(live, device=dev)
-            # ---- self-drafting: first E layers + exit E, one token at a time ----
-            drafts = torch.empty(b, n, dtype=torch.long, device=dev)
-            q_probs = [] if not sampling.greedy else None
-            tok = x0
-            for j in range(n + 1):
-                pos = (base + j)[:, None]  # (B, 1)
-                ctx = model.context(pos, cache)
-                hj = model.run_layers(model.embed(tok[:, None], pos), 0, e, cache=cache, ctx=ctx)
-                exit_query[:, j] = hj[:, 0]
-                if j == n:
-                    if block:  # the exit block's cache slot needs the last draft too
-                        model.exit_features(hj, e, cache=cache, ctx=ctx)
-                    break  # the last draft only needs its first E layers for verification
-                logits = head(hj, ctx, cache)[:, 0]  # (B, N)
-                may_stop = tau is not None and j + 1 < n
-                if q_probs is None:
-                    tok = torch.argmax(logits, dim=-1)
-                    if may_stop:
-                        conf = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-                else:
-                    q_small = probabilities(logits, sampling)
-                    tok = torch.multinomial(q_small, 1, generator=s.generator)[:, 0]
-                    if may_stop:
-                        conf = q_small.gather(1, tok[:, None])[:, 0]
-                    q = q_small if n_draft == vocab else torch.nn.functional.pad(
-                        q_small, (0, vocab - n_draft))
-                    q_probs.append(q)
-                drafts[:, j] = tok
-                if may_stop and bool((conf[live_rows] < tau).all()):
-                    n = j + 1  # the next pass runs this last draft's first E layers only
-            drafts = drafts[:, :n]
-            # ---- self-verification: layers E..L over x0, d_1 .. d_n in one pass ----
-            pos = base[:, None] + steps[None, : n + 1]  # (B, n+1)
+@dataclass
+class _Drafts:
+    """One round's drafts: tokens ``(B, n)``, each row's own count, the draft distributions
+    of sampled rows, and the exit-query cache ``(B, n+1, D)``."""
+
+    tokens: torch.Tensor
+    counts: list[int]
+    q_probs: dict[int, list[torch.Tensor]]
+    exit_query: torch.Tensor
+
+
+class SelfSpecDecoder(Decoder):
+    """Self-speculative decoding as a step machine (see the module docstring)."""
+
+    name = "self-spec"
+    stats_type = SelfSpecStats
+
+    def __init__(self, model: EarlyExitLM, options: SelfSpecOptions) -> None:
+        super().__init__(model, options)
+        self.e = resolve_exit_layer(model, options.exit_layer)
+        vocab = model.config.vocab_size
+        n_draft = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
+        self.head = DraftHead(model, self.e, n_draft)
+        self.block = model.exit_route(self.e).has_block
+        # fp32 GEMM with a few rows costs nearly a GEMV per row on CPU, so greedy verification
+        # projects one position at a time and stops at the first rejection (_accept_greedy_lazy)
+        self.lazy = self.device.type == "cpu" and self.dtype == torch.float32
+        self.learned = model.config.pos == "learned"
+
+    def resolved_options(self) -> dict[str, object]:
+        return {**super().resolved_options(), "exit_layer": self.e,
+                "draft_vocab": self.head.vocab}
+
+    def lookahead(self, seq: Seq) -> int:
+        return min(seq.options.num_speculations, seq.remaining) + 1
+
+    @property
+    def max_lookahead(self) -> int:
+        return MAX_SPECULATIONS + 1
+
+    def prefill(self, batch: Batch) -> list[Emit]:
+        num_layers = self.model.num_layers
+        h, lens = prefill_hidden(self.model, batch, exits=(self.e,) if self.block else ())
+        logits = self.model.final_logits(last_positions(h, lens))
+        return [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
+
+    def step(self, batch: Batch) -> list[Emit]:
+        """One round: draft, verify, accept, roll back."""
+        limits = [max(0, min(s.options.num_speculations, s.remaining - 1)) for s in batch.seqs]
+        drafts = self._draft(batch, limits)
+        n = max(drafts.counts)
+        base = batch.cache.lengths.to(self.device)  # (B,) position of x0
+        pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
+        ctx = self.model.context(pos, batch.cache)
+        hv = self.model.run_layers(drafts.exit_query[:, : n + 1], self.e, self.model.num_layers,
+                                   cache=batch.cache, ctx=ctx)
+        accepted, final = self._accept(batch, drafts, hv)
+        keep = batch.cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
+        batch.cache.lengths = keep
+        batch.cache.crop(keep)
+        return [self._emit(s, drafts, i, a, f) for i, (s, a, f) in
+                enumerate(zip(batch.seqs, accepted, final, strict=True))]
+
+    # ----- the parts of a round ------------------------------------------------------------
+    def _draft(self, batch: Batch, limits: list[int]) -> _Drafts:
+        """Self-drafting (Sec. 4.3.1): every row runs the first ``E`` layers token by token;
+        row ``i`` keeps drafting while ``j < limits[i]`` and it is sure enough."""
+        model, cache, dev = self.model, batch.cache, self.device
+        b, n = len(batch), max(limits)
+        counts = list(limits)
+        out = torch.zeros(b, max(n, 1), dtype=torch.long, device=dev)
+        exit_query = torch.empty(b, n + 1, model.config.dim, dtype=self.dtype, device=dev)
+        q_probs: dict[int, list[torch.Tensor]] = {i: [] for i, s in enumerate(batch.seqs)
+                                                  if not s.sampling.greedy}
+        base = cache.lengths.to(dev)
+        tok = batch.lasts(dev)[:, 0]
+        j = 0
+        while True:
+            pos = (base + j)[:, None]  # (B, 1); rows past their own count are dummies
             ctx = model.context(pos, cache)
-            hv = model.run_layers(exit_query[:, : n + 1], e, num_layers, cache=cache, ctx=ctx)
-            if q_probs is None and lazy:
-                n_acc, final = _accept_greedy_lazy(model, drafts, hv)
-            elif q_probs is None:
-                n_acc, final = _accept_greedy(drafts, model.final_logits(hv))
+            emb_pos = pos.clamp(max=model.config.max_seq_len - 1) if self.learned else pos
+            hj = model.run_layers(model.embed(tok[:, None], emb_pos), 0, self.e, cache=cache,
+                                  ctx=ctx)
+            exit_query[:, j] = hj[:, 0]
+            if j == n:
+                if self.block:  # the exit block's cache slot needs the last draft too
+                    model.exit_features(hj, self.e, cache=cache, ctx=ctx)
+                break
+            tok = self._pick(batch, self.head(hj, ctx, cache)[:, 0], j, counts, q_probs)
+            out[:, j] = tok
+            j += 1
+            n = max(counts)
+        return _Drafts(out[:, :n], counts, q_probs, exit_query)
+
+    def _pick(self, batch: Batch, logits: torch.Tensor, j: int, counts: list[int],
+              q_probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """Draft token ``j`` of every row from the exit's logits ``(B, N)``: argmax, or a
+        sample from the row's own generator while it still drafts; a row whose own draft
+        threshold is not met stops drafting after this token."""
+        tok = torch.argmax(logits, dim=-1)
+        vocab = self.model.config.vocab_size
+        for i, s in enumerate(batch.seqs):
+            if j >= counts[i]:
+                continue
+            tau = s.options.draft_threshold
+            if i in q_probs:
+                q = probabilities(logits[i : i + 1], s.sampling)
+                tok[i] = torch.multinomial(q, 1, generator=s.generator)[0, 0]
+                q_probs[i].append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
+                conf = float(q[0, tok[i]]) if tau is not None else 1.0
             else:
-                n_acc, final = _accept_sampled(drafts, q_probs, model.final_logits(hv),
-                                               sampling, s.generator)
-            # ---- bookkeeping and cache rollback ----
-            acc = n_acc.tolist()
-            fin = final.tolist()
-            draft_rows = drafts.tolist()
-            for i in range(b):
-                if not live[i]:
-                    acc[i] = -1  # finished rows do not advance
-                    continue
-                a = acc[i]
-                drafted[i] += n
-                accepted[i] += a
-                s.layer_evals[i] += (n + 1) * num_layers
-                s.push(i, [*draft_rows[i][:a], fin[i]], [e] * a + [num_layers])
-                if not s.running(i):
-                    acc[i] = -1  # done: stop advancing (keeps positions inside the cache)
-            keep = cache.lengths + torch.tensor(acc) + 1  # x0 and the accepted drafts
-            cache.lengths = cache.lengths + n + 1
-            cache.crop(keep)
-            x0 = torch.where(torch.tensor(acc, device=dev) >= 0, final, x0)
-    for i in range(b):
-        s.seq_stats[i] = {"drafted": drafted[i], "accepted": accepted[i],
-                          "acceptance_rate": accepted[i] / drafted[i] if drafted[i] else 0.0}
-    total_d, total_a = sum(drafted), sum(accepted)
-    return s.result("self-spec", {
-        "exit_layer": e, "num_speculations": n_max, "draft_vocab": n_draft,
-        "draft_threshold": tau, "rounds": rounds,
-        "drafted": total_d,
-        "accepted": total_a, "acceptance_rate": total_a / total_d if total_d else 0.0,
-        "tokens_per_round": sum(len(t.ids) - 1 for t in s.trackers) / max(1, rounds) / b,
-    })
+                conf = float(torch.softmax(logits[i].float(), -1).max()) if tau is not None \
+                    else 1.0
+            if tau is not None and j + 1 < counts[i] and conf < tau:
+                counts[i] = j + 1  # verify this unsure draft, draft no further
+        return tok
+
+    def _accept(self, batch: Batch, drafts: _Drafts, hv: torch.Tensor
+                ) -> tuple[list[int], list[int]]:
+        """Accepted drafts and the verifier's token of every row: greedy rows by argmax
+        agreement, sampled rows by rejection sampling with their own generator."""
+        b = len(batch)
+        accepted, final = [0] * b, [0] * b
+        greedy = [i for i in range(b) if i not in drafts.q_probs]
+        if greedy:
+            g = torch.tensor(greedy, device=self.device)
+            limit = torch.tensor([drafts.counts[i] for i in greedy], device=self.device)
+            accept = _accept_greedy_lazy if self.lazy else _accept_greedy
+            a, f = accept(self.model, drafts.tokens[g], hv[g], limit)
+            for i, ai, fi in zip(greedy, a.tolist(), f.tolist(), strict=True):
+                accepted[i], final[i] = ai, fi
+        for i, qs in drafts.q_probs.items():
+            s, k = batch.seqs[i], drafts.counts[i]
+            p = probabilities(self.model.final_logits(hv[i, : k + 1]), s.sampling)  # (k+1, V)
+            q = torch.cat(qs, 0)[None] if qs else p.new_zeros(1, 0, p.shape[-1])
+            a, f = _accept_sampled(drafts.tokens[i : i + 1, :k], q, p[None], s.generator)
+            accepted[i], final[i] = int(a[0]), int(f[0])
+        return accepted, final
+
+    def _emit(self, seq: Seq, drafts: _Drafts, i: int, a: int, final: int) -> Emit:
+        st: SelfSpecStats = seq.stats  # type: ignore[assignment]
+        n_i = drafts.counts[i]
+        st.rounds += 1
+        st.drafted += n_i
+        st.accepted += a
+        toks = drafts.tokens[i, :a].tolist()
+        num_layers = self.model.num_layers
+        return Emit([*toks, final], [self.e] * a + [num_layers], (n_i + 1) * num_layers)
 
 
-def _accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification: the number of leading drafts equal to the final layer's argmax and
-    the final layer's token right after them (correction or bonus) ``(B,)`` each."""
-    target = torch.argmax(logits, dim=-1)  # (B, n+1)
+def _accept_greedy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,
+                   limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: the number of leading drafts (at most ``limit`` per row) equal to
+    the final layer's argmax over ``hv`` ``(R, n+1, D)``, and the final layer's token right
+    after them (correction or bonus) ``(R,)`` each."""
+    target = torch.argmax(model.final_logits(hv), dim=-1)  # (R, n+1)
     n = drafts.shape[1]
-    agree = (drafts == target[:, :n]).to(torch.long)
-    n_acc = agree.cumprod(dim=1).sum(dim=1)  # (B,)
-    final = target.gather(1, n_acc[:, None])[:, 0]
-    return n_acc, final
+    inside = torch.arange(n, device=drafts.device)[None, :] < limit[:, None]
+    agree = ((drafts == target[:, :n]) & inside).to(torch.long)
+    n_acc = agree.cumprod(dim=1).sum(dim=1)  # (R,)
+    return n_acc, target.gather(1, n_acc[:, None])[:, 0]
 
 
-def _accept_greedy_lazy(
-    model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _accept_greedy_lazy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,
+                        limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_accept_greedy` computing the final logits one draft position at a time, only
-    for the sequences whose drafts all passed so far: the LM head (the largest matrix of a
-    small model) then runs ``accepted + 1`` times instead of ``d + 1``. Same result."""
-    b, n = drafts.shape
-    n_acc = torch.zeros(b, dtype=torch.long, device=drafts.device)
-    final = torch.zeros(b, dtype=torch.long, device=drafts.device)
-    alive = torch.arange(b, device=drafts.device)
+    for the rows whose drafts all passed so far: the LM head (the largest matrix of a small
+    model) then runs ``accepted + 1`` times instead of ``d + 1``. Same result."""
+    r, n = drafts.shape
+    n_acc = torch.zeros(r, dtype=torch.long, device=drafts.device)
+    final = torch.zeros(r, dtype=torch.long, device=drafts.device)
+    alive = torch.arange(r, device=drafts.device)
     for j in range(n + 1):
-        target = torch.argmax(model.final_logits(hv[alive, j]), dim=-1)  # (R,)
-        ok = target == drafts[alive, j] if j < n else torch.zeros_like(target, dtype=torch.bool)
+        target = torch.argmax(model.final_logits(hv[alive, j]), dim=-1)  # (R',)
+        ok = (target == drafts[alive, j]) & (limit[alive] > j) if j < n else \
+            torch.zeros_like(target, dtype=torch.bool)
         stop = ~ok
         n_acc[alive[stop]] = j
         final[alive[stop]] = target[stop]
@@ -261,31 +310,27 @@ def _accept_greedy_lazy(
 
 
 def _accept_sampled(
-    drafts: torch.Tensor,
-    q_probs: list[torch.Tensor],
-    logits: torch.Tensor,
-    sampling: SamplingOptions,
+    drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023).
 
-    Draft ``x_j ~ q_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``; at the
+    ``drafts`` ``(R, n)`` were drawn from ``q`` ``(R, n, V)``; ``p`` ``(R, n+1, V)`` is the
+    target. Draft ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``; at the
     first rejection the token is drawn from ``norm(max(0, p_j - q_j))``; when all pass, the
-    bonus token is drawn from ``p_n``. Returns accepted counts and the final tokens ``(B,)``.
+    bonus token is drawn from ``p_n``. Returns accepted counts and the final tokens ``(R,)``.
     """
-    b, n = drafts.shape
-    p = probabilities(logits.reshape(b * (n + 1), -1), sampling).view(b, n + 1, -1)
+    r, n = drafts.shape
     if n == 0:
-        return (torch.zeros(b, dtype=torch.long, device=drafts.device),
+        return (torch.zeros(r, dtype=torch.long, device=drafts.device),
                 torch.multinomial(p[:, 0], 1, generator=generator)[:, 0])
-    q = torch.stack(q_probs, dim=1)  # (B, n, V)
-    px = p[:, :n].gather(2, drafts[..., None])[..., 0]  # (B, n)
+    px = p[:, :n].gather(2, drafts[..., None])[..., 0]  # (R, n)
     qx = q.gather(2, drafts[..., None])[..., 0]
-    r = torch.rand(b, n, generator=generator, device=drafts.device)
-    ok = (r * qx < px).to(torch.long)  # accept with probability min(1, p/q)
-    n_acc = ok.cumprod(dim=1).sum(dim=1)  # (B,)
-    rows = torch.arange(b, device=drafts.device)
-    p_at = p[rows, n_acc]  # (B, V): target at the first rejection (or the bonus position)
+    u = torch.rand(r, n, generator=generator, device=drafts.device)
+    ok = (u * qx < px).to(torch.long)  # accept with probability min(1, p/q)
+    n_acc = ok.cumprod(dim=1).sum(dim=1)  # (R,)
+    rows = torch.arange(r, device=drafts.device)
+    p_at = p[rows, n_acc]  # (R, V): target at the first rejection (or the bonus position)
     q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n_acc]  # 0 for the bonus
     residual = (p_at - q_at).clamp_min(0)
     mass = residual.sum(dim=-1, keepdim=True)
@@ -294,3 +339,4 @@ def _accept_sampled(
     dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
     final = torch.multinomial(dist, 1, generator=generator)[:, 0]
     return n_acc, final
+

@@ -4,7 +4,9 @@
 someone needs text during generation (a stream callback or stop strings), detects stop
 strings, and streams text pieces whose concatenation is exactly the final ``text``: it holds
 back an incomplete UTF-8 character and any tail that might still grow into a stop string.
-Every decoding strategy feeds its accepted tokens through one of these per sequence.
+Decoding is incremental (a short window of recent tokens per step, as vLLM's detokenizer
+does), so a long generation costs O(1) tokenizer work per token, not O(length).
+The engine feeds every request's accepted tokens through one of these.
 """
 
 from __future__ import annotations
@@ -48,16 +50,18 @@ class TextTracker:
         self._emitted = 0  # characters already streamed
         self._searched = 0  # characters already searched for stop strings
         self._final: str | None = None
+        self._prefix = 0  # window start for incremental decoding
+        self._read = 0  # tokens whose text is in self._text
 
     def push(self, token_id: int) -> bool:
         """Add one token; return True when a stop string has just completed."""
         self.ids.append(token_id)
         if not self.live:
             return False
-        text = self._decode()
-        if text.endswith("\ufffd"):
+        delta = self._delta(final=False)
+        if delta is None:
             return False  # the rest of a multi-byte character is still to come
-        self._text = text
+        text = self._text = self._text + delta
         if self.stop_strings:
             start = max(0, self._searched - self._longest_stop + 1)
             hits = [i for i in (text.find(s, start) for s in self.stop_strings) if i >= 0]
@@ -79,7 +83,12 @@ class TextTracker:
     def finish(self) -> str:
         """End the sequence (length or stop token): stream the rest and return the text."""
         if self._final is None:
-            self._finish(self._decode() if self.tokenizer is not None else "")
+            if self.tokenizer is None:
+                self._finish("")
+            elif self.live:
+                self._finish(self._text + (self._delta(final=True) or ""))
+            else:
+                self._finish(self.tokenizer.decode(self.ids, skip_special_tokens=True))
         assert self._final is not None
         return self._final
 
@@ -89,9 +98,20 @@ class TextTracker:
         return self._final if self._final is not None else self._text
 
     # ----- internals -----------------------------------------------------------------------
-    def _decode(self) -> str:
+    def _delta(self, final: bool) -> str | None:
+        """Text the tokens since the last call add: both texts are decoded from the same
+        window start, so tokenizers that drop a leading space at the start of a decode still
+        give the right difference. ``None`` while the newest character is incomplete."""
         assert self.tokenizer is not None
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        dec = self.tokenizer.decode
+        before = dec(self.ids[self._prefix : self._read], skip_special_tokens=True)
+        after = dec(self.ids[self._prefix :], skip_special_tokens=True)
+        if not final and after.endswith("\ufffd"):
+            return None
+        if len(after) <= len(before):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
 
     def _held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

@@ -152,12 +152,12 @@ class KVCache:
         kc[r, :, p] = k.transpose(1, 2).to(kc.dtype)  # indexed view is (n, T, Hkv, D)
         vc[r, :, p] = v.transpose(1, 2).to(vc.dtype)
 
-    def copy_from(self, src: KVCache, slots: int, position: int) -> None:
-        """Copy ``position`` of the first ``slots`` slots of ``src`` (same rows) into this
-        cache (PPD shares one new entry per token between its caches)."""
+    def copy_from(self, src: KVCache, slots: int, positions: int | slice) -> None:
+        """Copy ``positions`` of the first ``slots`` slots of ``src`` (same rows) into this
+        cache (PPD shares each new entry between its caches)."""
         for i in range(slots):
-            self.keys[i][:, :, position] = src.keys[i][:, :, position]
-            self.values[i][:, :, position] = src.values[i][:, :, position]
+            self.keys[i][:, :, positions] = src.keys[i][:, :, positions]
+            self.values[i][:, :, positions] = src.values[i][:, :, positions]
 
     def plan(self, positions: torch.Tensor) -> WritePlan:
         """Precompute how a forward over ``positions`` ``(B, T)`` writes into every slot.

@@ -1,0 +1,241 @@
+"""What every decoding strategy is: a :class:`Decoder` with a prefill and a step over the
+sequences it is given (DESIGN.md, "The shape to grow into": gpt-fast's ``prefill`` /
+``decode_one_token``, vLLM's per-step scheduling).
+
+The :class:`~exitlm.infer.engine.Engine` owns everything else - the pool of KV rows,
+admission, stopping, streaming, timing and results - and calls a decoder with a
+:class:`Batch`: the running sequences (:class:`Seq`, one per pool row) and views of their
+cache rows. A decoder never sees more than the rows it must advance, keeps no per-sequence
+state of its own between calls (except PPD, which runs one sequence at a time), and answers
+each call with one :class:`Emit` per sequence: the tokens chosen, the layer each exited at
+and the layer evaluations spent.
+
+Cache convention (:mod:`exitlm.model.kv_cache`): the token at position ``p`` lives in slot
+``p``; ``cache.lengths[row]`` counts the tokens whose keys/values are committed; the newest
+chosen token (``Seq.last``) is not yet in the cache - the next step feeds it at position
+``cache.lengths[row]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from exitlm.infer.options import SamplingOptions
+from exitlm.infer.result import DecodeStats
+from exitlm.infer.sampling import choose_rows
+from exitlm.model.kv_cache import KVCache
+from exitlm.model.layers import linear
+from exitlm.model.transformer import EarlyExitLM
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request's decoding state as decoders see it.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        sampling: how this sequence chooses tokens and when it stops.
+        options: the strategy's options for this sequence (per-request fields applied).
+        generator: its own random generator (``None`` when greedy).
+        stats: the strategy's per-sequence statistics, updated by the decoder.
+        last: the newest chosen token, not yet fed through the model (``-1`` before prefill).
+        generated: tokens chosen so far.
+    """
+
+    prompt: list[int]
+    sampling: SamplingOptions
+    options: Any
+    generator: torch.Generator | None
+    stats: DecodeStats
+    last: int = -1
+    generated: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens this sequence may produce."""
+        return self.sampling.max_new_tokens - self.generated
+
+
+@dataclass
+class Batch:
+    """The sequences one decoder call advances and views of their pool rows.
+
+    Attributes:
+        seqs: one per row, in row order.
+        cache: the rows' KV cache (a view sharing the pool's storage).
+        aux: per-row buffers the decoder asked for (:attr:`Decoder.aux_dims`), as views
+            ``(rows, capacity, dim)``.
+    """
+
+    seqs: list[Seq]
+    cache: KVCache
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def sampling(self) -> list[SamplingOptions]:
+        return [s.sampling for s in self.seqs]
+
+    def choose(self, logits: torch.Tensor, rows: list[int] | None = None) -> list[int]:
+        """Each row's next token from ``logits`` ``(R, V)``; ``rows`` picks which sequences
+        the logits belong to (default: all, in order)."""
+        seqs = self.seqs if rows is None else [self.seqs[i] for i in rows]
+        return choose_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+
+    def lasts(self, device: torch.device) -> torch.Tensor:
+        """``(B, 1)`` the newest token of every sequence."""
+        return torch.tensor([[s.last] for s in self.seqs], dtype=torch.long, device=device)
+
+
+@dataclass
+class Emit:
+    """What one call produced for one sequence: tokens in order, the 1-based layer each
+    exited at, and the transformer-layer evaluations (token x layer) spent."""
+
+    tokens: list[int]
+    layers: list[int]
+    evals: int
+
+
+class Decoder:
+    """A decoding strategy as a step machine (see the module docstring).
+
+    Subclasses set the class attributes and implement :meth:`prefill` and :meth:`step`.
+    """
+
+    name: ClassVar[str] = ""
+    stats_type: ClassVar[type[DecodeStats]] = DecodeStats
+    max_batch: ClassVar[int | None] = None
+    """The most sequences one step may hold (``None``: any)."""
+
+    def __init__(self, model: EarlyExitLM, options: Any) -> None:
+        self.model = model
+        self.options = options
+        ref = model.embed_tokens.weight
+        self.device = ref.device
+        self.dtype = ref.dtype
+
+    # ----- what the engine asks ------------------------------------------------------------
+    @property
+    def aux_dims(self) -> dict[str, int]:
+        """Per-row buffers ``name -> feature size`` the pool keeps next to the KV cache."""
+        return {}
+
+    def lookahead(self, seq: Seq) -> int:
+        """Positions past ``cache.lengths`` that the next step may write for ``seq``."""
+        return 1
+
+    @property
+    def max_lookahead(self) -> int:
+        """An upper bound of :meth:`lookahead` over every sequence."""
+        return 1
+
+    def check(self, seq: Seq) -> None:
+        """Reject a request this decoder cannot serve (a :class:`ConfigError`)."""
+
+    def resolved_options(self) -> dict[str, Any]:
+        """The options in force, defaults resolved (reported in results)."""
+        import dataclasses
+
+        return dataclasses.asdict(self.options) if self.options is not None else {}
+
+    def new_stats(self) -> DecodeStats:
+        return self.stats_type()
+
+    def close(self) -> None:
+        """Release what the decoder holds beyond the engine's pool (threads, streams)."""
+
+    # ----- the two calls ---------------------------------------------------------------------
+    def prefill(self, batch: Batch) -> list[Emit]:
+        """Run the prompts of ``batch`` (fresh rows) and choose each sequence's first token."""
+        raise NotImplementedError
+
+    def step(self, batch: Batch) -> list[Emit]:
+        """Advance every sequence of ``batch`` by at least one token."""
+        raise NotImplementedError
+
+
+# ----- helpers shared by the decoders ----------------------------------------------------------
+
+def padded_prompts(model: EarlyExitLM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt tokens ``(B, T)`` on the model's device and their lengths ``(B,)``."""
+    cfg = model.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    lens = [len(s.prompt) for s in batch.seqs]
+    tokens = torch.full((len(lens), max(lens)), pad, dtype=torch.long)
+    for i, s in enumerate(batch.seqs):
+        tokens[i, : lens[i]] = torch.tensor(s.prompt, dtype=torch.long)
+    return tokens.to(model.embed_tokens.weight.device), torch.tensor(lens, dtype=torch.long)
+
+
+def prefill_hidden(
+    model: EarlyExitLM, batch: Batch, end: int | None = None, exits: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``batch``'s prompts through layers ``[0, end)``, filling its cache rows.
+
+    Returns the hidden states ``(B, T, D)`` after layer ``end`` and the prompt lengths. Exits
+    in ``exits`` whose head is a transformer block get their own cache slot filled (later
+    tokens attend to the prompt's keys/values there). Afterwards ``cache.lengths`` holds the
+    prompt lengths and ``fill`` no slot past them (pad positions hold nothing).
+    """
+    end = model.num_layers if end is None else end
+    tokens, lens = padded_prompts(model, batch)
+    cache = batch.cache
+    b, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    ctx = model.context(positions, cache)
+    h = model.embed(tokens, positions)
+    for layer, h_at in model.walk(h, 0, end, exits, cache=cache, ctx=ctx):
+        if layer in exits and model.exit_route(layer).has_block:
+            model.exit_features(h_at, layer, cache=cache, ctx=ctx)
+        h = h_at
+    cache.lengths = lens
+    cache.crop(lens)
+    return h, lens
+
+
+def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``h[b, lengths[b] - 1]`` for every row: ``(B, D)``."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return h[rows, lengths.to(h.device) - 1]
+
+
+class DraftHead:
+    """Exit ``E``'s logits over the first ``vocab`` token ids: the exit's features
+    (:meth:`~exitlm.model.transformer.EarlyExitLM.exit_features`) times a copy of the first
+    ``vocab`` rows of its output embedding, laid out like the model's own weights
+    (:func:`~exitlm.model.layout.optimize_layout`). With the whole vocabulary it is exactly
+    ``exit_logits``."""
+
+    def __init__(self, model: EarlyExitLM, layer: int, vocab: int) -> None:
+        self.model = model
+        self.layer = layer
+        self.vocab = vocab
+        self._weight: torch.Tensor | None = None
+        self._source: tuple[int, int] | None = None
+        self._keep: torch.nn.Module | None = None
+
+    def _sliced(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight._version)
+        if self._weight is None or self._source != key:
+            from exitlm.model.layout import optimize_layout
+
+            with torch.inference_mode(False):  # a normal tensor: layout code tracks versions
+                lin = torch.nn.Linear(weight.shape[1], self.vocab, bias=False,
+                                      dtype=weight.dtype, device=weight.device)
+                lin.weight.requires_grad_(False)
+                lin.weight.data = weight[: self.vocab].clone().contiguous()
+                optimize_layout(lin)
+            self._keep, self._weight, self._source = lin, lin.weight, key
+        return self._weight
+
+    def __call__(self, h: torch.Tensor, ctx: object, cache: object) -> torch.Tensor:
+        feats, weight = self.model.exit_features(
+            h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
+        if self.vocab >= weight.shape[0]:
+            return linear(feats, weight)
+        return linear(feats, self._sliced(weight))

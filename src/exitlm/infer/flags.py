@@ -1,0 +1,89 @@
+"""Command-line flags derived from the strategies' options dataclasses.
+
+Every field of every registered strategy's options type becomes one flag (``exit_layer`` ->
+``--exit-layer``; the type from the annotation, the help from the field's metadata, see
+:func:`~exitlm.infer.options.option`). A name shared by several strategies is one flag whose
+help lists each meaning. ``exitlm generate``, ``bench`` and ``serve`` add the same flags; the
+dataclasses are the only table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from exitlm.config import ConfigError
+from exitlm.infer.strategies import STRATEGIES
+
+
+def _fields() -> dict[str, list[tuple[str, dataclasses.Field[Any], Any]]]:
+    """Option name -> [(strategy, field, annotation)] over the registered strategies."""
+    out: dict[str, list[tuple[str, dataclasses.Field[Any], Any]]] = {}
+    for name, strat in STRATEGIES.items():
+        hints = typing.get_type_hints(strat.options_type)
+        for f in dataclasses.fields(strat.options_type):
+            out.setdefault(f.name, []).append((name, f, hints[f.name]))
+    return out
+
+
+def flag(name: str) -> str:
+    """The command-line flag of option ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def strategies_taking(name: str) -> tuple[str, ...]:
+    """The strategies that have an option ``name``."""
+    return tuple(s for s, _, _ in _fields().get(name, []))
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as err:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from err
+
+
+def _argument(annotation: Any) -> dict[str, Any]:
+    """argparse keywords for a field annotated ``annotation`` (``X | None`` means X)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = args[0]
+        args = list(typing.get_args(annotation))
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is Literal:
+        return {"choices": list(args)}
+    if typing.get_origin(annotation) is tuple:
+        return {"type": _int_list, "metavar": "L1,L2,..."}
+    if annotation in (int, float, str):
+        return {"type": annotation}
+    raise TypeError(f"no command-line form for options of type {annotation!r}")
+
+
+def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per strategy option (default: each strategy's own default)."""
+    g = parser.add_argument_group("strategy options (default: each strategy's own defaults)")
+    for name, uses in _fields().items():
+        helps = "; ".join(f"{s}: {f.metadata.get('help', '')}" for s, f, _ in uses)
+        g.add_argument(flag(name), dest=name, default=None, help=helps.replace("%", "%%"),
+                       **_argument(uses[0][2]))
+
+
+def strategy_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """The strategy options given on the command line, checked against ``strategy``."""
+    own = {f.name for f in dataclasses.fields(STRATEGIES[strategy].options_type)}
+    out: dict[str, Any] = {}
+    for name in _fields():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name not in own:
+            takes = sorted(flag(f) for f in own)
+            raise ConfigError(f"{flag(name)} does not apply to --strategy {strategy} (it "
+                              f"takes: {', '.join(takes) or 'no options'})")
+        out[name] = value
+    return out
