@@ -1,6 +1,6 @@
 """The batch-1 fp32 decode fast paths compute what the general code computes: numpy's
 OpenBLAS GEMV in ``linear``, the lean per-layer decode step in ``Block``, and the thread
-hand-off of ``decode_threads``."""
+hand-off of ``thread_split``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.model import layers
-from exitlm.model.layers import decode_threads, linear
+from exitlm.model.layers import linear, thread_split
 
 needs_numpy_blas = pytest.mark.skipif(not layers._NUMPY_GEMV.enabled,
                                       reason="numpy's OpenBLAS not found: fast path unused")
@@ -106,16 +106,16 @@ def test_lean_decode_step_equals_the_general_block() -> None:
         assert torch.equal(a, b)
 
 
-def test_decode_threads_restores_torch_threads() -> None:
+def test_thread_split_restores_torch_threads() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with decode_threads():
-            inside = torch.get_num_threads()
+        with thread_split(1, 2):
+            assert torch.get_num_threads() == 1  # torch's threads lent to OpenBLAS meanwhile
+            assert layers._NUMPY_GEMV.threads_override == 2
         assert torch.get_num_threads() == 2
-        if layers._NUMPY_GEMV.enabled:
-            assert inside == 1  # torch's threads lent to OpenBLAS meanwhile
-        with decode_threads(enabled=False):
+        assert layers._NUMPY_GEMV.threads_override is None
+        with thread_split(2, 1):
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -36,6 +36,7 @@ def generate(
     options: Any = None,
     stream: TextCallback | None = None,
     chat: bool = False,
+    threads: int | None = None,
     **overrides: Any,
 ) -> GenerationResult:
     """Generate continuations of one or several prompts, decoded together.
@@ -54,6 +55,8 @@ def generate(
             the pieces of a sequence concatenate to its final ``text``. A callback with a true
             ``wants_layers`` attribute is called as ``stream(index, piece, exit_layer)``.
         chat: wrap each text prompt as a user message with the tokenizer's chat template.
+        threads: CPU threads per decoding step (default: measured, see
+            :class:`~exitlm.infer.threads.ThreadPolicy`).
         **overrides: fields of :class:`SamplingOptions` (``max_new_tokens=16``,
             ``temperature=0.7``, ...) or of the strategy's options, replacing those given.
     """
@@ -70,7 +73,7 @@ def generate(
         **{k: v for k, v in overrides.items() if k in SAMPLING_FIELDS})
     prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
     engine = Engine(model, tokenizer, strategy, opts, max_batch=len(prompt_ids),
-                    max_seq_len=model.config.max_seq_len)
+                    threads=threads)
     try:
         reqs = []
         for i, ids in enumerate(prompt_ids):

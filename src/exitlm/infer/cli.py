@@ -63,8 +63,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: exitlm's thread policy, see README "
-                        "'Performance')")
+                   help="CPU threads per decoding step (default: measured while decoding: "
+                        "more threads only while they are faster, see README 'Performance')")
     add_strategy_flags(p)
     p.add_argument("--show-exits", action="store_true",
                    help="colour each token by the layer it exited at (ANSI colours on a "
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         )
         overrides = strategy_overrides(args, args.strategy)
         if args.threads is not None:
-            set_threads(args.threads)
+            set_threads(args.threads)  # loading and prefill use them too
         loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
         tokenizer = loaded.tokenizer
         if tokenizer is None:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             stream = ExitColourStream(num_layers) if colour else _print_piece
         result = generate(
             loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
-            stream=stream, chat=args.chat, **overrides,
+            stream=stream, chat=args.chat, threads=args.threads, **overrides,
         )
     except (ConfigError, ValueError, OSError) as err:
         print(f"exitlm generate: error: {err}", file=sys.stderr)

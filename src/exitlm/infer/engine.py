@@ -43,7 +43,8 @@ from exitlm.infer.result import DecodeStats, FinishReason, SequenceResult
 from exitlm.infer.sampling import make_generator
 from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
-from exitlm.model.layers import decode_threads, gemv_bound
+from exitlm.infer.threads import ThreadPolicy
+from exitlm.model.layers import SMALL_ROWS, gemv_bound
 from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
@@ -138,6 +139,8 @@ class Engine:
             bound: the model's context, ``config.max_seq_len``).
         max_queue: the most requests waiting for a row; :meth:`submit` raises
             :class:`EngineFull` beyond it (``None``: unbounded).
+        threads: CPU threads per step; ``None`` lets :class:`~exitlm.infer.threads.
+            ThreadPolicy` measure what is fastest on this machine right now.
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class Engine:
         max_batch: int = 8,
         max_seq_len: int | None = None,
         max_queue: int | None = None,
+        threads: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
@@ -179,6 +183,7 @@ class Engine:
         self.decode_s = 0.0
         ref = model.embed_tokens.weight
         self._gemv = gemv_bound(ref.dtype, ref.device)
+        self.threads = ThreadPolicy(threads)
 
     # ----- the public interface -----------------------------------------------------------------
     def submit(
@@ -217,9 +222,8 @@ class Engine:
             frozenset() if sampling.ignore_eos else self.eos_ids)
         req = Request(next(self._ids), list(ids), sampling, opts, seq, stop_ids, on_update,
                       t_submit=time.perf_counter())
-        live = on_update is not None and self.tokenizer is not None
         req.tracker = TextTracker(self.tokenizer, req.id, stop_strings=sampling.stop_strings,
-                                  stream=self._piece_sink(req) if live else None)
+                                  stream=None if self.tokenizer is None else self._piece_sink(req))
         with self._lock:
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -293,7 +297,9 @@ class Engine:
         for r in new:
             r.status, r.t_admit = "running", t0
         self.running.extend(new)
-        emits = self.decoder.prefill(self.pool.batch(lo, lo + len(new), [r.seq for r in new]))
+        with self.threads.split("torch"):
+            emits = self.decoder.prefill(self.pool.batch(lo, lo + len(new),
+                                                         [r.seq for r in new]))
         t1 = time.perf_counter()
         self.prefill_s += t1 - t0
         for r in new:
@@ -307,8 +313,10 @@ class Engine:
         assert cache is not None
         longest = int(cache.lengths[:n].max())
         self.pool.ensure(n, longest + max(self.decoder.lookahead(r.seq) for r in self.running))
-        with decode_threads(n == 1 and self._gemv):
+        kind = "gemv" if self._gemv and n <= SMALL_ROWS[1] else "torch"
+        with self.threads.step(kind, key=(kind, n)) as rec:
             emits = self.decoder.step(self.pool.batch(0, n, [r.seq for r in self.running]))
+            rec.tokens = sum(len(e.tokens) for e in emits)
         self._record(0, list(self.running), emits, updates)
         self.decode_s += time.perf_counter() - t0
 

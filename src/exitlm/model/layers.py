@@ -160,30 +160,29 @@ _PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
 
 def gemv_bound(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether batch-1 decoding of weights of ``dtype`` on ``device`` runs its GEMVs through
-    numpy's OpenBLAS (see :func:`decode_threads`)."""
+    numpy's OpenBLAS (see :func:`thread_split`)."""
     return _NUMPY_GEMV.enabled and dtype == torch.float32 and device.type == "cpu"
 
 
 @contextmanager
-def decode_threads(enabled: bool = True) -> Iterator[None]:
-    """Give torch's intra-op threads to the GEMVs of batch-1 fp32 decoding.
+def thread_split(torch_threads: int, blas_threads: int) -> Iterator[None]:
+    """Run with ``torch_threads`` intra-op threads for torch and ``blas_threads`` for the
+    numpy OpenBLAS products of :func:`linear` (restored afterwards).
 
-    Inside, numpy's OpenBLAS keeps ``torch.get_num_threads()`` threads while torch itself
-    runs on one: the other ops of a decoding step are far too small to split, and with two
-    OpenMP threads torch's idle worker spins on the core OpenBLAS' worker needs. Nothing
-    changes when there is one thread, or when ``enabled`` is false.
+    Batch-1 fp32 decoding gives the threads to OpenBLAS and leaves torch one: a step's other
+    ops are far too small to split, and with two OpenMP threads torch's idle worker spins on
+    the core OpenBLAS' worker needs (decoding ~8x slower on 2 cores).
     """
     n = torch.get_num_threads()
-    if not enabled or n <= 1 or not _NUMPY_GEMV.enabled:
-        yield
-        return
     prev = _NUMPY_GEMV.threads_override
-    _NUMPY_GEMV.threads_override = n
-    torch.set_num_threads(1)
+    _NUMPY_GEMV.threads_override = blas_threads
+    if torch_threads != n:
+        torch.set_num_threads(torch_threads)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        if torch_threads != n:
+            torch.set_num_threads(n)
         _NUMPY_GEMV.threads_override = prev
 
 
