@@ -18,12 +18,13 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import torch
 
 from exitlm.config import ConfigError
+from exitlm.schema import PositiveInt, Range, Seed, check
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 DATA_FORMAT = 1
@@ -83,21 +84,15 @@ class DataConfig:
 
     paths: tuple[str, ...] = ()
     tokenizer: str = "bytes"
-    seq_len: int = 128
-    val_fraction: float = 0.02
-    seed: int = 0
-    max_files: int | None = None
+    seq_len: Annotated[int, Range(ge=2)] = 128
+    val_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.02
+    seed: Seed = 0
+    max_files: PositiveInt | None = None
     text_field: str = "text"
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.paths, str):
-            object.__setattr__(self, "paths", (self.paths,))
-        object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must lie in (0, 1), got {self.val_fraction}")
+        check(self, "data")
 
 
 # ----- documents --------------------------------------------------------------------------------
