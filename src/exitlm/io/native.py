@@ -44,13 +44,15 @@ def is_native_dir(path: Path) -> bool:
         return False
 
 
-def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
-    """Write ``model`` (and ``tokenizer``) to ``path`` atomically; returns the path."""
+def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None,
+                *, overwrite: bool = False) -> Path:
+    """Write ``model`` (and ``tokenizer``) to ``path`` atomically; returns the path. An
+    existing ``path`` holding files exitlm did not write is refused unless ``overwrite``."""
     target = Path(path)
     tensors, aliases = tensors_for_saving(model.state_dict())
     cfg = model.config.to_dict()
     cfg[FORMAT_KEY] = FORMAT_VERSION
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(
             tmp / WEIGHTS, tensors,
             {FORMAT_KEY: str(FORMAT_VERSION), "exitlm_aliases": json.dumps(aliases)},
@@ -75,8 +77,8 @@ def native_config(path: Path) -> ModelConfig:
         )
     try:
         return ModelConfig.from_dict(d)
-    except (ConfigError, TypeError) as err:
-        raise CheckpointError(f"{file}: invalid model configuration: {err}") from err
+    except ConfigError as err:
+        raise CheckpointError(f"{file}: invalid model configuration: {err}") from None
 
 
 def native_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
