@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from exitlm.config import ConfigError, ModelConfig
+from exitlm.errors import ExitlmError
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import (
     atomic_dir,
@@ -113,5 +114,7 @@ def load_tokenizer_dir(path: Path) -> Tokenizer | None:
         return None
     try:
         return Tokenizer.load(path)
+    except ExitlmError:
+        raise
     except Exception as err:
         raise CheckpointError(f"{path / 'tokenizer.json'}: cannot load tokenizer: {err}") from err
