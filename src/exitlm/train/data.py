@@ -138,13 +138,17 @@ def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
     """``(0-based line number, decoded JSON value)`` per non-blank line of a JSONL file;
     a line that is not JSON raises :class:`ConfigError` naming the file and line. ``errors``:
     how undecodable UTF-8 is handled (``open``'s argument)."""
-    with Path(path).open(encoding="utf-8", errors=errors) as f:
+    try:
+        f = Path(path).open(encoding="utf-8", errors=errors)  # noqa: SIM115
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
+    with f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
             try:
                 yield i, json.loads(line)
-            except json.JSONDecodeError as err:
+            except (ValueError, RecursionError) as err:
                 raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
 
 
@@ -159,7 +163,12 @@ def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
                                       f"{cfg.text_field!r} (set data.text_field)")
                 yield f"{key}:{i}", text
         else:
-            yield key, path.read_bytes().decode("utf-8", errors="replace")
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise ConfigError(f"data.paths: cannot read {path} ({err.strerror or err})"
+                                  ) from None
+            yield key, data.decode("utf-8", errors="replace")
 
 
 # ----- preprocessing ----------------------------------------------------------------------------
@@ -192,6 +201,7 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     sep = int(eos[0]) if eos else 0
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     out.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(out)
     tag = f".tmp-{os.getpid()}"
     counts = {"train": 0, "val": 0}
     docs = {"train": 0, "val": 0}
@@ -244,6 +254,16 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     tmp.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")
     return out
+
+
+def _remove_dead_temps(out: Path) -> None:
+    """Delete ``*.tmp-PID`` files that preprocessing runs killed mid-way left in ``out``."""
+    from exitlm.io.st import pid_alive
+
+    for f in out.glob("*.tmp-*"):
+        pid = f.name.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            f.unlink(missing_ok=True)
 
 
 # ----- reading ----------------------------------------------------------------------------------
