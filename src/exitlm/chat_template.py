@@ -193,6 +193,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         b.value(out, f"'{operator}'")
         return out
 
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        """An unsafe attribute (``__class__``, ``append``...) is an error at once, not an
+        empty value that renders silently: a template reaching for one is hostile."""
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
+                            "object is unsafe")
+
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """``str.format`` / ``format_map`` with the field widths and arguments checked."""
         fmt = super().wrap_str_format(value)

@@ -130,7 +130,7 @@ class Tokenizer:
         template = _pick_template(meta.get("chat_template"))
         if template is None and (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
-        eos = meta.get("exitlm_eos_token_ids") or ()
+        eos = meta.get("exitlm_eos_token_ids") or []
         if not isinstance(eos, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tk.get_vocab_size(
                     with_added_tokens=True) for t in eos):

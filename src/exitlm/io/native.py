@@ -41,7 +41,7 @@ def is_native_dir(path: Path) -> bool:
         return False
     try:
         return FORMAT_KEY in json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+    except (ValueError, RecursionError, OSError):  # JSON, UTF-8, too deep, unreadable
         return False
 
 
