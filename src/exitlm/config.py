@@ -269,7 +269,7 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
+def preset(name: str, /, **overrides: Any) -> ModelConfig:
     """Return a named preset configuration, optionally with fields replaced."""
     if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
