@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import assert_clean_error, cli, cli_subprocess, tiny_model
+from _robust_util import assert_clean_error, cli, cli_subprocess, tiny_model
 
 from exitlm.chat_template import ChatTemplateError, TemplateLimits, render_chat_template
 from exitlm.errors import ExitlmError

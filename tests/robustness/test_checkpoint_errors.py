@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import assert_clean_error, cli, cli_subprocess, edit_json, tiny_checkpoint
+from _robust_util import (
+    assert_clean_error,
+    cli,
+    cli_subprocess,
+    edit_json,
+    tiny_checkpoint,
+    tiny_model,
+)
 from safetensors.torch import load_file, save_file
 
 from exitlm.errors import ExitlmError, ExitlmWarning
@@ -165,16 +172,12 @@ BUNDLE_META = [
 @pytest.mark.parametrize(("meta", "needles"), BUNDLE_META, ids=[m[:40] for m, _ in BUNDLE_META])
 def test_broken_exit_bundles(meta: str, needles: list[str], tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
-    from _util import tiny_model
-
     bundle = save_bundle(tiny_model(), tmp_path / "exits", "debug")
     (bundle / "exits.json").write_text(meta)
     assert_clean_error(cli(["info", bundle], capsys), *needles)
 
 
 def test_bundle_without_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from _util import tiny_model
-
     bundle = save_bundle(tiny_model(), tmp_path / "exits", "debug")
     (bundle / "exits.safetensors").unlink()
     assert_clean_error(cli(["info", bundle], capsys), "exits.safetensors", "missing")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _util import assert_clean_error, cli, cli_subprocess, run_config
+from _robust_util import assert_clean_error, cli, cli_subprocess, run_config
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.train.config import load_config

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _util import assert_clean_error, cli, leftovers, tiny_checkpoint
+from _robust_util import assert_clean_error, cli, leftovers, tiny_checkpoint
 
 from exitlm.io import load_model, save_model
 from exitlm.io.hf_map import CheckpointError

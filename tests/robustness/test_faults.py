@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _util import ROOT, leftovers, run_config
+from _robust_util import ROOT, leftovers, run_config
 
 from exitlm.errors import ExitlmWarning
 from exitlm.train.checkpoint import checkpoints

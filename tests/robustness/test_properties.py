@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _util import Result, assert_clean_error, tiny_checkpoint
+from _robust_util import Result, assert_clean_error, tiny_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from _util import ROOT, assert_clean_error, cli, leftovers, run_config
+from _robust_util import ROOT, assert_clean_error, cli, leftovers, run_config
 from safetensors.torch import load_file
 
 from exitlm.errors import ExitlmError, ExitlmWarning
