@@ -201,3 +201,35 @@ def test_debug_flag_shows_the_traceback(capsys: pytest.CaptureFixture[str]) -> N
     res = cli(["--debug", "train", "--config", "tiny", "train.steps=abc", "--print-config"],
               capsys)
     assert res.rc == 2 and "Traceback" in res.err and "train.steps" in res.err
+
+
+PLAN_ERRORS = [
+    (["ppd", "--layers", "0", "--exit-layer", "1", "--k", "1", "--tokens", "4",
+      "--p-correct", "0.5"], ["--layers", "got 0"]),
+    (["ppd", "--layers", "30", "--exit-layer", "nan", "--k", "1", "--tokens", "4",
+      "--p-correct", "0.5"], ["--exit-layer", "'nan'"]),
+    (["ppd", "--layers", "30", "--exit-layer", "20", "--k", "1", "--tokens", "64",
+      "--p-correct", "0.5", "--monte-carlo", "1000000000"], ["--monte-carlo 1000000000"]),
+    (["pipeline", "--stages", "100000", "--microbatches", "100000", "--times",
+      "1,1,1,1,1,1,1,1"], ["--stages 100000 x --microbatches 100000"]),
+    (["pipeline", "--stages", "2", "--microbatches", "4", "--times", "1,1"], ["--times"]),
+    (["terapipe", "--model", "debug", "--seq-len", "100000000", "--stages", "2"],
+     ["--seq-len 100000000", "GiB"]),
+]
+
+
+@pytest.mark.parametrize(("args", "needles"), PLAN_ERRORS, ids=[a[0] for a, _ in PLAN_ERRORS])
+def test_plan_arguments(args: list[str], needles: list[str],
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Sizes that would take unbounded time or memory are refused up front."""
+    assert_clean_error(cli(["plan", *args], capsys), *needles)
+
+
+def test_plan_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "model.json"
+    f.write_text('{"num_layers": 10000000}')
+    res = cli(["plan", "pipeline", "--stages", "2", "--microbatches", "2", "--model", f], capsys)
+    assert_clean_error(res, "10000000 layers")
+    f.write_bytes(b"\xff\xfe binary")
+    res = cli(["plan", "pipeline", "--stages", "2", "--microbatches", "2", "--model", f], capsys)
+    assert_clean_error(res, str(f), "invalid JSON")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from exitlm.cli import int_at_least
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 
@@ -68,22 +68,6 @@ def register(subparsers: Any) -> None:
     e.add_argument("--topk", type=int_at_least(1), default=5)
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=_eval)
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``low`` (a one-line error otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}"
-                                             ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def _train(args: argparse.Namespace) -> int:
