@@ -116,3 +116,20 @@ def test_damaged_latest_checkpoint_falls_back(damage: str, root: Path,
     assert _losses(out) == pytest.approx(reference, rel=1e-6, abs=1e-7)
     assert not leftovers(out)
     assert [p.name for p in checkpoints(out)] == ["step-00000006", "step-00000004"]
+
+
+def test_killed_preprocessing_leaves_nothing(tmp_path: Path) -> None:
+    """Token files a killed preprocessing run left (``*.bin.tmp-PID``, here empty) go when
+    the corpus is next prepared."""
+    from exitlm.train.data import data_dir_for, prepare
+
+    cfg = run_config(tmp_path).data
+    out = data_dir_for(cfg)
+    out.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = out / f"train.bin.tmp-{int(dead.stdout)}"
+    stale.write_bytes(b"")
+    prepare(cfg, progress=False)
+    assert not stale.exists()
+    assert (out / "meta.json").is_file() and not leftovers(out)

@@ -194,6 +194,8 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     """Tokenize and pack the corpus once; return the directory (``train.bin``, ``val.bin``,
     ``meta.json``). A complete directory is reused; an interrupted one is redone."""
     out = data_dir_for(cfg)
+    if out.is_dir():
+        _remove_dead_temps(out)
     if (out / "meta.json").is_file():
         return out
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
@@ -201,7 +203,6 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     sep = int(eos[0]) if eos else 0
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     out.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temps(out)
     tag = f".tmp-{os.getpid()}"
     counts = {"train": 0, "val": 0}
     docs = {"train": 0, "val": 0}
