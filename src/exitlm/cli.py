@@ -1,10 +1,24 @@
-"""The ``exitlm`` command. Each sub-package registers its own sub-commands here."""
+"""The ``exitlm`` command. Each sub-package registers its own sub-commands here.
+
+Errors: an :class:`~exitlm.errors.ExitlmError` (bad input) is printed as one line,
+``exitlm <command>: error: <message>``, plus its hint, and the command exits with status 2;
+``exitlm --debug ...`` (or ``EXITLM_DEBUG=1``) shows the traceback instead. Warnings print as
+``exitlm: warning: <message>``. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from exitlm.errors import ExitlmError, ExitlmWarning
 
 # Modules exposing ``register(subparsers)``; each adds sub-commands with
 # ``set_defaults(func=...)`` where ``func(args) -> int`` is the exit status.
@@ -14,10 +28,21 @@ _COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``exitlm eval: error: ...`` and a hint) instead of a
+    usage dump; sub-command parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"  hint: see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="exitlm", description="Train and serve early-exit language models."
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also EXITLM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -30,7 +55,70 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    debug = bool(args.debug or os.environ.get("EXITLM_DEBUG"))
+    name = f"exitlm {args.command}"
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return int(args.func(args) or 0)
+        except ExitlmError as err:
+            if debug:
+                traceback.print_exc()
+            print(error_lines(name, err), file=sys.stderr)
+            return 2
+        except MemoryError:
+            if debug:
+                traceback.print_exc()
+            print(f"{name}: error: out of memory", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (a one-line error otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}"
+                                             ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type``: a finite number (``nan`` and ``inf`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def error_lines(command: str, err: ExitlmError) -> str:
+    """``<command>: error: <first line of the message>`` and, when given, the hint."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    out = f"{command}: error: {text}"
+    if err.hint:
+        out += f"\n  hint: {' '.join(err.hint.split())}"
+    return out
+
+
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    stream = file if file is not None else sys.stderr
+    if issubclass(category, ExitlmWarning):
+        stream.write(f"exitlm: warning: {message}\n")
+    else:
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from exitlm.errors import ConfigError
+from exitlm.schema import (
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    build,
+    check,
+)
 
 NormType = Literal["rmsnorm", "layernorm"]
 PosType = Literal["rope", "learned"]
@@ -30,10 +41,7 @@ Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 ExitHead = Literal["linear", "mlp", "block"]
 ExitNorm = Literal["none", "own", "final"]
 ExitOutput = Literal["tied_embedding", "final_head", "own"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the setting to change."""
+TokenId = NonNegativeInt
 
 
 @dataclass(frozen=True)
@@ -46,10 +54,13 @@ class RopeScaling:
     """
 
     kind: Literal["linear", "llama3"] = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: PositiveFloat = 8.0
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position_embeddings: PositiveInt = 8192
+
+    def __post_init__(self) -> None:
+        check(self, "rope_scaling")
 
 
 @dataclass(frozen=True)
@@ -78,28 +89,26 @@ class ExitConfig:
     output: ExitOutput = "final_head"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(sorted({int(x) for x in self.layers})))
-        _check_choice("exits.head", self.head, ("linear", "mlp", "block"))
-        _check_choice("exits.norm", self.norm, ("none", "own", "final"))
-        _check_choice("exits.output", self.output, ("tied_embedding", "final_head", "own"))
+        check(self, "exits")
+        object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer with early exits."""
 
-    vocab_size: int = 256
-    dim: int = 64
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    hidden_dim: int = 172
-    max_seq_len: int = 512
+    vocab_size: PositiveInt = 256
+    dim: PositiveInt = 64
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    hidden_dim: PositiveInt = 172
+    max_seq_len: PositiveInt = 512
     norm: NormType = "rmsnorm"
-    norm_eps: float = 1e-5
+    norm_eps: Annotated[float, Range(gt=0, lt=1)] = 1e-5
     pos: PosType = "rope"
-    rope_theta: float = 10000.0
+    rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
     mlp: MlpType = "swiglu"
     activation: Activation = "silu"
@@ -107,20 +116,14 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = None
+    bos_token_id: TokenId | None = None
+    eos_token_ids: tuple[TokenId, ...] = ()
+    pad_token_id: TokenId | None = None
     exits: ExitConfig = field(default_factory=ExitConfig)
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
-            if int(getattr(self, key)) <= 0:
-                raise ConfigError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
-        _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
-        _check_choice("pos", self.pos, ("rope", "learned"))
-        _check_choice("mlp", self.mlp, ("swiglu", "gelu"))
-        _check_choice("activation", self.activation, ("silu", "gelu", "gelu_tanh", "relu"))
+        check(self)
         kv = self.n_kv_heads
         if self.num_heads % kv != 0:
             raise ConfigError(
@@ -133,7 +136,6 @@ class ModelConfig:
             )
         if self.pos == "rope" and self.hdim % 2 != 0:
             raise ConfigError(f"rotary positions need an even head_dim, got {self.hdim}")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for layer in self.exits.layers:
             if not 1 <= layer < self.num_layers:
                 raise ConfigError(
@@ -168,19 +170,24 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
-        if isinstance(d.get("rope_scaling"), dict):
-            d["rope_scaling"] = _build(RopeScaling, d["rope_scaling"], "rope_scaling")
-        if isinstance(d.get("exits"), dict):
-            d["exits"] = _build(ExitConfig, d["exits"], "exits")
-        if "eos_token_ids" in d and d["eos_token_ids"] is not None:
-            d["eos_token_ids"] = tuple(d["eos_token_ids"])
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any], where: str = "") -> ModelConfig:
+        """A config from plain data (``config.json``); every key and value is checked by
+        type and range. ``where`` prefixes error messages (e.g. the file's path)."""
+        try:
+            return build(cls, d, label="model config")
+        except ConfigError as err:
+            if not where:
+                raise
+            raise ConfigError(f"{where}: {err}", hint=err.hint) from None
+
+    def approx_num_parameters(self) -> int:
+        """The parameter count implied by the config, computed without building a model
+        (embeddings, attention and MLP weights; norms and biases left out)."""
+        d, hd = self.dim, self.hdim
+        attn = d * hd * (2 * self.num_heads + 2 * self.n_kv_heads)
+        mlp = d * self.hidden_dim * (3 if self.mlp == "swiglu" else 2)
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embeddings + self.num_layers * (attn + mlp)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -190,17 +197,33 @@ class ModelConfig:
         return cls.from_dict(json.loads(text))
 
 
-def _build(kind: type, d: dict[str, Any], prefix: str) -> Any:
-    known = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConfigError(f"unknown {prefix} keys {unknown}; known keys: {sorted(known)}")
-    return kind(**d)
+# Python objects per layer (modules, parameters) cost memory beyond the weights themselves.
+_LAYER_OVERHEAD_BYTES = 32 * 1024
 
 
-def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+def check_fits_in_memory(cfg: ModelConfig, key: str = "model", bytes_per_parameter: int = 4
+                         ) -> None:
+    """Refuse, before anything is allocated, a configuration whose weights alone exceed this
+    machine's physical memory (a typo such as ``num_layers: 10000000`` would otherwise grow
+    memory until the process is killed)."""
+    need = cfg.approx_num_parameters() * bytes_per_parameter + cfg.num_layers * \
+        _LAYER_OVERHEAD_BYTES
+    total = physical_memory()
+    if total is not None and need > total:
+        raise ConfigError(
+            f"{key}: the configuration needs about {need / 2**30:,.1f} GiB for its weights "
+            f"({cfg.num_layers} layers, dim {cfg.dim}, vocabulary {cfg.vocab_size}), more than "
+            f"this machine's {total / 2**30:,.1f} GiB of memory",
+            hint="reduce num_layers, dim, hidden_dim or vocab_size",
+        )
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory, or ``None`` where the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 # ----- presets -------------------------------------------------------------------------------
@@ -246,9 +269,9 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
+def preset(name: str, /, **overrides: Any) -> ModelConfig:
     """Return a named preset configuration, optionally with fields replaced."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]()
     return cfg.replace(**overrides) if overrides else cfg

@@ -1,4 +1,5 @@
-"""Tokenization through Hugging Face ``tokenizers``, chat templates through sandboxed Jinja.
+"""Tokenization through Hugging Face ``tokenizers``, chat templates through sandboxed Jinja
+(:mod:`exitlm.chat_template`).
 
 :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` with the special-token facts generation
 needs (BOS, EOS set, pad) and the model's chat template. :class:`IncrementalDecoder` turns a
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from exitlm.chat_template import ChatTemplateError, TemplateLimits, render_chat_template
+from exitlm.errors import ExitlmError, short_repr
 
 # A plain template for models that ship none (ChatML, as SmolLM2 itself uses).
 CHATML_TEMPLATE = (
@@ -63,29 +66,24 @@ class Tokenizer:
         return self.tk.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
+        limits: TemplateLimits | None = None,
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
 
-        Rendering is sandboxed (``jinja2.sandbox``): a template comes with a checkpoint and is
-        untrusted input.
+        A template comes with a checkpoint and is untrusted input: it renders in a sandbox
+        with bounded output size and time (:mod:`exitlm.chat_template`); every failure is a
+        one-line :class:`~exitlm.chat_template.ChatTemplateError`.
         """
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"chat messages need 'role' and 'content' keys, got {m!r}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template error: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
-        bos = self.tk.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos = self.tk.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos or "", eos_token=eos or "",
+                raise ChatTemplateError(
+                    f"chat messages need 'role' and 'content' keys, got {short_repr(m)}")
+        bos = self._tok(self.bos_token_id) or ""
+        eos = self._tok(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return render_chat_template(
+            self.chat_template or CHATML_TEMPLATE, limits, messages=messages,
+            add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos or "",
         )
 
     # ----- persistence (tokenizer.json + a small JSON of special tokens) ------------------------
@@ -109,15 +107,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
-        """Read ``tokenizer.json`` (+ ``tokenizer_config.json`` when present) from a directory."""
+        """Read ``tokenizer.json`` (+ ``tokenizer_config.json`` when present) from a directory.
+
+        Unreadable or malformed files raise an :class:`~exitlm.errors.ExitlmError` naming
+        the file."""
         d = Path(directory)
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {d}")
-        tk = tokenizers.Tokenizer.from_file(str(path))
-        meta: dict[str, Any] = {}
-        if (d / "tokenizer_config.json").is_file():
-            meta = json.loads((d / "tokenizer_config.json").read_text())
+        try:
+            tk = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as err:  # the Rust library raises plain Exceptions
+            raise ExitlmError(f"{path}: cannot load the tokenizer ({_one_line(err)})") from None
+        meta = _read_meta(d / "tokenizer_config.json")
 
         def tid(key: str) -> int | None:
             tok = meta.get(key)
@@ -125,10 +127,16 @@ class Tokenizer:
                 tok = tok.get("content")
             return tk.token_to_id(tok) if isinstance(tok, str) else None
 
-        template = meta.get("chat_template")
+        template = _pick_template(meta.get("chat_template"))
         if template is None and (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        eos = tuple(meta.get("exitlm_eos_token_ids") or ())
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+        eos = meta.get("exitlm_eos_token_ids") or []
+        if not isinstance(eos, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tk.get_vocab_size(
+                    with_added_tokens=True) for t in eos):
+            raise ExitlmError(f"{d / 'tokenizer_config.json'}: exitlm_eos_token_ids: expected a "
+                              f"list of token ids, got {short_repr(eos)}")
+        eos = tuple(eos)
         if not eos and tid("eos_token") is not None:
             eos = (tid("eos_token"),)
         return cls(
@@ -136,6 +144,32 @@ class Tokenizer:
             add_bos=bool(meta.get("add_bos_token", False)),
             chat_template=template,
         )
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def _read_meta(file: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` as a dict ({} when absent); errors name the file."""
+    if not file.is_file():
+        return {}
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, OSError) as err:
+        raise ExitlmError(f"{file}: invalid JSON ({_one_line(err)})") from None
+    if not isinstance(meta, dict):
+        raise ExitlmError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _pick_template(value: Any) -> str | None:
+    """A ``chat_template`` entry: text, or Hugging Face's list of named templates (the one
+    named ``default``)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
 
 
 class IncrementalDecoder:

@@ -32,5 +32,5 @@ def test_convert_preset_to_both_formats_and_info(tmp_path: Path,
 
 
 def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["info", str(tmp_path)]) == 1
+    assert main(["info", str(tmp_path)]) == 2
     assert str(tmp_path) in capsys.readouterr().err

@@ -70,7 +70,7 @@ def test_prune_keeps_only_the_stage() -> None:
 
 
 def test_parallel_config_errors() -> None:
-    with pytest.raises(ConfigError, match="pp must be"):
+    with pytest.raises(ConfigError, match=r"parallel\.pp"):
         ParallelConfig(pp=0)
     with pytest.raises(ConfigError, match="token_slices"):
         ParallelConfig(token_slices="many")

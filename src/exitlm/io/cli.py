@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from exitlm.io.hf_map import CheckpointError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -26,6 +28,9 @@ def register(subparsers: Any) -> None:
                    help="output format: exitlm's own (default) or a Hugging Face directory")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                    help="parameter dtype of the written weights (default float32)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST even when it holds files exitlm did not write (never "
+                        "allowed when DST is the source or contains it)")
     p.set_defaults(func=_convert)
 
     q = subparsers.add_parser("info", help="describe a model: architecture, parameters, exits")
@@ -35,17 +40,59 @@ def register(subparsers: Any) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from exitlm.io import CheckpointError, export_hf, load_model, save_model
+    from exitlm.io import export_hf, load_model, save_model
+    from exitlm.io.st import check_replaceable
 
-    try:
-        loaded = load_model(args.src, dtype=_DTYPES[args.dtype])
-        write = export_hf if args.to == "hf" else save_model
-        out = write(loaded, args.dst)
-    except (CheckpointError, OSError) as err:
-        print(f"exitlm convert: {err}", file=sys.stderr)
-        return 1
+    dst = Path(args.dst).expanduser()
+    check_not_source(dst, source_paths(args.src))
+    check_replaceable(dst, args.overwrite)  # before the (slow) load
+    loaded = load_model(args.src, dtype=_DTYPES[args.dtype])
+    write = export_hf if args.to == "hf" else save_model
+    out = write(loaded, dst, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint to {out}")
     return 0
+
+
+def source_paths(src: str) -> list[Path]:
+    """The files and directories that loading ``src`` reads (what a write must not touch)."""
+    from exitlm.train.default_ee import find_bundle
+
+    paths: list[Path] = []
+    bundle = find_bundle(src)
+    if bundle is not None:
+        paths.append(bundle)
+        meta = bundle / "exits.json"
+        try:
+            base = json.loads(meta.read_text(encoding="utf-8")).get("base")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        if isinstance(base, str) and find_bundle(base) is None:
+            paths += source_paths(base)
+    elif src == "default":
+        from exitlm.io.default_model import cache_dir_for, default_gguf_path
+
+        try:
+            gguf = default_gguf_path()
+            paths += [gguf, cache_dir_for(gguf)]
+        except CheckpointError:
+            pass  # not installed: loading fails with its own message
+    elif Path(src).expanduser().exists():
+        paths.append(Path(src).expanduser())
+    return paths
+
+
+def check_not_source(dst: Path, sources: list[Path]) -> None:
+    """Refuse an output directory that is a source of the conversion or contains one."""
+    target = dst.resolve()
+    for src in sources:
+        real = src.resolve()
+        if real == target or target in real.parents:
+            what = "is" if real == target else "contains"
+            raise CheckpointError(
+                f"DST {dst} {what} the source {src}; writing there would replace what is "
+                "being read",
+                hint="choose another output directory (--overwrite does not change this)",
+            )
 
 
 def describe(loaded: Any) -> dict[str, Any]:
@@ -77,13 +124,9 @@ def describe(loaded: Any) -> dict[str, Any]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from exitlm.io import CheckpointError, load_model
+    from exitlm.io import load_model
 
-    try:
-        info = describe(load_model(args.model))
-    except (CheckpointError, OSError) as err:
-        print(f"exitlm info: {err}", file=sys.stderr)
-        return 1
+    info = describe(load_model(args.model))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from exitlm.config import ModelConfig, RopeScaling
+from exitlm.config import ConfigError, ModelConfig, RopeScaling
 from exitlm.io.gguf_tokenizer import GGUFTokenizerError, build_bpe_tokenizer
 from exitlm.io.hf_map import CheckpointError
 from exitlm.tokenizer import Tokenizer
@@ -101,7 +101,17 @@ def _f32(value: float) -> float:
 
 
 def gguf_config(g: GGUFFile, name: str | None = None) -> ModelConfig:
-    """The :class:`ModelConfig` a GGUF file's ``{arch}.*`` metadata describes."""
+    """The :class:`ModelConfig` a GGUF file's ``{arch}.*`` metadata describes; metadata of
+    the wrong type or range is a :class:`CheckpointError` naming the file."""
+    try:
+        return _gguf_config(g, name)
+    except CheckpointError:
+        raise
+    except (ConfigError, TypeError, ValueError, OverflowError) as err:
+        raise CheckpointError(f"{g.path}: invalid GGUF metadata: {err}") from None
+
+
+def _gguf_config(g: GGUFFile, name: str | None) -> ModelConfig:
     a = g.arch
 
     def need(key: str) -> Any:

@@ -22,6 +22,8 @@ from functools import lru_cache
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from exitlm.errors import ExitlmError
+
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 
@@ -47,7 +49,7 @@ _SPLITS: dict[str, str | None] = {
 _DIGIT_SPLITTING = ("smollm", "starcoder", "refact")
 
 
-class GGUFTokenizerError(ValueError):
+class GGUFTokenizerError(ExitlmError, ValueError):
     """The GGUF tokenizer metadata describes a tokenizer exitlm cannot rebuild."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from exitlm.config import ConfigError, ExitConfig, ModelConfig
+from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_map import (
     CheckpointError,
     architecture_of,
@@ -28,6 +29,7 @@ from exitlm.io.native import FORMAT_KEY, load_tokenizer_dir
 from exitlm.io.save import EXITS_CONFIG, EXITS_WEIGHTS
 from exitlm.io.st import PICKLE_SUFFIXES, read_json, refuse_pickle, stream_file, tensor_shapes
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.schema import build
 
 INDEX = "model.safetensors.index.json"
 
@@ -95,30 +97,37 @@ def hf_dir_config(path: Path) -> ModelConfig:
     except CheckpointError as err:
         raise CheckpointError(f"{file}: {err}") from err
     except (ConfigError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{file}: invalid configuration: {err}") from err
+        raise CheckpointError(f"{file}: invalid configuration: {err}") from None
     exits_file = path / EXITS_CONFIG
     if exits_file.is_file():
         meta = read_json(exits_file)
         try:
             if not isinstance(meta, dict) or meta.get(FORMAT_KEY) is None:
                 raise ConfigError(f"missing {FORMAT_KEY!r}")
-            ex = dict(meta["exits"])
-            ex["layers"] = tuple(ex.get("layers", ()))
-            cfg = cfg.replace(exits=ExitConfig(**ex))
-        except (ConfigError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{exits_file}: invalid exit configuration: {err}") from err
+            if "exits" not in meta:
+                raise ConfigError("missing 'exits'")
+            cfg = cfg.replace(exits=build(ExitConfig, meta["exits"], "exits"))
+        except ConfigError as err:
+            raise CheckpointError(f"{exits_file}: invalid exit configuration: {err}") from None
     return cfg
 
 
 def _check_headers(
     path: Path, files: dict[Path, list[str] | None], cfg: ModelConfig
 ) -> dict[Path, list[str]]:
-    """Validate names and shapes of every file's tensors; returns the names to read."""
+    """Validate names and shapes of every file's tensors; returns the names to read.
+
+    The layer count and embedding shape are checked against the headers first, so a
+    configuration that does not match its weights fails before a model is built."""
+    headers = {file: tensor_shapes(file) for file in files}
+    union = {n: s for shapes in headers.values() for n, s in shapes.items()}
+    holder = {n: str(f) for f, shapes in headers.items() for n in shapes}
+    check_config_against_tensors(cfg, union, str(path), files=holder)
     expected = expected_hf_shapes(cfg)
     seen: set[str] = set()
     plan: dict[Path, list[str]] = {}
     for file, listed in files.items():
-        shapes = tensor_shapes(file)
+        shapes = headers[file]
         names = list(shapes) if listed is None else listed
         for name in names:
             if name not in shapes:

@@ -18,63 +18,81 @@ from typing import Any
 import torch
 
 from exitlm.config import ModelConfig, RopeScaling
+from exitlm.errors import ExitlmError
+from exitlm.schema import convert, field_hints
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 SUPPORTED_ARCHS = LLAMA_ARCHS + GPT2_ARCHS
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ExitlmError, ValueError):
     """A checkpoint is corrupt, incomplete or does not match its configuration."""
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
-    for arch in archs:
-        if arch in SUPPORTED_ARCHS:
+    for arch in archs if isinstance(archs, list) else []:
+        if isinstance(arch, str) and arch in SUPPORTED_ARCHS:
             return arch
     by_type = {"llama": LLAMA_ARCHS[0], "mistral": LLAMA_ARCHS[1], "qwen2": LLAMA_ARCHS[2],
                "gpt2": GPT2_ARCHS[0]}
-    if model_type in by_type:
+    if isinstance(model_type, str) and model_type in by_type:
         return by_type[model_type]
     raise CheckpointError(
         f"unknown architecture {archs or model_type!r}; exitlm loads {list(SUPPORTED_ARCHS)}"
     )
 
 
-def _eos(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+_REQUIRED = object()
+
+
+def _get(hf: dict[str, Any], key: str, field: str, default: Any = _REQUIRED) -> Any:
+    """``hf[key]`` checked against the type and range of ``ModelConfig.<field>``; errors name
+    the ``config.json`` key."""
+    if key not in hf or (hf[key] is None and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    return convert(hf[key], field_hints(ModelConfig)[field], key)
 
 
 def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
-    """Translate a ``config.json`` dictionary into a :class:`ModelConfig`."""
+    """Translate a ``config.json`` dictionary into a :class:`ModelConfig`; every value is
+    checked by type and range (errors name the ``config.json`` key)."""
     arch = architecture_of(hf)
     try:
+        common = {
+            "bos_token_id": _get(hf, "bos_token_id", "bos_token_id", None),
+            "eos_token_ids": _get(hf, "eos_token_id", "eos_token_ids", ()),
+            "pad_token_id": _get(hf, "pad_token_id", "pad_token_id", None), "name": name,
+        }
         if arch in GPT2_ARCHS:
             act = hf.get("activation_function", "gelu_new")
             act_map = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                        "gelu": "gelu", "relu": "relu"}
-            if act not in act_map:
+            if not isinstance(act, str) or act not in act_map:
                 raise CheckpointError(f"unsupported GPT-2 activation_function {act!r}")
+            dim = _get(hf, "n_embd", "dim")
             return ModelConfig(
-                vocab_size=hf["vocab_size"], dim=hf["n_embd"], num_layers=hf["n_layer"],
-                num_heads=hf["n_head"], hidden_dim=hf.get("n_inner") or 4 * hf["n_embd"],
-                max_seq_len=hf["n_positions"], norm="layernorm",
-                norm_eps=hf.get("layer_norm_epsilon", 1e-5), pos="learned", mlp="gelu",
-                activation=act_map[act], qkv_bias=True, out_bias=True, mlp_bias=True,
-                tie_embeddings=hf.get("tie_word_embeddings", True),
-                bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos(hf.get("eos_token_id")),
-                pad_token_id=hf.get("pad_token_id"), name=name,
+                vocab_size=_get(hf, "vocab_size", "vocab_size"), dim=dim,
+                num_layers=_get(hf, "n_layer", "num_layers"),
+                num_heads=_get(hf, "n_head", "num_heads"),
+                hidden_dim=_get(hf, "n_inner", "hidden_dim", 4 * dim),
+                max_seq_len=_get(hf, "n_positions", "max_seq_len"), norm="layernorm",
+                norm_eps=_get(hf, "layer_norm_epsilon", "norm_eps", 1e-5), pos="learned",
+                mlp="gelu", activation=act_map[act], qkv_bias=True, out_bias=True,
+                mlp_bias=True, tie_embeddings=_get(hf, "tie_word_embeddings", "tie_embeddings",
+                                                   True),
+                **common,
             )
         scaling = None
         rs = hf.get("rope_scaling") or hf.get("rope_parameters")
-        theta = hf.get("rope_theta")
+        theta = _get(hf, "rope_theta", "rope_theta", None)
         if isinstance(rs, dict):
             kind = rs.get("rope_type", rs.get("type", "default"))
-            theta = rs.get("rope_theta", theta)
+            theta = _get(rs, "rope_theta", "rope_theta", theta)
             if kind == "llama3":
                 scaling = RopeScaling(
                     kind="llama3", factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
@@ -87,28 +105,32 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
                 raise CheckpointError(
                     f"unsupported rope scaling {kind!r}; exitlm supports default, linear, llama3"
                 )
+        elif rs is not None:
+            raise CheckpointError(f"rope_scaling: expected a mapping or null, got {rs!r}")
         act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "gelu", "relu", "gelu_pytorch_tanh"):
+        if not isinstance(act, str) or act not in ("silu", "gelu", "relu", "gelu_pytorch_tanh"):
             raise CheckpointError(f"unsupported hidden_act {act!r}")
-        qkv_bias = arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+        attention_bias = convert(hf.get("attention_bias", False), bool, "attention_bias")
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
         return ModelConfig(
-            vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
-            hidden_dim=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6), pos="rope",
-            rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
+            vocab_size=_get(hf, "vocab_size", "vocab_size"),
+            dim=_get(hf, "hidden_size", "dim"),
+            num_layers=_get(hf, "num_hidden_layers", "num_layers"),
+            num_heads=_get(hf, "num_attention_heads", "num_heads"),
+            num_kv_heads=_get(hf, "num_key_value_heads", "num_kv_heads", None),
+            head_dim=_get(hf, "head_dim", "head_dim", None),
+            hidden_dim=_get(hf, "intermediate_size", "hidden_dim"),
+            max_seq_len=_get(hf, "max_position_embeddings", "max_seq_len", 2048),
+            norm="rmsnorm", norm_eps=_get(hf, "rms_norm_eps", "norm_eps", 1e-6), pos="rope",
+            rope_theta=10000.0 if theta is None else theta, rope_scaling=scaling,
             mlp="swiglu", activation="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
-            qkv_bias=qkv_bias, out_bias=bool(hf.get("attention_bias", False))
-            and arch != "Qwen2ForCausalLM",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"), name=name,
+            qkv_bias=qkv_bias, out_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=convert(hf.get("mlp_bias", False), bool, "mlp_bias"),
+            tie_embeddings=_get(hf, "tie_word_embeddings", "tie_embeddings", False),
+            **common,
         )
     except KeyError as err:
-        raise CheckpointError(f"config.json lacks the key {err.args[0]!r} for {arch}") from err
+        raise CheckpointError(f"config.json lacks the key {err.args[0]!r} for {arch}") from None
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from exitlm.io.default_model import (
     default_gguf_path,
     progress_note,
 )
+from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_map import CheckpointError, hf_to_exitlm
 from exitlm.io.materialize import model_from_tensors
 from exitlm.io.native import (
@@ -36,7 +37,7 @@ from exitlm.io.native import (
     native_tensors,
     save_native,
 )
-from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle
+from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle, tensor_shapes
 from exitlm.model.layers import rope_inv_freq
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
@@ -122,6 +123,9 @@ def load_native(
 ) -> LoadedModel:
     """Load an exitlm directory (see :mod:`exitlm.io.native`)."""
     ckpt = native_config(path)
+    weights = path / "model.safetensors"
+    if weights.is_file():  # (a missing file is reported by native_tensors)
+        check_config_against_tensors(ckpt, tensor_shapes(weights), str(weights))
     cfg = ckpt if exits is None else ckpt.replace(exits=exits)
     model = model_from_tensors(
         cfg, keep_matching_exits(native_tensors(path), ckpt, cfg),
@@ -143,6 +147,8 @@ def load_gguf(
 
     g = open_gguf(path)
     cfg = gguf_config(g, name=name)
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in g.reader.tensors}
+    check_config_against_tensors(cfg, shapes, str(path), "the GGUF metadata")
     if exits is not None:
         cfg = cfg.replace(exits=exits)
     stream: Iterable[tuple[str, torch.Tensor]] = gguf_hf_tensors(g, cfg)

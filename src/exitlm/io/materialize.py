@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from exitlm.config import ModelConfig
+from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
+from exitlm.io.st import all_finite
 from exitlm.model.layers import rope_inv_freq
 from exitlm.model.transformer import EarlyExitLM
 
@@ -38,6 +40,7 @@ def model_from_tensors(
         model = EarlyExitLM(cfg)
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    non_finite: list[str] = []
     for name, tensor in tensors:
         if name not in params:
             raise CheckpointError(
@@ -52,8 +55,14 @@ def model_from_tensors(
             )
         if not tensor.dtype.is_floating_point:
             raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {tensor.dtype}")
+        if not all_finite(tensor):
+            non_finite.append(name)
         _set_param(model, name, tensor.to(dtype))
         seen.add(name)
+    if non_finite:
+        shown = ", ".join(non_finite[:5]) + (" ..." if len(non_finite) > 5 else "")
+        warn(f"{source}: tensor(s) {shown} hold NaN or infinite values ({len(non_finite)} "
+             "tensor(s)); the model's outputs will not be finite")
     missing = [n for n in params if n not in seen]
     exit_missing = [n for n in missing if n.startswith("exits.")]
     if allow_missing_exits and exit_missing:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from exitlm.config import ConfigError, ModelConfig
+from exitlm.errors import ExitlmError
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import (
     atomic_dir,
@@ -40,17 +41,19 @@ def is_native_dir(path: Path) -> bool:
         return False
     try:
         return FORMAT_KEY in json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+    except (ValueError, RecursionError, OSError):  # JSON, UTF-8, too deep, unreadable
         return False
 
 
-def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
-    """Write ``model`` (and ``tokenizer``) to ``path`` atomically; returns the path."""
+def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None,
+                *, overwrite: bool = False) -> Path:
+    """Write ``model`` (and ``tokenizer``) to ``path`` atomically; returns the path. An
+    existing ``path`` holding files exitlm did not write is refused unless ``overwrite``."""
     target = Path(path)
     tensors, aliases = tensors_for_saving(model.state_dict())
     cfg = model.config.to_dict()
     cfg[FORMAT_KEY] = FORMAT_VERSION
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(
             tmp / WEIGHTS, tensors,
             {FORMAT_KEY: str(FORMAT_VERSION), "exitlm_aliases": json.dumps(aliases)},
@@ -75,8 +78,8 @@ def native_config(path: Path) -> ModelConfig:
         )
     try:
         return ModelConfig.from_dict(d)
-    except (ConfigError, TypeError) as err:
-        raise CheckpointError(f"{file}: invalid model configuration: {err}") from err
+    except ConfigError as err:
+        raise CheckpointError(f"{file}: invalid model configuration: {err}") from None
 
 
 def native_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,5 +114,7 @@ def load_tokenizer_dir(path: Path) -> Tokenizer | None:
         return None
     try:
         return Tokenizer.load(path)
+    except ExitlmError:
+        raise
     except Exception as err:
         raise CheckpointError(f"{path / 'tokenizer.json'}: cannot load tokenizer: {err}") from err

@@ -44,23 +44,27 @@ def save_model(
     loaded_or_model: LoadedModel | EarlyExitLM,
     path: str | Path,
     tokenizer: Tokenizer | None = None,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Save in exitlm's format (``config.json``, ``model.safetensors``, tokenizer files).
 
     A :class:`LoadedModel`'s own tokenizer is saved unless ``tokenizer`` is given. The write
-    is atomic: the directory appears complete or not at all.
+    is atomic: the directory appears complete or not at all. An existing ``path`` is replaced
+    only when it holds nothing but files exitlm writes, or with ``overwrite=True``.
     """
     model, tok = _unpack(loaded_or_model, tokenizer)
-    return save_native(model, path, tok)
+    return save_native(model, path, tok, overwrite=overwrite)
 
 
 def export_hf(
-    model: LoadedModel | EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None
+    model: LoadedModel | EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None,
+    *, overwrite: bool = False,
 ) -> Path:
     """Export to a Hugging Face directory (``config.json`` + ``model.safetensors``).
 
     The backbone loads in ``transformers``; exit heads go to ``exitlm_exits.safetensors`` +
-    ``exitlm_exits.json`` next to it.
+    ``exitlm_exits.json`` next to it. ``overwrite`` as in :func:`save_model`.
     """
     m, tok = _unpack(model, tokenizer)
     cfg = m.config
@@ -72,7 +76,7 @@ def export_hf(
     hf_cfg["torch_dtype"] = dtype
     hf_cfg["dtype"] = dtype
     target = Path(path)
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(tmp / "model.safetensors", backbone, {})
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
         if exits or cfg.exits != type(cfg.exits)():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -70,14 +71,36 @@ def stream_file(path: Path, names: list[str] | None = None) -> Iterator[tuple[st
             yield name, read_tensor(f, path, name)
 
 
+MAX_JSON_BYTES = 64 * 2**20
+"""Config-like JSON files (config.json, indexes, exits.json) larger than this are refused."""
+
+
 def read_json(path: Path) -> Any:
     """Parse a JSON file, errors naming the file."""
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {size / 2**20:.0f} MiB is too large for a JSON "
+                                  f"config (at most {MAX_JSON_BYTES // 2**20} MiB)")
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise CheckpointError(f"{path}: file is missing") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except IsADirectoryError as err:
+        raise CheckpointError(f"{path}: is a directory, expected a JSON file") from err
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
         raise CheckpointError(f"{path}: invalid JSON ({err})") from err
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from err
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of a floating-point ``tensor`` is finite (a fast sum first, the
+    element-wise test only when the sum is not finite)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def tensors_for_saving(
@@ -108,17 +131,101 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[s
     save_file(tensors, str(path), metadata={"format": "pt", **meta})
 
 
+# Files exitlm's checkpoint writers produce. A directory holding only these may be replaced;
+# anything else in it was put there by someone else and is never deleted without --overwrite.
+EXITLM_FILES = frozenset({
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    "exitlm_exits.safetensors", "exitlm_exits.json", "exits.json", "exits.safetensors",
+    "exitlm_train.json", "optimizer.safetensors", "state.json",
+})
+
+
+def check_replaceable(target: Path, overwrite: bool = False) -> None:
+    """Refuse to replace ``target`` unless it is missing, empty, or holds only files exitlm
+    writes (``overwrite=True`` accepts any directory)."""
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory",
+                              hint="remove it or choose another output path")
+    if overwrite:
+        return
+    try:
+        entries = sorted(os.listdir(target))
+    except OSError as err:
+        raise CheckpointError(f"{target}: cannot list the directory ({err.strerror})") from err
+    foreign = [e for e in entries if e not in EXITLM_FILES or not (target / e).is_file()]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                          else "")
+        raise CheckpointError(
+            f"{target} is not empty and holds files exitlm did not write ({shown}); "
+            "refusing to replace it",
+            hint="choose a new or empty directory, or pass --overwrite to replace the "
+                 "directory and everything in it",
+        )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (``True`` when unsure)."""
+    if pid == os.getpid() or os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _temp_prefix(name: str, kind: str) -> str:
+    return f".{name}.{kind}-{os.getpid()}-"
+
+
+def remove_stale_temps(target: Path) -> list[Path]:
+    """Remove what a killed writer left beside ``target``: ``.NAME.tmp-PID-*`` (a half-written
+    replacement) and ``.NAME.old-PID-*`` (a moved-aside previous version, put back when
+    ``target`` itself is missing) of processes that no longer run. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")
+    removed: list[Path] = []
+    parent = target.parent
+    if not parent.is_dir():
+        return removed
+    for entry in sorted(parent.iterdir()):
+        m = pattern.fullmatch(entry.name)
+        if m is None or pid_alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and (entry / "d").is_dir() and not target.exists():
+            os.replace(entry / "d", target)  # the previous version was never replaced
+        _remove(entry)
+        removed.append(entry)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 @contextlib.contextmanager
-def atomic_dir(target: Path) -> Iterator[Path]:
+def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``target``; on success it replaces ``target``.
 
     The new directory appears under its final name in one ``os.replace``; a previous
     ``target`` is moved aside first and removed after. On error the temporary directory is
-    deleted and ``target`` is untouched.
+    deleted and ``target`` is untouched. A ``target`` holding files exitlm did not write is
+    refused unless ``overwrite`` (:func:`check_replaceable`); temporaries a killed writer
+    left are removed first (:func:`remove_stale_temps`).
     """
     target = Path(target)
+    check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_stale_temps(target)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name, "tmp"), dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should not be
@@ -129,9 +236,9 @@ def atomic_dir(target: Path) -> Iterator[Path]:
                 f.chmod(0o666 & ~umask)
         old = None
         if target.exists():
-            if not target.is_dir():
-                raise FileExistsError(f"{target} exists and is not a directory")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            check_replaceable(target, overwrite)  # it may have changed while we wrote
+            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name, "old"),
+                                        dir=target.parent))
             os.replace(target, old / "d")
         os.replace(tmp, target)
         if old is not None:
@@ -142,8 +249,10 @@ def atomic_dir(target: Path) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    """Write a text file through a temporary file and ``os.replace`` (removing temporaries
+    a killed writer of the same file left)."""
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name, "tmp"), dir=path.parent)
     try:
         os.chmod(tmp, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

@@ -8,9 +8,10 @@ possible, where activations travel most often).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from exitlm.config import ConfigError
+from exitlm.schema import NonNegativeInt, PositiveFloat, PositiveInt, check
 
 Schedule = Literal["1f1b", "gpipe"]
 ExitPlacement = Literal["next", "end"]
@@ -41,64 +42,28 @@ class ParallelConfig:
     * ``timeout_s``: a peer that sends nothing for this long ends the job with an error.
     """
 
-    pp: int = 1
-    dp: int = 0
+    pp: PositiveInt = 1
+    dp: NonNegativeInt = 0
     schedule: Schedule = "1f1b"
-    boundaries: tuple[int, ...] = ()
+    boundaries: tuple[PositiveInt, ...] = ()
     exit_placement: ExitPlacement = "next"
     deferred_exits: bool = True
     bubble_fill: BubbleFill = "none"
-    backward_forward_ratio: float = 2.0
-    fill_microbatches: int | None = None
-    token_slices: Any = 1
-    timeout_s: float = 300.0
+    backward_forward_ratio: PositiveFloat = 2.0
+    fill_microbatches: NonNegativeInt | None = None
+    token_slices: PositiveInt | tuple[PositiveInt, ...] | Literal["auto"] = 1
+    timeout_s: PositiveFloat = 300.0
 
     def __post_init__(self) -> None:
-        if int(self.pp) < 1:
-            raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
-        if int(self.dp) < 0:
-            raise ConfigError(f"parallel.dp must be >= 0 (0 = world size / pp), got {self.dp}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ConfigError(f"parallel.schedule must be 1f1b or gpipe, got {self.schedule!r}")
-        if self.exit_placement not in ("next", "end"):
-            raise ConfigError("parallel.exit_placement must be next (Optimization 2) or end, "
-                              f"got {self.exit_placement!r}")
-        if self.bubble_fill not in ("none", "warmup", "cooldown", "both"):
-            raise ConfigError("parallel.bubble_fill must be none, warmup, cooldown or both, "
-                              f"got {self.bubble_fill!r}")
-        if self.backward_forward_ratio <= 0:
-            raise ConfigError("parallel.backward_forward_ratio (b/f) must be > 0, got "
-                              f"{self.backward_forward_ratio}")
-        if self.fill_microbatches is not None and int(self.fill_microbatches) < 0:
-            raise ConfigError(f"parallel.fill_microbatches must be >= 0, got "
-                              f"{self.fill_microbatches}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
-        b = tuple(int(x) for x in self.boundaries)
-        object.__setattr__(self, "boundaries", b)
-        if b and len(b) != self.pp - 1:
+        if self.token_slices is None:  # YAML null: no slicing
+            object.__setattr__(self, "token_slices", 1)
+        check(self, "parallel")
+        if self.token_slices == ():
+            raise ConfigError("parallel.token_slices: expected a number of slices, a list of "
+                              "slice lengths or 'auto', got []")
+        if self.boundaries and len(self.boundaries) != self.pp - 1:
             raise ConfigError(f"parallel.boundaries needs pp - 1 = {self.pp - 1} values, got "
-                              f"{list(b)}")
-        ts = self.token_slices
-        if isinstance(ts, list):
-            ts = tuple(ts)
-        if ts is None:
-            ts = 1
-        if isinstance(ts, tuple):
-            if not ts or any(int(x) < 1 for x in ts):
-                raise ConfigError(f"parallel.token_slices lengths must be >= 1, got {list(ts)}")
-            ts = tuple(int(x) for x in ts)
-        elif isinstance(ts, str):
-            if ts != "auto":
-                raise ConfigError("parallel.token_slices must be a number of slices, a list of "
-                                  f"slice lengths or 'auto', got {ts!r}")
-        elif isinstance(ts, int) and not isinstance(ts, bool):
-            if ts < 1:
-                raise ConfigError(f"parallel.token_slices must be >= 1, got {ts}")
-        else:
-            raise ConfigError("parallel.token_slices must be a number of slices, a list of "
-                              f"slice lengths or 'auto', got {ts!r}")
-        object.__setattr__(self, "token_slices", ts)
+                              f"{list(self.boundaries)}")
 
     @property
     def pipelined(self) -> bool:

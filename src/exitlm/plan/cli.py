@@ -8,10 +8,12 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from exitlm.cli import finite_float, int_at_least
 from exitlm.plan.cost_model import (
     OpCost,
     PipelineSpec,
@@ -35,15 +37,16 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("ppd", help="expected latency / compute of Predictive Pipelined "
                        "Decoding (PPD Theorem 4.1, Eq. 3, 5, 6)")
-    p.add_argument("--layers", type=int, required=True, help="d: number of layers")
-    p.add_argument("--exit-layer", type=float, required=True,
+    p.add_argument("--layers", type=int_at_least(1), required=True, help="d: number of layers")
+    p.add_argument("--exit-layer", type=finite_float, required=True,
                    help="d_bar: layer of the early prediction (d/2 <= d_bar <= d)")
-    p.add_argument("--k", type=int, required=True, help="top-k candidates (sub-processes)")
-    p.add_argument("--tokens", type=int, required=True, help="ell: tokens to generate")
-    p.add_argument("--p-correct", type=float, required=True,
+    p.add_argument("--k", type=int_at_least(1), required=True,
+                   help="top-k candidates (sub-processes)")
+    p.add_argument("--tokens", type=int_at_least(1), required=True, help="ell: tokens to generate")
+    p.add_argument("--p-correct", type=finite_float, required=True,
                    help="probability that one of the top-k early predictions is the final "
                         "top-1 (the match rate measured by `exitlm eval`)")
-    p.add_argument("--monte-carlo", type=int, default=0, metavar="RUNS",
+    p.add_argument("--monte-carlo", type=int_at_least(0), default=0, metavar="RUNS",
                    help="also simulate RUNS generations and report the estimate")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_ppd)
@@ -56,19 +59,22 @@ def register(subparsers: Any) -> None:
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="profile JSON (see description)")
     src.add_argument("--model", help="preset name or model config JSON: profile real layers")
-    t.add_argument("--seq-len", type=int, help="L (with --model; overrides the profile's)")
-    t.add_argument("--stages", type=int, help="K (with --model; overrides the profile's)")
-    t.add_argument("--epsilon", type=float, default=0.0,
+    t.add_argument("--seq-len", type=int_at_least(1),
+                   help="L (with --model; overrides the profile's)")
+    t.add_argument("--stages", type=int_at_least(1),
+                   help="K (with --model; overrides the profile's)")
+    t.add_argument("--epsilon", type=finite_float, default=0.0,
                    help="t_max spacing of the enumeration (result within K*eps of optimal)")
     t.add_argument("--method", choices=("bisect", "enumerate"), default="bisect",
                    help="bisect: exact branch-and-bound over t_max (default); enumerate: the "
                         "paper's small-to-large enumeration with early stop")
     t.add_argument("--backward", action="store_true",
                    help="plan on t_fwd + t_bwd (needs t_noctx_bwd in the profile)")
-    t.add_argument("--batch", type=int, default=0,
+    t.add_argument("--batch", type=int_at_least(0), default=0,
                    help="joint batch x token plan for batch size B (needs \"batch\" profiles)")
     t.add_argument("--save-profile", help="with --model: write the fitted profile JSON here")
-    t.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
+    t.add_argument("--threads", type=int_at_least(1), default=1,
+                   help="torch threads while profiling")
     t.add_argument("--plot", help="draw the sliced pipeline timeline (.png or .svg)")
     t.add_argument("--json", action="store_true", help="print JSON")
     t.set_defaults(func=_cmd_terapipe)
@@ -76,26 +82,26 @@ def register(subparsers: Any) -> None:
     q = sub.add_parser("pipeline", help="EE-LLM 1F1B cost model + schedule simulation",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description=_PIPELINE_HELP)
-    q.add_argument("--stages", type=int, required=True, help="P")
-    q.add_argument("--microbatches", type=int, required=True, help="M")
+    q.add_argument("--stages", type=int_at_least(1), required=True, help="P")
+    q.add_argument("--microbatches", type=int_at_least(1), required=True, help="M")
     q.add_argument("--exits-per-stage", help="N1,...,NP (default: all 0)")
     q.add_argument("--times", help="f_in,b_in,f_bb,b_bb,f_ee,b_ee,f_fe,b_fe")
     q.add_argument("--memory", help="m_in,m_in+,m_bb,m_bb+,m_ee,m_ee+,m_fe,m_fe+ "
                    "(m_o = parameter memory, m_o+ = activation memory m_o† of one microbatch)")
-    q.add_argument("--alpha", type=float, default=1.0, help="Eq. 4 factor (default 1)")
+    q.add_argument("--alpha", type=finite_float, default=1.0, help="Eq. 4 factor (default 1)")
     q.add_argument("--no-defer", action="store_true",
                    help="exit forward in the forward step (EE-LLM Fig. 3b) instead of deferred")
     q.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     q.add_argument("--fill", choices=("none", "part1", "part2", "both"), default="none",
                    help="simulate bubble filling (EE-LLM App. C.2.1) with the maximal counts")
     q.add_argument("--model", help="preset or config JSON: derive --times/--memory from it")
-    q.add_argument("--seq-len", type=int, default=512, help="with --model")
-    q.add_argument("--micro-batch", type=int, default=1, help="with --model")
+    q.add_argument("--seq-len", type=int_at_least(1), default=512, help="with --model")
+    q.add_argument("--micro-batch", type=int_at_least(1), default=1, help="with --model")
     q.add_argument("--measure", action="store_true",
                    help="with --model: time the real modules instead of analytic FLOPs")
-    q.add_argument("--flops", type=float, default=1e12, help="analytic: FLOP/s")
-    q.add_argument("--bandwidth", type=float, default=1e11, help="analytic: bytes/s")
-    q.add_argument("--recommend", type=int, metavar="NUM_EXITS",
+    q.add_argument("--flops", type=finite_float, default=1e12, help="analytic: FLOP/s")
+    q.add_argument("--bandwidth", type=finite_float, default=1e11, help="analytic: bytes/s")
+    q.add_argument("--recommend", type=int_at_least(0), metavar="NUM_EXITS",
                    help="with --model: suggest exit layers (EE-LLM App. A.2) and use them")
     q.add_argument("--plot", help="draw the simulated timeline (.png or .svg)")
     q.add_argument("--json", action="store_true", help="print JSON")
@@ -137,6 +143,11 @@ def _emit(args: argparse.Namespace, out: dict[str, Any]) -> None:
             print(f"{k}: {json.dumps(v, default=float)}")
 
 
+MAX_MONTE_CARLO_RUNS = 100_000
+MAX_MONTE_CARLO_TOKENS = 100_000_000
+MAX_SIMULATED_STEPS = 1_000_000
+
+
 def _run(fn: Any, args: argparse.Namespace) -> int:
     try:
         return fn(args)
@@ -155,11 +166,32 @@ def _cmd_ppd(args: argparse.Namespace) -> int:
                                "tokens": a.tokens, "p_correct": a.p_correct}
         out.update(predict(a.layers, a.exit_layer, a.k, a.tokens, a.p_correct))
         if a.monte_carlo:
+            if a.monte_carlo > MAX_MONTE_CARLO_RUNS or \
+                    a.monte_carlo * a.tokens > MAX_MONTE_CARLO_TOKENS:
+                raise PlanError(
+                    f"--monte-carlo {a.monte_carlo} x --tokens {a.tokens} is more than this "
+                    f"simulator does (at most {MAX_MONTE_CARLO_RUNS:,} runs and "
+                    f"{MAX_MONTE_CARLO_TOKENS:,} simulated tokens)")
             out["monte_carlo"] = monte_carlo(a.layers, a.exit_layer, a.k, a.tokens,
                                              a.p_correct, runs=a.monte_carlo)
         _emit(a, out)
         return 0
     return _run(body, args)
+
+
+def check_plan_size(seq_len: Any, what: str) -> None:
+    """Refuse a TeraPipe plan whose ``(L+1) x (L+1)`` cost matrices (a few float64 copies)
+    would not fit in this machine's memory."""
+    from exitlm.config import physical_memory
+
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise PlanError(f"{what}: expected an integer >= 1, got {seq_len!r}")
+    need = 5 * 8 * (seq_len + 1) ** 2
+    total = physical_memory()
+    if total is not None and need > total // 2:
+        raise PlanError(f"{what} {seq_len}: the plan's cost matrices need about "
+                        f"{need / 2**30:,.1f} GiB, more than half of this machine's "
+                        f"{total / 2**30:,.1f} GiB")
 
 
 # ----- terapipe ------------------------------------------------------------------------------
@@ -192,6 +224,7 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
         else:
             if not a.seq_len or not a.stages:
                 raise PlanError("--model needs --seq-len L and --stages K")
+            check_plan_size(a.seq_len, "--seq-len")
             from exitlm.plan.profile import profile_terapipe
 
             pm, raw = profile_terapipe(_load_config(a.model), a.seq_len, a.stages,
@@ -201,6 +234,8 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
             if a.save_profile:
                 _write_json(a.save_profile, prof)
         stages = a.stages or prof.get("stages")
+        check_plan_size(prof.get("seq_len", len(prof.get("t_noctx", []))),
+                        "the profile's seq_len")
         if not stages:
             raise PlanError("the profile has no \"stages\"; pass --stages K")
         seq_len = int(prof.get("seq_len", len(prof.get("t_noctx", []))))
@@ -251,8 +286,12 @@ def _load_config(name: str) -> Any:
     if name in PRESETS:
         return preset(name)
     if os.path.exists(name):
-        with open(name) as fh:
-            return ModelConfig.from_json(fh.read())
+        from exitlm.config import check_fits_in_memory
+        from exitlm.io.st import read_json
+
+        cfg = ModelConfig.from_dict(read_json(Path(name)), where=name)
+        check_fits_in_memory(cfg, f"--model {name}")
+        return cfg
     raise PlanError(f"--model {name!r} is neither a preset ({sorted(PRESETS)}) nor a file")
 
 
@@ -268,6 +307,9 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         from exitlm.plan.simulate import simulate_training
 
         p = a.stages
+        if p * a.microbatches > MAX_SIMULATED_STEPS:
+            raise PlanError(f"--stages {p} x --microbatches {a.microbatches} is more than the "
+                            f"simulator does (at most {MAX_SIMULATED_STEPS:,} stage steps)")
         notes: dict[str, Any] = {}
         n = tuple(int(x) for x in _floats(a.exits_per_stage, p, "--exits-per-stage",
                                           "N1..NP")) if a.exits_per_stage else (0,) * p

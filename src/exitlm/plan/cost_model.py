@@ -20,10 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from exitlm.errors import ExitlmError
+
 _EPS = 1e-9  # tolerance for floors of ratios such as (P-1)/(f/b+1) computed in floating point
 
 
-class PlanError(ValueError):
+class PlanError(ExitlmError, ValueError):
     """A planning input is invalid; the message says which value to change."""
 
 

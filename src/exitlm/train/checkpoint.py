@@ -11,13 +11,19 @@ Layout of ``OUT/checkpoints/step-00000100/``:
 Nothing is pickled. The directory is assembled under a temporary name and renamed in one
 ``os.replace``; ``OUT/checkpoints/latest`` (a one-line text file, also replaced atomically)
 names the newest complete checkpoint. A crash at any point leaves the previous checkpoint
-usable.
+usable. ``state.json`` (written last) records the size and CRC-32 of the two weight files, so
+a checkpoint damaged later is recognised (:func:`verify_checkpoint`) and ``--resume`` falls
+back to the previous one. Old checkpoints are pruned by renaming them to a temporary name
+first, so a prune cut short leaves nothing that looks like a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +31,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from exitlm.io.st import atomic_dir, write_text_atomic
+from exitlm.io.hf_map import CheckpointError
+from exitlm.io.st import all_finite, atomic_dir, write_text_atomic
 from exitlm.model.transformer import EarlyExitLM
 
 STATE_VERSION = 1
+STEP_DIR = re.compile(r"step-\d{8}")
 
 
 @dataclass
@@ -145,43 +153,106 @@ def save_checkpoint(
                    if names is None or k in names}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+        meta["files"] = {f: _fingerprint(tmp / f) for f in WEIGHT_FILES}
         (tmp / "state.json").write_text(json.dumps(meta) + "\n", encoding="utf-8")
     write_text_atomic(root / "latest", target.name + "\n")
     _prune(root, keep)
     return target
 
 
+WEIGHT_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
+def _fingerprint(path: Path) -> dict[str, int]:
+    """Size and CRC-32 of a file (read in 16 MiB blocks)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(16 * 2**20):
+            crc = zlib.crc32(block, crc)
+    return {"size": path.stat().st_size, "crc32": crc}
+
+
 def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints; each is first renamed to a temporary
+    name, so an interrupted prune leaves only recognisable leftovers."""
     if keep < 1:
         return
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in checkpoints(root.parent)[keep:]:
+        aside = root / f".{old.name}.old-{os.getpid()}-prune"
+        try:
+            os.replace(old, aside)
+        except OSError:
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    """The complete checkpoints under ``out_dir`` (those with ``state.json``), newest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()
+             and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest complete checkpoint under ``out_dir``, or ``None``."""
-    root = Path(out_dir) / "checkpoints"
-    pointer = root / "latest"
-    if pointer.is_file():
-        cand = root / pointer.read_text(encoding="utf-8").strip()
-        if (cand / "state.json").is_file():
-            return cand
-    done = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
-    return done[-1] if done else None
+    found = checkpoints(out_dir)
+    return found[0] if found else None
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """``state.json`` of a checkpoint whose weight files match their recorded size and
+    CRC-32; a :class:`CheckpointError` names what is damaged."""
+    file = path / "state.json"
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{file}: unreadable ({err})") from None
+    if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{file}: checkpoint state version {version!r} is not "
+                              f"{STATE_VERSION}")
+    missing = [k for k in ("step", "data_position", "optimizer", "rng", "extra") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file}: lacks {missing}")
+    for name in WEIGHT_FILES:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: missing")
+    for name, want in (meta.get("files") or {}).items():
+        if name in WEIGHT_FILES and _fingerprint(path / name) != want:
+            raise CheckpointError(f"{path / name}: size or checksum differs from the one "
+                                  "recorded when it was written (the file is damaged)")
+    return meta
 
 
 def read_checkpoint(
     path: Path,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], TrainState]:
-    """Model tensors, optimizer state dict and train state of a checkpoint; restores RNG."""
-    meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    if meta.get("version") != STATE_VERSION:
-        raise ValueError(f"{path}: checkpoint state version {meta.get('version')} is not "
-                         f"{STATE_VERSION}")
-    weights = load_file(str(path / "model.safetensors"))
-    optim = optimizer_state_from_tensors(load_file(str(path / "optimizer.safetensors")),
-                                         meta["optimizer"])
-    _set_rng_state(meta["rng"])
-    return weights, optim, TrainState(meta["step"], meta["data_position"], meta["scheduler"],
-                                      meta["extra"])
+    """Model tensors, optimizer state dict and train state of a checkpoint; restores RNG.
+
+    Everything is read and checked (checksums, readable safetensors, finite weights) before
+    the RNG is touched; any damage is a :class:`CheckpointError`."""
+    meta = verify_checkpoint(path)
+    weights = _load(path / "model.safetensors")
+    bad = [k for k, t in weights.items() if not all_finite(t)]
+    if bad:
+        raise CheckpointError(f"{path / 'model.safetensors'}: tensor(s) {bad[:4]} hold NaN or "
+                              "infinite values")
+    try:
+        optim = optimizer_state_from_tensors(_load(path / "optimizer.safetensors"),
+                                             meta["optimizer"])
+        state = TrainState(int(meta["step"]), int(meta["data_position"]), meta["scheduler"],
+                           meta["extra"])
+        _set_rng_state(meta["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path / 'state.json'}: invalid state ({err})") from None
+    return weights, optim, state
+
+
+def _load(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{file}: unreadable safetensors ({err})") from None

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from exitlm.cli import int_at_least
 from exitlm.config import ConfigError
+from exitlm.errors import ExitlmError
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +32,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", "-c", required=True, help="YAML file or preset name")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in train.out_dir")
+                   help="continue the run in train.out_dir from its newest readable checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a train.out_dir that holds a previous run: its outputs "
+                        "(run.json, log.jsonl, checkpoints/, model/, ...) are deleted, nothing "
+                        "else")
+    p.add_argument("--allow-changes", action="store_true",
+                   help="with --resume: continue although model/data settings differ from "
+                        "the run's (the differences are logged)")
+    p.add_argument("--init-missing", action="store_true",
+                   help="with --resume: tensors the checkpoint lacks (new layers, new exit "
+                        "heads) start from scratch instead of being an error (logged)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
     p.set_defaults(func=_train)
@@ -49,11 +61,11 @@ def register(subparsers: Any) -> None:
                    help="comma-separated 1-based layers, or 'all' (default: the model's exits)")
     e.add_argument("--tokenizer", default=None,
                    help="tokenizer spec (bytes, default, a directory); default: the model's")
-    e.add_argument("--seq-len", type=int, default=128)
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--max-samples", type=int, default=64,
+    e.add_argument("--seq-len", type=int_at_least(2), default=128)
+    e.add_argument("--batch-size", type=int_at_least(1), default=8)
+    e.add_argument("--max-samples", type=int_at_least(1), default=64,
                    help="number of seq-len windows evaluated (spread over the data)")
-    e.add_argument("--topk", type=int, default=5)
+    e.add_argument("--topk", type=int_at_least(1), default=5)
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=_eval)
 
@@ -61,11 +73,9 @@ def register(subparsers: Any) -> None:
 def _train(args: argparse.Namespace) -> int:
     from exitlm.train.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"exitlm train: {err}", file=sys.stderr)
-        return 2
+    if (args.allow_changes or args.init_missing) and not args.resume:
+        raise ConfigError("--allow-changes and --init-missing apply to --resume")
+    cfg = load_config(args.config, args.overrides)
     if args.print_config:
         import yaml
 
@@ -73,12 +83,9 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from exitlm.train.trainer import Trainer
 
-    try:
-        trainer = Trainer(cfg, resume=args.resume)
-        trainer.train()
-    except ConfigError as err:
-        print(f"exitlm train: {err}", file=sys.stderr)
-        return 2
+    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite,
+                      allow_changes=args.allow_changes, init_missing=args.init_missing)
+    trainer.train()
     if trainer.rank == 0:
         out = Path(cfg.train.out_dir)
         result = out / ("exits" if cfg.tune.freeze_backbone else "model")
@@ -88,20 +95,32 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval_tokenizer_spec(name: str, model_dir: Path | None) -> str | None:
+    from exitlm.io.st import read_json
+
     if name in ("default", "default-ee"):
         return "default"
     if model_dir is not None:
         info = model_dir / "exitlm_train.json"
         if info.is_file():
-            return str(json.loads(info.read_text(encoding="utf-8"))["data"]["tokenizer"])
+            spec = _dig(read_json(info), "data", "tokenizer")
+            if not isinstance(spec, str):
+                raise ExitlmError(f"{info}: expected data.tokenizer to be a string, got "
+                                  f"{spec!r}")
+            return spec
         bundle = model_dir / "exits.json"  # exit-head bundle: its backbone's tokenizer
         if bundle.is_file():
-            meta = json.loads(bundle.read_text(encoding="utf-8"))
-            spec = meta.get("info", {}).get("data", {}).get("tokenizer")
-            if spec is None and meta.get("base") == "default":
+            meta = read_json(bundle)
+            spec = _dig(meta, "info", "data", "tokenizer")
+            if spec is None and isinstance(meta, dict) and meta.get("base") == "default":
                 spec = "default"
             return None if spec is None else str(spec)
     return None
+
+
+def _dig(d: Any, *keys: str) -> Any:
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -111,11 +130,7 @@ def _eval(args: argparse.Namespace) -> int:
     from exitlm.io import load_model
     from exitlm.train.data import ByteTokenizer, load_tokenizer
 
-    try:
-        loaded = load_model(args.model)
-    except (ConfigError, OSError, ValueError) as err:
-        print(f"exitlm eval: {err}", file=sys.stderr)
-        return 2
+    loaded = load_model(args.model)
     model = loaded.model
     path = Path(args.model)
     spec = args.tokenizer or _eval_tokenizer_spec(args.model, path if path.is_dir() else None)
@@ -127,31 +142,31 @@ def _eval(args: argparse.Namespace) -> int:
     elif model.config.vocab_size == 256:
         tok, spec = ByteTokenizer(), "bytes"
     else:
-        print("exitlm eval: the model has no tokenizer; pass --tokenizer", file=sys.stderr)
-        return 2
+        raise ConfigError("the model has no tokenizer; pass --tokenizer")
+    cfg = model.config
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"--tokenizer {spec!r} has {tok.vocab_size} tokens but the model's "
+                          f"vocabulary has {cfg.vocab_size}; use the model's own tokenizer")
+    if args.seq_len > cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's context "
+                          f"(max_seq_len={cfg.max_seq_len})")
     L = model.num_layers
     if args.layers is None:
-        layers = [*model.config.exit_layers, L]
+        layers = [*cfg.exit_layers, L]
     elif args.layers == "all":
         layers = list(range(1, L + 1))
     else:
         try:
             layers = sorted({int(x) for x in args.layers.split(",") if x.strip()})
         except ValueError:
-            print(f"exitlm eval: --layers must be integers or 'all', got {args.layers!r}",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError(f"--layers must be integers or 'all', got {args.layers!r}"
+                              ) from None
         bad = [k for k in layers if not 1 <= k <= L]
-        if bad:
-            print(f"exitlm eval: layers {bad} outside 1..{L}", file=sys.stderr)
-            return 2
-    try:
-        batches = eval_data(args.data, spec, tok, args.seq_len, args.batch_size, args.max_samples)
-        with torch.inference_mode():
-            metrics = evaluate_exits(model, batches, layers, topk=args.topk)
-    except ConfigError as err:
-        print(f"exitlm eval: {err}", file=sys.stderr)
-        return 2
+        if bad or not layers:
+            raise ConfigError(f"--layers {args.layers!r}: expected layers in 1..{L}")
+    batches = eval_data(args.data, spec, tok, args.seq_len, args.batch_size, args.max_samples)
+    with torch.inference_mode():
+        metrics = evaluate_exits(model, batches, layers, topk=min(args.topk, cfg.vocab_size))
     if args.json:
         print(json.dumps({"model": args.model, "source": loaded.source,
                           "exits": [m.to_dict() for m in metrics]}, indent=2))

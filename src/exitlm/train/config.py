@@ -21,12 +21,25 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from exitlm.config import ConfigError, ExitConfig
+from exitlm.config import PRESETS as MODEL_PRESETS
+from exitlm.config import ConfigError, ExitConfig, ModelConfig, preset
 from exitlm.parallel.dims import ParallelConfig
+from exitlm.schema import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+    UnitFloat,
+    build,
+    check,
+    convert_fields,
+)
 from exitlm.train.data import DataConfig
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import LossConfig
@@ -40,42 +53,58 @@ class ModelSpec:
     checkpoint path - anything :func:`exitlm.io.load_model` accepts. ``overrides``: fields of
     :class:`~exitlm.config.ModelConfig` replaced for presets. ``exits``: the exit configuration
     (``ExitConfig`` fields); ``None`` keeps the preset's / checkpoint's.
+
+    Keys and values of ``overrides`` and ``exits`` are checked when the spec is made, and so is
+    the resulting model configuration of a preset.
     """
 
     init: str = "debug"
     overrides: dict[str, Any] = field(default_factory=dict)
     exits: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        check(self, "model")
+        object.__setattr__(self, "overrides", convert_fields(
+            ModelConfig, self.overrides, "model.overrides", "model.overrides"))
+        self.exit_config()
+        if self.init in MODEL_PRESETS:
+            self.preset_config()
+        elif self.overrides:
+            raise ConfigError("model.overrides apply to presets (training from scratch) only; "
+                              f"model.init={self.init!r} is a checkpoint")
+
     def exit_config(self) -> ExitConfig | None:
+        """The requested :class:`ExitConfig` (``None``: keep the model's own)."""
         if self.exits is None:
             return None
-        known = {f.name for f in dataclasses.fields(ExitConfig)}
-        unknown = sorted(set(self.exits) - known)
-        if unknown:
-            raise ConfigError(f"unknown model.exits keys {unknown}; known keys: {sorted(known)}")
-        return ExitConfig(**self.exits)
+        return build(ExitConfig, self.exits, "model.exits")
+
+    def preset_config(self) -> ModelConfig:
+        """The :class:`ModelConfig` of a preset ``init`` with the overrides and exits."""
+        try:
+            cfg = preset(self.init, **self.overrides)
+            exits = self.exit_config()
+            return cfg if exits is None else cfg.replace(exits=exits)
+        except ConfigError as err:
+            raise ConfigError(f"model (preset {self.init!r} with model.overrides / "
+                              f"model.exits): {err}", hint=err.hint) from None
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: PositiveFloat = 3e-3
+    min_lr_ratio: UnitFloat = 0.1
+    warmup_steps: NonNegativeInt = 20
+    weight_decay: NonNegativeFloat = 0.1
+    beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        check(self, "optim")
 
 
 @dataclass(frozen=True)
@@ -89,35 +118,48 @@ class TuneConfig:
     freeze_backbone: bool = False
     init_new_heads: bool = True
 
+    def __post_init__(self) -> None:
+        check(self, "tune")
+
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Steps, batch, logging, checkpoints, devices."""
+    """Steps, batch, logging, checkpoints, devices.
+
+    ``on_nonfinite``: what a step whose loss or gradients are NaN/inf does: ``error`` stops
+    the run (nothing non-finite is ever saved), ``skip`` drops the step's update and goes on
+    (the run still stops after 100 such steps in a row).
+    """
 
     out_dir: str = "runs/exitlm"
-    steps: int = 100
-    batch_size: int = 8
-    grad_accum: int = 1
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0
-    eval_samples: int = 64
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
+    steps: PositiveInt = 100
+    batch_size: PositiveInt = 8
+    grad_accum: PositiveInt = 1
+    seed: Seed = 0
+    log_every: NonNegativeInt = 10
+    eval_every: NonNegativeInt = 0
+    eval_samples: PositiveInt = 64
+    checkpoint_every: NonNegativeInt = 0
+    keep_checkpoints: NonNegativeInt = 2
     device: str = "auto"
     amp: Literal["auto", "bf16", "fp16", "none"] = "auto"
     parallel: Literal["ddp", "fsdp"] = "ddp"
     progress: bool = True
     tensorboard: bool = True
+    on_nonfinite: Literal["error", "skip"] = "error"
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "grad_accum"):
-            if int(getattr(self, key)) < 1:
-                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-        if self.amp not in ("auto", "bf16", "fp16", "none"):
-            raise ConfigError(f"train.amp must be auto, bf16, fp16 or none, got {self.amp!r}")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(f"train.parallel must be ddp or fsdp, got {self.parallel!r}")
+        check(self, "train")
+        if not self.out_dir.strip():
+            raise ConfigError("train.out_dir: expected a directory path, got ''")
+        if self.device != "auto":
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got "
+                                  f"{self.device!r}") from None
 
 
 @dataclass(frozen=True)
@@ -136,12 +178,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """A config from plain data (YAML); every key and value is checked."""
         if not isinstance(d, dict):
             raise ConfigError(f"a training config must be a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_SECTIONS))
+        unknown = sorted(str(k) for k in d if k not in _SECTIONS)
         if unknown:
             raise ConfigError(f"unknown config sections {unknown}; known: {sorted(_SECTIONS)}")
-        parts = {name: _section(kind, d.get(name) or {}, name) for name, kind in _SECTIONS.items()}
+        parts = {name: build(kind, {} if d.get(name) is None else d[name], name)
+                 for name, kind in _SECTIONS.items()}
         return cls(**parts)
 
 
@@ -149,20 +193,6 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSpec, "data": DataConfig, "loss": LossConfig, "dropout": LayerDropout,
     "optim": OptimConfig, "tune": TuneConfig, "train": RunConfig, "parallel": ParallelConfig,
 }
-
-
-def _section(kind: type, d: Any, name: str) -> Any:
-    if not isinstance(d, dict):
-        raise ConfigError(f"config section {name!r} must be a mapping, got {d!r}")
-    known = {f.name: f for f in dataclasses.fields(kind)}
-    unknown = sorted(set(d) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown {name} keys {unknown}; known keys: {sorted(known)}")
-    values = {k: tuple(v) if isinstance(v, list) and k != "overrides" else v for k, v in d.items()}
-    try:
-        return kind(**values)
-    except TypeError as err:
-        raise ConfigError(f"bad value in section {name!r}: {err}") from err
 
 
 def _plain(x: Any) -> Any:
@@ -185,8 +215,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override key {key!r} must start with one of {sorted(_SECTIONS)}")
         try:
             value = yaml.safe_load(raw)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({err})") from err
+        except (yaml.YAMLError, RecursionError) as err:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({_first_line(err)})"
+                              ) from None
         node = out
         for p in parts[:-1]:
             nxt = node.get(p)
@@ -246,26 +277,68 @@ PRESETS["default-ee"] = {
 
 def load_config(source: str | None, overrides: list[str] | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from a YAML file or a preset name, plus overrides."""
-    d: dict[str, Any] = {}
+    d: Any = {}
     if source:
         path = Path(source).expanduser()
         if path.is_file():
-            try:
-                d = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: not valid YAML ({err})") from err
+            d = read_yaml(path)
             base = d.pop("preset", None) if isinstance(d, dict) else None
             if base is not None:
-                if base not in PRESETS:
+                if not isinstance(base, str) or base not in PRESETS:
                     raise ConfigError(f"{path}: unknown preset {base!r}; "
                                       f"choose one of {sorted(PRESETS)}")
                 d = _merge(copy.deepcopy(PRESETS[base]), d)
+        elif path.exists():
+            raise ConfigError(f"--config {source!r} is not a file")
         elif source in PRESETS:
             d = copy.deepcopy(PRESETS[source])
         else:
             raise ConfigError(f"--config {source!r} is neither a file nor a preset "
                               f"({sorted(PRESETS)})")
-    return TrainConfig.from_dict(apply_overrides(d, overrides or []))
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: a training config must be a mapping of sections, got "
+                          f"{type(d).__name__}")
+    try:
+        return TrainConfig.from_dict(apply_overrides(d, overrides or []))
+    except ConfigError as err:
+        raise ConfigError(f"{_blame(d, source, overrides, err)}{err}", hint=err.hint) from None
+
+
+def _blame(d: dict[str, Any], source: str | None, overrides: list[str] | None,
+           err: ConfigError) -> str:
+    """Where a bad value came from: the config file, or the command-line overrides."""
+    if overrides:
+        try:
+            TrainConfig.from_dict(d)
+        except ConfigError as alone:
+            if str(alone) != str(err):
+                return "override: "
+        else:
+            return "override: "
+    is_file = bool(source) and Path(str(source)).expanduser().is_file()
+    return f"{source}: " if is_file else ""
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; a :class:`ConfigError` naming the file for anything
+    that is not readable UTF-8 YAML text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file (expected a YAML config)") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror or err})") from None
+    if "\x00" in text:
+        raise ConfigError(f"{path}: contains NUL bytes; expected a YAML text file")
+    try:
+        return yaml.safe_load(text) or {}
+    except (yaml.YAMLError, RecursionError) as err:
+        raise ConfigError(f"{path}: not valid YAML ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return " ".join(text.split())[:200]
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -18,12 +18,13 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import torch
 
 from exitlm.config import ConfigError
+from exitlm.schema import PositiveInt, Range, Seed, check
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 DATA_FORMAT = 1
@@ -83,21 +84,15 @@ class DataConfig:
 
     paths: tuple[str, ...] = ()
     tokenizer: str = "bytes"
-    seq_len: int = 128
-    val_fraction: float = 0.02
-    seed: int = 0
-    max_files: int | None = None
+    seq_len: Annotated[int, Range(ge=2)] = 128
+    val_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.02
+    seed: Seed = 0
+    max_files: PositiveInt | None = None
     text_field: str = "text"
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.paths, str):
-            object.__setattr__(self, "paths", (self.paths,))
-        object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must lie in (0, 1), got {self.val_fraction}")
+        check(self, "data")
 
 
 # ----- documents --------------------------------------------------------------------------------
@@ -143,13 +138,17 @@ def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
     """``(0-based line number, decoded JSON value)`` per non-blank line of a JSONL file;
     a line that is not JSON raises :class:`ConfigError` naming the file and line. ``errors``:
     how undecodable UTF-8 is handled (``open``'s argument)."""
-    with Path(path).open(encoding="utf-8", errors=errors) as f:
+    try:
+        f = Path(path).open(encoding="utf-8", errors=errors)  # noqa: SIM115
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
+    with f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
             try:
                 yield i, json.loads(line)
-            except json.JSONDecodeError as err:
+            except (ValueError, RecursionError) as err:
                 raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
 
 
@@ -164,7 +163,12 @@ def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
                                       f"{cfg.text_field!r} (set data.text_field)")
                 yield f"{key}:{i}", text
         else:
-            yield key, path.read_bytes().decode("utf-8", errors="replace")
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise ConfigError(f"data.paths: cannot read {path} ({err.strerror or err})"
+                                  ) from None
+            yield key, data.decode("utf-8", errors="replace")
 
 
 # ----- preprocessing ----------------------------------------------------------------------------
@@ -190,6 +194,8 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     """Tokenize and pack the corpus once; return the directory (``train.bin``, ``val.bin``,
     ``meta.json``). A complete directory is reused; an interrupted one is redone."""
     out = data_dir_for(cfg)
+    if out.is_dir():
+        _remove_dead_temps(out)
     if (out / "meta.json").is_file():
         return out
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
@@ -249,6 +255,16 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     tmp.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, out / "meta.json")
     return out
+
+
+def _remove_dead_temps(out: Path) -> None:
+    """Delete ``*.tmp-PID`` files that preprocessing runs killed mid-way left in ``out``."""
+    from exitlm.io.st import pid_alive
+
+    for f in out.glob("*.tmp-*"):
+        pid = f.name.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            f.unlink(missing_ok=True)
 
 
 # ----- reading ----------------------------------------------------------------------------------

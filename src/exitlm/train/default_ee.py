@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from exitlm.config import ExitConfig
+from exitlm.config import ConfigError, ExitConfig
+from exitlm.errors import warn
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.schema import build
 
 if TYPE_CHECKING:
     from exitlm.io.loader import LoadedModel
@@ -38,16 +40,17 @@ def find_bundle(name_or_path: str) -> Path | None:
     if name_or_path in NAMED_BUNDLES:
         return NAMED_BUNDLES[name_or_path]
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / BUNDLE_META).is_file() and (path / BUNDLE_WEIGHTS).is_file():
+    if path.is_dir() and (path / BUNDLE_META).is_file():
         return path
     return None
 
 
 def save_bundle(
     model: EarlyExitLM, path: str | Path, base: str, info: dict[str, Any] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype = torch.float16, *, overwrite: bool = False,
 ) -> Path:
-    """Write the exit heads of ``model`` (in ``dtype``) as a bundle on top of ``base``."""
+    """Write the exit heads of ``model`` (in ``dtype``) as a bundle on top of ``base``
+    (``overwrite`` as in :func:`exitlm.io.save_model`)."""
     from exitlm.io.st import atomic_dir
 
     tensors = {k: v.detach().to("cpu", dtype).contiguous()
@@ -60,7 +63,7 @@ def save_bundle(
         "info": info or {},
     }
     target = Path(path)
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / BUNDLE_WEIGHTS), metadata={"format": "pt"})
         (tmp / BUNDLE_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return target
@@ -73,6 +76,7 @@ def load_bundle(
     like ``load_model(..., exits=...)`` does."""
     from exitlm.io.hf_map import CheckpointError
     from exitlm.io.loader import load_model, rebuild
+    from exitlm.io.st import all_finite, read_json, stream_file
 
     meta_file = directory / BUNDLE_META
     if not meta_file.is_file():
@@ -80,16 +84,24 @@ def load_bundle(
             f"exit-head bundle {directory} is missing {BUNDLE_META}; reinstall exitlm or "
             "re-create it with: exitlm train --config default-ee"
         )
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    meta = read_json(meta_file)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != BUNDLE_FORMAT:
         raise CheckpointError(f"{meta_file}: bundle format {meta.get('format')!r} is not "
                               f"{BUNDLE_FORMAT}")
-    ex = ExitConfig(**meta["exits"])
-    base = str(meta["base"])
+    base = meta.get("base")
+    if not isinstance(base, str) or not base:
+        raise CheckpointError(f"{meta_file}: 'base' (the backbone: 'default', a preset or a "
+                              f"checkpoint path) must be a non-empty string, got {base!r}")
+    try:
+        ex = build(ExitConfig, meta.get("exits"), "exits")
+    except ConfigError as err:
+        raise CheckpointError(f"{meta_file}: {err}") from None
     if find_bundle(base) is not None:
         raise CheckpointError(f"{meta_file}: a bundle's base cannot itself be a bundle")
     loaded = load_model(base, dtype=torch.float32, exits=ex)
-    heads = load_file(str(directory / BUNDLE_WEIGHTS))
+    heads = dict(stream_file(directory / BUNDLE_WEIGHTS))
     own = loaded.model.state_dict()
     expected = {k for k in own if k.startswith("exits.")}
     if set(heads) != expected:
@@ -99,6 +111,11 @@ def load_bundle(
         )
     with torch.no_grad():
         for k, t in heads.items():
+            if t.shape != own[k].shape:
+                raise CheckpointError(f"{directory / BUNDLE_WEIGHTS}: tensor {k!r} has shape "
+                                      f"{tuple(t.shape)}, the model {tuple(own[k].shape)}")
+            if not all_finite(t):
+                warn(f"{directory / BUNDLE_WEIGHTS}: tensor {k!r} holds NaN or infinite values")
             own[k].copy_(t.to(own[k].dtype))
     loaded.source = f"bundle:{directory} on {loaded.source}"
     if dtype != torch.float32 or exits is not None:

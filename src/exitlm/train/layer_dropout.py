@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from exitlm.config import ConfigError
+from exitlm.schema import Seed, UnitFloat, check
 from exitlm.train.schedules import dropout_rates
 
 
@@ -25,17 +25,12 @@ from exitlm.train.schedules import dropout_rates
 class LayerDropout:
     """LayerSkip layer dropout: ``p_max``, the time curriculum ``S`` and the seed."""
 
-    p_max: float = 0.0
+    p_max: UnitFloat = 0.0
     curriculum: Literal["none", "exp"] = "none"
-    seed: int = 0
+    seed: Seed = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.p_max <= 1.0:
-            raise ConfigError(f"dropout.p_max must lie in [0, 1], got {self.p_max}")
-        if self.curriculum not in ("none", "exp"):
-            raise ConfigError(
-                f"dropout.curriculum must be none or exp, got {self.curriculum!r}"
-            )
+        check(self, "dropout")
 
     @property
     def enabled(self) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.model.transformer import EarlyExitLM, default_positions
+from exitlm.schema import NonNegativeFloat, NonNegativeInt, PositiveInt, UnitFloat, check
 from exitlm.train.schedules import (
     Curriculum,
     ScheduleKind,
@@ -140,29 +141,23 @@ class LossConfig:
     """
 
     kind: Literal["final", "ee-llm", "layerskip"] = "final"
-    exit_weights: tuple[float, ...] = (1.0,)
-    final_weight: float = 1.0
+    exit_weights: tuple[NonNegativeFloat, ...] = (1.0,)
+    final_weight: NonNegativeFloat = 1.0
     weight_schedule: ScheduleKind = "constant"
-    exit_weights_initial: tuple[float, ...] | None = None
-    weight_steps: int = 0
+    exit_weights_initial: tuple[NonNegativeFloat, ...] | None = None
+    weight_steps: NonNegativeInt = 0
     weight_style: ScheduleStyle = "linear"
-    e_scale: float = 1.0
+    e_scale: UnitFloat = 1.0
     curriculum: Curriculum = "none"
-    rotation: int = 2
+    rotation: PositiveInt = 2
     ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self) -> None:
-        if self.kind not in ("final", "ee-llm", "layerskip"):
-            raise ConfigError(f"loss.kind must be final, ee-llm or layerskip, got {self.kind!r}")
-        object.__setattr__(self, "exit_weights", _floats(self.exit_weights, "exit_weights"))
-        if self.exit_weights_initial is not None:
-            object.__setattr__(self, "exit_weights_initial",
-                               _floats(self.exit_weights_initial, "exit_weights_initial"))
-        if self.final_weight < 0:
-            raise ConfigError(f"loss.final_weight must be >= 0, got {self.final_weight}")
+        check(self, "loss")
+        if not self.exit_weights:
+            raise ConfigError("loss.exit_weights: expected a number or a list of numbers >= 0, "
+                              "got []")
         if self.kind == "layerskip":
-            if not 0.0 <= self.e_scale <= 1.0:
-                raise ConfigError(f"loss.e_scale must lie in [0, 1], got {self.e_scale}")
             curriculum_mask(self.curriculum, 0, 1, rotation=self.rotation)
 
     def schedules(self, cfg: ModelConfig) -> dict[int, WeightSchedule]:
@@ -206,19 +201,6 @@ class LossConfig:
         mask = curriculum_mask(self.curriculum, step, len(layers), rotation=self.rotation,
                                total_steps=total_steps)
         return normalized_scales(layers, L, self.e_scale, mask)
-
-
-def _floats(values: object, key: str) -> tuple[float, ...]:
-    if isinstance(values, (int, float)):
-        return (float(values),)
-    try:
-        out = tuple(float(v) for v in values)  # type: ignore[union-attr]
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"loss.{key} must be a number or a list of numbers, got {values!r}") \
-            from err
-    if any(v < 0 for v in out):
-        raise ConfigError(f"loss.{key} must be >= 0, got {list(out)}")
-    return out
 
 
 def _per_exit(values: tuple[float, ...], layers: tuple[int, ...], key: str) -> list[float]:

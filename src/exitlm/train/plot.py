@@ -16,10 +16,13 @@ def plot_log(log: Path, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for line in log.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except ValueError:  # a torn line (the run was killed while writing it)
             continue
-        rec = json.loads(line)
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            continue
         for k, v in rec.items():
             if (k.startswith("loss_") or k.startswith("val_loss_")) and isinstance(v, float):
                 xs, ys = series.setdefault(k, ([], []))

@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from exitlm.config import PRESETS as MODEL_PRESETS
-from exitlm.config import ConfigError, preset
+from exitlm.config import ConfigError, check_fits_in_memory
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.train.config import ModelSpec, TrainConfig
 from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
+from exitlm.train.finite import NonFiniteGuard, refuse_non_finite
 from exitlm.train.losses import LossModule
+from exitlm.train.run_dir import RunDir
 from exitlm.train.run_state import RunStateMixin
 from exitlm.train.tuning import freeze_backbone, init_heads_from_final, new_exit_layers
 
@@ -48,14 +50,10 @@ def build_model(spec: ModelSpec, seed: int = 0) -> BuiltModel:
     """A preset with random weights, or a checkpoint (with the requested exits attached)."""
     exits = spec.exit_config()
     if spec.init in MODEL_PRESETS:
-        cfg = preset(spec.init, **spec.overrides)
-        if exits is not None:
-            cfg = cfg.replace(exits=exits)
+        cfg = spec.preset_config()
+        check_fits_in_memory(cfg, "model (model.init / model.overrides)")
         torch.manual_seed(seed)
         return BuiltModel(EarlyExitLM(cfg), None, [])
-    if spec.overrides:
-        raise ConfigError("model.overrides apply to presets (training from scratch) only; "
-                          f"model.init={spec.init!r} is a checkpoint")
     from exitlm.io import load_model
     from exitlm.io.loader import rebuild
 
@@ -86,19 +84,37 @@ def _dist_info() -> tuple[int, int]:
 
 
 class Trainer(RunStateMixin):
-    """Build everything a run needs from a :class:`TrainConfig`; :meth:`train` runs it."""
+    """Build everything a run needs from a :class:`TrainConfig`; :meth:`train` runs it.
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+    ``resume``: continue the run in ``train.out_dir`` from its newest readable checkpoint;
+    ``overwrite``: replace the outputs of a previous run there; ``allow_changes``: resume
+    although the ``model`` / ``data`` settings differ from the run's; ``init_missing``:
+    resume although the checkpoint lacks tensors of this model (they keep their fresh
+    initialisation; implies ``allow_changes``). See :mod:`exitlm.train.run_dir`.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False,
+                 allow_changes: bool = False, init_missing: bool = False) -> None:
         self.cfg = cfg
         run = cfg.train
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() and run.device != "cpu" else "gloo"
             dist.init_process_group(backend)
         self.rank, self.world = _dist_info()
+        self.out = Path(run.out_dir).expanduser()
+        self.run_dir = RunDir(self.out)
+        self.resuming, self.overwrite = resume, overwrite
+        self.allow_changes, self.init_missing = allow_changes or init_missing, init_missing
+        self.run_id: str | None = None
+        self.events: list[dict[str, Any]] = []  # logged in log.jsonl when the run starts
+        self.stale_checkpoints: list[Path] = []  # unreadable, newer than the resumed one
+        self.started = False
+        if self.rank == 0:
+            self.run_dir.check(resume=resume, overwrite=overwrite)
         self.device = self._device(run.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL object collectives use the current device
-        self.out = Path(run.out_dir)
+        self.guard = NonFiniteGuard(run.on_nonfinite)
         built = build_model(cfg.model, run.seed)
         self.model = built.model.to(self.device).train()
         self.tokenizer = built.tokenizer
@@ -174,8 +190,15 @@ class Trainer(RunStateMixin):
                 return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             return torch.device("cpu")
         dev = torch.device(spec)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"train.device={spec!r} but no CUDA device is available here",
+                              hint="use train.device=auto or train.device=cpu")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.type == "cuda" and dev.index is not None \
+                and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device={spec!r} but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
         return dev
 
     def _amp_dtype(self) -> torch.dtype | None:
@@ -284,23 +307,29 @@ class Trainer(RunStateMixin):
                 sums[k] = sums.get(k, 0.0) + float(v) / run.grad_accum
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        gnorm = float("nan")
-        if cfg.optim.grad_clip > 0:
-            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip))
-        if self.scaler is not None:
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        keys = sorted(sums)
+        vals = torch.tensor([total, *[sums[k] for k in keys]], dtype=torch.float64)
+        if self.world > 1:  # before the update: every rank decides on the same numbers
+            vals = vals.to(self.device)
+            dist.all_reduce(vals)
+            vals = vals.cpu() / self.world
+            total = float(vals[0])
+        # fp16 loss scaling skips steps with overflowing gradients by itself
+        apply = self.guard.allows(self.step + 1, total,
+                                  0.0 if self.scaler is not None else gnorm)
+        if not apply:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.step += 1
         rec: dict[str, Any] = {"step": self.step, "loss": total, "lr": lr, "grad_norm": gnorm}
-        keys = sorted(sums)
-        vals = torch.tensor([total, *[sums[k] for k in keys]], dtype=torch.float64)
-        if self.world > 1:
-            vals = vals.to(self.device)
-            dist.all_reduce(vals)
-            vals = vals.cpu() / self.world
-            rec["loss"] = float(vals[0])
+        if not apply:
+            rec["skipped"] = "non-finite"
         for i, k in enumerate(keys):
             rec[f"loss_{k}"] = float(vals[i + 1])
         rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
@@ -324,13 +353,18 @@ class Trainer(RunStateMixin):
         with amp:
             stats = eng.run(batches, weights)
         gnorm = eng.clip_grad_norm(cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.step += 1
         active_w = {k: w for k, w in weights.items() if w != 0.0}
         losses = eng.reduce_exit_losses(stats, sorted(active_w))
-        rec: dict[str, Any] = {"step": self.step,
-                               "loss": sum(active_w[k] * v for k, v in losses.items()),
-                               "lr": lr, "grad_norm": gnorm}
+        loss = sum(active_w[k] * v for k, v in losses.items())
+        apply = self.guard.allows(self.step + 1, loss, gnorm)
+        if apply:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        rec: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm}
+        if not apply:
+            rec["skipped"] = "non-finite"
         for k, v in losses.items():
             rec[f"loss_{k}"] = v
         rec["weights"] = {str(k): round(w, 6) for k, w in weights.items()}
@@ -352,14 +386,20 @@ class Trainer(RunStateMixin):
 
     def train(self, until_step: int | None = None) -> list[dict[str, Any]]:
         """Run to ``train.steps`` (or stop after ``until_step``, as a crash would, without a
-        final checkpoint). Returns the step records of this call."""
+        final checkpoint). Returns the step records of this call. The output directory is
+        locked meanwhile (:mod:`exitlm.train.run_dir`)."""
+        if self.rank == 0:
+            self._begin_writing()
+        try:
+            return self._run(until_step)
+        finally:
+            if self.rank == 0:
+                self.run_dir.unlock()
+
+    def _run(self, until_step: int | None) -> list[dict[str, Any]]:
         run = self.cfg.train
         stop = run.steps if until_step is None else min(until_step, run.steps)
         main = self.rank == 0
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(
-                json.dumps(self.cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
         log = open(self.out / "log.jsonl", "a", encoding="utf-8") if main else None  # noqa: SIM115
         writer = self._tensorboard() if main else None
         bar = None
@@ -412,6 +452,7 @@ class Trainer(RunStateMixin):
         """Save the trained model to ``OUT/model`` and plot the loss curves."""
         host = self._host_model()
         if host is not None:
+            refuse_non_finite(host.state_dict(), f"the trained model to {self.out}")
             from exitlm.io import save_model
             from exitlm.tokenizer import Tokenizer
 
@@ -453,8 +494,8 @@ class Trainer(RunStateMixin):
                 writer.add_scalar(k, v, rec["step"])
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> Trainer:
-    """Build a :class:`Trainer` and run it to the end."""
-    trainer = Trainer(cfg, resume=resume)
+def train(cfg: TrainConfig, *, resume: bool = False, **options: bool) -> Trainer:
+    """Build a :class:`Trainer` (``options``: its keyword flags) and run it to the end."""
+    trainer = Trainer(cfg, resume=resume, **options)
     trainer.train()
     return trainer

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from exitlm.errors import ExitlmError
 
-class PipelineError(RuntimeError):
+
+class PipelineError(ExitlmError, RuntimeError):
     """A pipeline peer failed, timed out, or sent something unexpected."""
 
 

@@ -1,0 +1,200 @@
+"""The output directory of a training run: one writer at a time, one run per directory, and
+nothing left behind by a killed run.
+
+* **Lock.** A run holds an exclusive ``fcntl.flock`` on the directory itself while it
+  writes (the operating system releases it when the process dies, ``kill -9`` included; no
+  lock file is left behind). A second run into the same directory fails at once, naming the
+  process that holds it (from ``run.json``).
+* **Identity.** ``OUT/run.json`` records the run's id when it starts, and every checkpoint
+  records it too. A new run refuses a directory that already holds a run's outputs (unless
+  ``--overwrite``, which removes exactly those outputs and nothing else); ``--resume`` refuses
+  checkpoints of another run (see :mod:`exitlm.train.run_state`).
+* **Leftovers.** What a killed write leaves - temporary directories ``.step-*.tmp-*``,
+  moved-aside ``.NAME.old-*``, ``.latest.tmp-*`` and other temporary files, checkpoints a
+  prune had half deleted - is removed when the next run starts. Only names exitlm itself
+  creates are ever removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from exitlm.errors import ConfigError, ExitlmError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are not guarded
+    fcntl = None  # type: ignore[assignment]
+
+RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+# Everything a run writes into OUT.
+OUTPUTS = (RUN_FILE, "train_config.json", "log.jsonl", "loss.png", "tb", CHECKPOINTS, "model",
+           "exits")
+STEP_DIR = re.compile(r"step-\d{8}")
+# Temporaries of atomic writes: ".NAME.tmp-..." / ".NAME.old-..." (exitlm.io.st).
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-[A-Za-z0-9_-]+")
+_OUT_NAMES = frozenset(OUTPUTS) | {"log.jsonl.tmp"}
+_CHECKPOINT_NAMES = frozenset({"latest"})
+
+
+class RunDir:
+    """``train.out_dir`` of one run: checks, lock, identity file and cleanup."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self._fd: int | None = None
+
+    # ----- checks (read-only) ------------------------------------------------------------------
+    def outputs(self) -> list[str]:
+        """The run outputs present in the directory."""
+        if not self.path.is_dir():
+            return []
+        return [name for name in OUTPUTS if (self.path / name).exists()]
+
+    def check(self, *, resume: bool, overwrite: bool) -> None:
+        """Refuse a start that would mix two runs or write into something else: ``out_dir``
+        a file, another process writing there, or (a new run) another run's outputs."""
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"train.out_dir: {self.path} is a file, expected a directory")
+        if resume and overwrite:
+            raise ConfigError("--resume continues the run in train.out_dir and --overwrite "
+                              "replaces it; pass one of them")
+        if self.locked_by_other():
+            raise self._busy()
+        found = self.outputs()
+        if found and not resume and not overwrite:
+            raise ExitlmError(
+                f"train.out_dir {self.path} already holds a training run "
+                f"({', '.join(found)})",
+                hint="pass --resume to continue it, --overwrite to replace its outputs "
+                     "(nothing else in the directory is touched), or set train.out_dir to a "
+                     "new directory",
+            )
+
+    def read_run(self) -> dict[str, Any] | None:
+        """``run.json`` (``None`` when the directory has none)."""
+        file = self.path / RUN_FILE
+        if not file.is_file():
+            return None
+        try:
+            info = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:
+            raise ExitlmError(f"{file}: unreadable run identity ({err})",
+                              hint="delete the file to adopt the run's checkpoints") from None
+        if not isinstance(info, dict) or not isinstance(info.get("run_id"), str):
+            raise ExitlmError(f"{file}: expected an object with a 'run_id' string",
+                              hint="delete the file to adopt the run's checkpoints")
+        return info
+
+    # ----- lock --------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the directory's lock for this process (an error if another holds it)."""
+        if fcntl is None or self._fd is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise self._busy() from None
+        self._fd = fd
+
+    def unlock(self) -> None:
+        """Release the lock."""
+        if self._fd is not None and fcntl is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def locked_by_other(self) -> bool:
+        """Whether another process holds the directory's lock right now."""
+        if fcntl is None or self._fd is not None or not self.path.is_dir():
+            return False
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
+    def _busy(self) -> ExitlmError:
+        pid = None
+        with contextlib.suppress(ExitlmError):
+            pid = (self.read_run() or {}).get("pid")
+        who = f"process {pid}" if isinstance(pid, int) else "another process"
+        return ExitlmError(f"train.out_dir {self.path} is in use by another exitlm run ({who})",
+                           hint="wait for it to finish, or set train.out_dir to another "
+                                "directory")
+
+    # ----- writes (under the lock) -------------------------------------------------------------
+    def start(self, run_id: str | None = None) -> str:
+        """Record the run's identity (and the writing process) in ``run.json``; returns the
+        run id (a new one unless given)."""
+        from exitlm.io.st import write_text_atomic
+
+        rid = run_id or uuid.uuid4().hex
+        info = {"run_id": rid, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "pid": os.getpid()}
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path / RUN_FILE, json.dumps(info, indent=2) + "\n")
+        return rid
+
+    def remove_outputs(self) -> list[Path]:
+        """``--overwrite``: remove the previous run's outputs (and only those)."""
+        removed = []
+        for name in OUTPUTS:
+            p = self.path / name
+            if p.exists() or p.is_symlink():
+                _remove(p)
+                removed.append(p)
+        return removed + self.clean_leftovers()
+
+    def clean_leftovers(self) -> list[Path]:
+        """Remove what killed writes left: temporaries with exitlm's names and checkpoints
+        without ``state.json`` (half written or half pruned). Call with the lock held."""
+        removed: list[Path] = []
+        for folder, in_checkpoints in ((self.path, False), (self.path / CHECKPOINTS, True)):
+            if not folder.is_dir():
+                continue
+            for entry in sorted(folder.iterdir()):
+                if _leftover(entry, in_checkpoints):
+                    _remove(entry)
+                    removed.append(entry)
+        return removed
+
+
+def _leftover(entry: Path, in_checkpoints: bool) -> bool:
+    """Whether ``entry`` (in OUT, or in OUT/checkpoints) is debris of a killed exitlm write."""
+    name = entry.name
+    m = _TEMP.fullmatch(name)
+    if m is not None:
+        target = m.group("name")
+        if in_checkpoints:
+            return target in _CHECKPOINT_NAMES or STEP_DIR.fullmatch(target) is not None
+        return target in _OUT_NAMES
+    if in_checkpoints:  # a checkpoint without state.json: half written or half pruned
+        return STEP_DIR.fullmatch(name) is not None and entry.is_dir() \
+            and not (entry / "state.json").is_file()
+    return name == "log.jsonl.tmp"  # written by older versions when truncating the log
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
