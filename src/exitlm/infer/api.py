@@ -48,8 +48,8 @@ def generate(
         prompts: a string, a list of strings, a list of token ids, or a list of such lists.
         strategy: the decoding strategy, a key of :data:`STRATEGIES`.
         sampling: token choice and stopping (default: greedy, 64 new tokens). With a seed
-            ``s``, sequence ``i`` samples from its own generator seeded ``s + i``, so each
-            sequence gets the same tokens as when generated alone with seed ``s + i``.
+            ``s``, sequence ``i`` samples from its own generator seeded ``s + i`` (modulo
+            2**32), so each sequence gets the same tokens as when generated alone with it.
         options: the strategy's own options dataclass (default: its defaults).
         stream: ``stream(sequence_index, text_piece)`` receives text as it is produced;
             the pieces of a sequence concatenate to its final ``text``. A callback with a true
@@ -77,7 +77,8 @@ def generate(
     try:
         reqs = []
         for i, ids in enumerate(prompt_ids):
-            seeded = sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i)
+            seeded = (sampling if sampling.seed is None
+                      else sampling.replace(seed=(sampling.seed + i) % 2**32))
             reqs.append(engine.submit(ids, seeded, on_update=_streamer(stream, i)))
         engine.run()
     finally:

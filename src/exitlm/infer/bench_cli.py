@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from exitlm.cli import int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.bench import (
     OURS,
@@ -63,7 +63,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per prompt and strategy; the fastest is kept")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for "
+    p.add_argument("--threads", type=int_at_least(1), default=1,
+                   help="torch threads (1 is fastest for "
                    "batch-1 decoding on a shared CPU)")
     p.add_argument("--layerskip-exits", action="store_true",
                    help="exit through the final norm + head at every layer (LayerSkip; the "
@@ -73,10 +74,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
                    help="speculation: self-spec over exit layer x speculations (LayerSkip "
                         "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
-    p.add_argument("--sweep-exits", default=None, help="exit layers for --sweep speculation")
-    p.add_argument("--sweep-speculations", default="1,2,4,6",
+    p.add_argument("--sweep-exits", type=_ints, default=None,
+                   help="exit layers for --sweep speculation")
+    p.add_argument("--sweep-speculations", type=_ints, default="1,2,4,6",
                    help="speculations for --sweep speculation")
-    p.add_argument("--sweep-thresholds", default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
+    p.add_argument("--sweep-thresholds", type=_floats, default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
                    help="thresholds for --sweep threshold")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
                    help="where bench.json, CSVs and plots go")
@@ -84,11 +86,19 @@ def register(subparsers: Any) -> None:
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
+                                         ) from None
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -110,28 +120,27 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``exitlm bench``; returns the exit status."""
+    """Entry point of ``exitlm bench``; returns the exit status (bad input raises an
+    :class:`~exitlm.errors.ExitlmError`)."""
+    cfg = config_from_args(args)
+    out_dir: Path = args.out_dir
     try:
-        cfg = config_from_args(args)
-        bench = Bench(cfg)
-        report: dict[str, Any] = describe(bench)
-        out_dir: Path = args.out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        if args.sweep == "speculation":
-            ecfg = bench.model.config.exits
-            exits = (_ints(args.sweep_exits) if args.sweep_exits
-                     else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
-                     else sorted({max(1, bench.model.num_layers * k // 8)
-                                  for k in (2, 3, 4, 5, 6)}))
-            report["sweep"] = sweep_self_spec(bench, exits, _ints(args.sweep_speculations),
-                                              out_dir)
-        elif args.sweep == "threshold":
-            report["sweep"] = sweep_thresholds(bench, _floats(args.sweep_thresholds), out_dir)
-        else:
-            report.update(run_comparison(bench))
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"exitlm bench: error: {err}", file=sys.stderr)
-        return 2
+    except OSError as err:
+        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({err.strerror})") from None
+    bench = Bench(cfg)
+    report: dict[str, Any] = describe(bench)
+    if args.sweep == "speculation":
+        ecfg = bench.model.config.exits
+        exits = (args.sweep_exits if args.sweep_exits
+                 else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
+                 else sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
+        report["sweep"] = sweep_self_spec(bench, list(exits), list(args.sweep_speculations),
+                                          out_dir)
+    elif args.sweep == "threshold":
+        report["sweep"] = sweep_thresholds(bench, list(args.sweep_thresholds), out_dir)
+    else:
+        report.update(run_comparison(bench))
     text = json.dumps(report, indent=2, ensure_ascii=False)
     (out_dir / ("bench.json" if args.sweep is None else f"sweep_{args.sweep}.json")).write_text(
         text + "\n", encoding="utf-8")

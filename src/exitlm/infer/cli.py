@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from exitlm.cli import int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.api import generate
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
@@ -62,7 +63,7 @@ def register(subparsers: Any) -> None:
                    help="wrap each prompt as a user message with the chat template")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding: "
                         "more threads only while they are faster, see README 'Performance')")
     add_strategy_flags(p)
@@ -104,43 +105,40 @@ def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``exitlm generate``; returns the exit status."""
-    try:
-        prompts = _collect_prompts(args)
-        sampling = SamplingOptions(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
-            stop_strings=tuple(unescape(x) for x in args.stop),
-            ignore_eos=args.ignore_eos,
-        )
-        overrides = strategy_overrides(args, args.strategy)
-        if args.threads is not None:
-            set_threads(args.threads)  # loading and prefill use them too
-        loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
-        tokenizer = loaded.tokenizer
-        if tokenizer is None:
-            tokenizer = byte_level_tokenizer()
-            if loaded.config.vocab_size < 256:
-                raise ConfigError(
-                    f"model {args.model!r} has no tokenizer and its vocabulary "
-                    f"({loaded.config.vocab_size}) is too small for the byte fallback (256)"
-                )
-            print(f"exitlm: {args.model!r} has no tokenizer; using one token per byte",
-                  file=sys.stderr)
-        num_layers = loaded.model.num_layers
-        colour = args.show_exits and (
-            args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        )
-        stream: Any = None
-        if not args.json and len(prompts) == 1:
-            stream = ExitColourStream(num_layers) if colour else _print_piece
-        result = generate(
-            loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
-            stream=stream, chat=args.chat, threads=args.threads, **overrides,
-        )
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"exitlm generate: error: {err}", file=sys.stderr)
-        return 2
+    """Entry point of ``exitlm generate``; returns the exit status (bad input raises an
+    :class:`~exitlm.errors.ExitlmError`, which ``exitlm`` prints as one line)."""
+    prompts = _collect_prompts(args)
+    sampling = SamplingOptions(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop_strings=tuple(unescape(x) for x in args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    overrides = strategy_overrides(args, args.strategy)
+    if args.threads is not None:
+        set_threads(args.threads)  # loading and prefill use them too
+    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        tokenizer = byte_level_tokenizer()
+        if loaded.config.vocab_size < 256:
+            raise ConfigError(
+                f"model {args.model!r} has no tokenizer and its vocabulary "
+                f"({loaded.config.vocab_size}) is too small for the byte fallback (256)"
+            )
+        print(f"exitlm: {args.model!r} has no tokenizer; using one token per byte",
+              file=sys.stderr)
+    num_layers = loaded.model.num_layers
+    colour = args.show_exits and (
+        args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    )
+    stream: Any = None
+    if not args.json and len(prompts) == 1:
+        stream = ExitColourStream(num_layers) if colour else _print_piece
+    result = generate(
+        loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
+        stream=stream, chat=args.chat, threads=args.threads, **overrides,
+    )
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
                **result.to_dict()}
@@ -226,7 +224,11 @@ def _print_piece(_index: int, piece: str) -> None:
 def _collect_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file is not None:
-        lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: cannot read it as UTF-8 "
+                              f"text ({err.__class__.__name__}: {err})") from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise ConfigError("no prompt given: pass PROMPT arguments or --prompts-file")

@@ -31,39 +31,35 @@ from exitlm.infer.decoder import Decoder
 from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
 from exitlm.infer.options import option
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.schema import NonNegativeFloat, PositiveInt, check
 
 
 @dataclass(frozen=True)
 class EarlyExitOptions:
     """Options of the ``early-exit`` strategy (see the module docstring)."""
 
-    threshold: float = option(
+    threshold: NonNegativeFloat = option(
         0.9, "confidence threshold on an exit's maximum probability (EE-LLM); 1.0 never "
         "exits early (exactly greedy decoding)", per_request=True)
-    exit_layers: tuple[int, ...] | None = option(
+    exit_layers: tuple[PositiveInt, ...] | None = option(
         None, "the exits checked, in order (default: the model's exit heads; for a LayerSkip "
         "model with only every-layer exits, the layers at 1/4, 1/2 and 3/4 depth - each "
         "check costs an LM-head projection)")
-    max_pending: int = option(
+    max_pending: PositiveInt = option(
         8, "force a full-depth pass once this many tokens await KV recomputation (EE-LLM "
         "App. D.3)", per_request=True)
     kv: Literal["recompute", "copy"] = option(
         "recompute", "KV recomputation (exact keys/values, EE-LLM) or CALM state copying "
         "(lossy)")
-    exit_layer: int | None = option(
+    exit_layer: PositiveInt | None = option(
         None, "fixed-layer exit at E for every token (LayerSkip Sec. 4.2, lossy); overrides "
         "the confidence rule")
 
     def __post_init__(self) -> None:
+        check(self)
         if self.exit_layers is not None:
-            layers = tuple(sorted({int(x) for x in self.exit_layers}))
+            layers = tuple(sorted(set(self.exit_layers)))
             object.__setattr__(self, "exit_layers", layers)
-        if not self.threshold >= 0.0:
-            raise ConfigError(f"threshold must be >= 0 (1.0 = never exit), got {self.threshold}")
-        if self.max_pending < 1:
-            raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
-        if self.kv not in ("recompute", "copy"):
-            raise ConfigError(f"kv must be 'recompute' or 'copy', got {self.kv!r}")
 
 
 def resolve_checks(model: EarlyExitLM, opts: EarlyExitOptions) -> tuple[int, ...]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from exitlm.config import ConfigError
+from exitlm.schema import NonNegativeFloat, NonNegativeInt, Range, Seed, check
+
+TopP = Annotated[float, Range(gt=0, le=1)]
 
 
 def option(default: Any, help: str, *, per_request: bool = False) -> Any:
@@ -53,28 +56,19 @@ class SamplingOptions:
             generate exactly ``max_new_tokens``).
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
+    temperature: NonNegativeFloat = 0.0
+    top_k: NonNegativeInt = 0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    max_new_tokens: NonNegativeInt = 64
+    stop_token_ids: tuple[NonNegativeInt, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
-        if self.max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        check(self)  # types and ranges: "top_p: expected a number in (0, 1], got 2"
         if any(not s for s in self.stop_strings):
             raise ConfigError("stop_strings must not contain an empty string")
 

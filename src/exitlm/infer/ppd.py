@@ -49,26 +49,26 @@ from exitlm.infer.result import DecodeStats
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan import ppd_theory
+from exitlm.schema import PositiveInt, check
 
 
 @dataclass(frozen=True)
 class PPDOptions:
     """Options of the ``ppd`` strategy."""
 
-    ppd_layer: int | None = option(
+    ppd_layer: PositiveInt | None = option(
         None, "d_bar, the exit whose top-k predictions start the next token (d/2 <= d_bar < d; "
         "default: the deepest exit head >= d/2, else d/2)")
-    ppd_k: int = option(1, "k, the number of candidate branches")
+    ppd_k: PositiveInt = option(1, "k, the number of candidate branches")
     parallel: bool = option(
         True, "run branches concurrently with the main thread (threads / CUDA streams); "
         "--no-parallel runs them one after the other (same tokens)")
-    draft_vocab: int | None = option(
+    draft_vocab: PositiveInt | None = option(
         None, "take the top-k among the first N token ids only (a cheaper early projection "
         "on the critical path); output unchanged")
 
     def __post_init__(self) -> None:
-        if self.ppd_k < 1:
-            raise ConfigError(f"ppd_k must be >= 1, got {self.ppd_k}")
+        check(self)
         if self.draft_vocab is not None and self.draft_vocab < self.ppd_k:
             raise ConfigError(f"draft_vocab must be >= ppd_k, got {self.draft_vocab}")
 

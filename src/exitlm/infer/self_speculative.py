@@ -33,6 +33,7 @@ Per-token exit layers report ``E`` for accepted drafts and ``L`` for the verifie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
@@ -50,38 +51,32 @@ from exitlm.infer.options import option
 from exitlm.infer.result import DecodeStats
 from exitlm.infer.sampling import probabilities
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
 MAX_SPECULATIONS = 64
 """The most draft tokens a round may hold (bounds the cache slots a round writes)."""
+Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
 
 
 @dataclass(frozen=True)
 class SelfSpecOptions:
     """Options of the ``self-spec`` strategy."""
 
-    exit_layer: int | None = option(
+    exit_layer: PositiveInt | None = option(
         None, "the draft exit E (default: the model's deepest exit head, or L // 2 for "
         "LayerSkip every-layer exits)")
-    num_speculations: int = option(
+    num_speculations: Speculations = option(
         4, "d, draft tokens per round (LayerSkip Sec. 4.3.1)", per_request=True)
-    draft_vocab: int | None = option(
+    draft_vocab: PositiveInt | None = option(
         None, "draft only among the first N token ids (BPE ids roughly follow merge "
         "frequency): a cheaper exit projection; output unchanged")
-    draft_threshold: float | None = option(
+    draft_threshold: UnitFloat | None = option(
         None, "stop a round's drafting once the exit's probability of its own draft falls "
         "below this (transformers' assistant_confidence_threshold); output unchanged",
         per_request=True)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_speculations <= MAX_SPECULATIONS:
-            raise ConfigError(f"num_speculations must lie in [1, {MAX_SPECULATIONS}], got "
-                              f"{self.num_speculations}")
-        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold <= 1.0:
-            raise ConfigError(
-                f"draft_threshold must lie in [0, 1] (or None: off), got {self.draft_threshold}"
-            )
-        if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise ConfigError(f"draft_vocab must be >= 1 (or None: all), got {self.draft_vocab}")
+        check(self)
 
 
 @dataclass

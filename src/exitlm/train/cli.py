@@ -66,6 +66,8 @@ def register(subparsers: Any) -> None:
     e.add_argument("--max-samples", type=int_at_least(1), default=64,
                    help="number of seq-len windows evaluated (spread over the data)")
     e.add_argument("--topk", type=int_at_least(1), default=5)
+    e.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads (default: torch's, one per physical core)")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=_eval)
 
@@ -130,6 +132,8 @@ def _eval(args: argparse.Namespace) -> int:
     from exitlm.io import load_model
     from exitlm.train.data import ByteTokenizer, load_tokenizer
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     model = loaded.model
     path = Path(args.model)
