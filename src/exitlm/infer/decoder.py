@@ -111,6 +111,8 @@ class Decoder:
     stats_type: ClassVar[type[DecodeStats]] = DecodeStats
     max_batch: ClassVar[int | None] = None
     """The most sequences one step may hold (``None``: any)."""
+    multi_row: ClassVar[bool] = False
+    """Whether a step multiplies several rows per sequence (verification, recomputation)."""
 
     def __init__(self, model: EarlyExitLM, options: Any) -> None:
         self.model = model

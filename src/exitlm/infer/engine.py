@@ -44,7 +44,7 @@ from exitlm.infer.sampling import make_generator
 from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
 from exitlm.infer.threads import ThreadPolicy
-from exitlm.model.layers import SMALL_ROWS, gemv_bound
+from exitlm.model.layers import gemv_bound
 from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
@@ -161,9 +161,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(options)
-        optimize_layout(model)  # idempotent: re-strides weights for fast batch-1 GEMV once
         self.decoder: Decoder = self.strategy.decoder(model, self.options)
         self.max_batch = min(max_batch, self.decoder.max_batch or max_batch)
+        # idempotent: re-strides weights for fast batch-1 GEMV once, and packs a copy for
+        # few-row products when steps multiply several rows (twice the weight memory)
+        optimize_layout(model, pack_fp32_rows=self.max_batch > 1 or self.decoder.multi_row)
         context = model.config.max_seq_len
         if max_seq_len is not None and not 1 <= max_seq_len <= context:
             raise ConfigError(f"max_seq_len must lie in [1, {context}] (the model's context), "
@@ -313,7 +315,9 @@ class Engine:
         assert cache is not None
         longest = int(cache.lengths[:n].max())
         self.pool.ensure(n, longest + max(self.decoder.lookahead(r.seq) for r in self.running))
-        kind = "gemv" if self._gemv and n <= SMALL_ROWS[1] else "torch"
+        # one sequence: its one-row products are numpy GEMVs (threads to OpenBLAS); several:
+        # few-row products through oneDNN (threads to torch) - measured best for each
+        kind = "gemv" if self._gemv and n == 1 else "torch"
         with self.threads.step(kind, key=(kind, n)) as rec:
             emits = self.decoder.step(self.pool.batch(0, n, [r.seq for r in self.running]))
             rec.tokens = sum(len(e.tokens) for e in emits)

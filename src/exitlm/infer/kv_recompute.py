@@ -71,6 +71,7 @@ class RecomputeDecoder(Decoder):
     each sequence's ``options.threshold`` and ``options.max_pending`` apply to it alone."""
 
     name = "early-exit"
+    multi_row = True
     stats_type = EarlyExitStats
 
     def __init__(self, model: EarlyExitLM, options: object, checks: tuple[int, ...]) -> None:

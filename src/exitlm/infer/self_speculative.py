@@ -134,6 +134,7 @@ class SelfSpecDecoder(Decoder):
     """Self-speculative decoding as a step machine (see the module docstring)."""
 
     name = "self-spec"
+    multi_row = True
     stats_type = SelfSpecStats
 
     def __init__(self, model: EarlyExitLM, options: SelfSpecOptions) -> None:

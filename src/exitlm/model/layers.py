@@ -24,9 +24,11 @@ from torch.nn.modules import module as _torch_module
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.model.kv_cache import KVCache, WritePlan
 
-# Pre-packed (oneDNN) copies of weights for bf16 inference on CPU, see exitlm.model.layout.
-# Keyed by id(weight); each entry remembers the weight (weakly) and its version counter, so a
-# weight changed in place (an optimizer step) silently falls back to the plain kernel.
+# Pre-packed (oneDNN) copies of weights for inference on CPU, see exitlm.model.layout: bf16
+# weights (every product) and, when a decoder multiplies a few rows at a time, fp32 weights
+# (products of PACKED_ROWS rows). Keyed by id(weight); each entry remembers the weight (weakly)
+# and its version counter, so a weight changed in place (an optimizer step) silently falls
+# back to the plain kernel.
 _PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
@@ -37,6 +39,12 @@ def register_packed(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
         _PACKED.pop(key, None)
         return
     _PACKED[key] = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, packed)
+
+
+PACKED_ROWS = (2, 32)
+"""Row counts (inclusive) of the fp32 products that use a pre-packed weight: oneDNN with the
+weight packed once costs ~1.1-2.4 GEMVs for 2-8 rows where MKL's and OpenBLAS' GEMMs, which
+pack the weight on every call, cost 3-6 (README "Performance")."""
 
 
 def is_packed(weight: torch.Tensor) -> bool:
@@ -189,7 +197,8 @@ def thread_split(torch_threads: int, blas_threads: int) -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the CPU fast paths of :mod:`exitlm.model.layout`.
 
-    * a weight pre-packed for oneDNN (bf16 inference) is used when no gradient is needed;
+    * a weight pre-packed for oneDNN is used when no gradient is needed (bf16: always; fp32:
+      for products of 2-32 rows, when a decoder asked for it);
     * one fp32 row without gradients (batch-1 decoding) goes through numpy's OpenBLAS GEMV,
       and 2-8 rows (verification, KV recomputation, small batches) through its small-matrix
       GEMM in blocks of weight rows (:meth:`_NumpyGemv.rows`);
@@ -203,6 +212,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and entry[0]() is weight
             and entry[1] == weight._version
             and x.dtype == weight.dtype
+            and (x.dtype is not torch.float32
+                 or PACKED_ROWS[0] <= x.numel() // x.shape[-1] <= PACKED_ROWS[1])
         ):
             return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
     if (
@@ -510,12 +521,7 @@ class Block(nn.Module):
         attn, mlp, n1, n2, w_qkv, w_o, w_in, w_out = parts
         nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         m = h.shape[1]
-        if m == 1:
-            mm = _NUMPY_GEMV.vector
-        elif m <= SMALL_ROWS[1]:
-            mm = _NUMPY_GEMV.rows
-        else:
-            mm = F.linear
+        mm = _NUMPY_GEMV.vector if m == 1 else linear
         _NUMPY_GEMV.sync_threads()
         x = _rms_norm_fp32(h, n1)
         qkv = mm(x, w_qkv).view(1, m, nh + 2 * nkv, d)

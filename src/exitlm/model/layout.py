@@ -12,6 +12,10 @@ the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thr
 * fp16: row-major only (column-major is 5-40x slower).
 * bf16: ATen's GEMV reaches ~6 GB/s; oneDNN with a pre-packed weight ~10 GB/s, bit-identical.
   Packing keeps a second copy of each linear weight (inference only).
+* fp32 products of a few rows (batched decoding, verification): MKL and OpenBLAS pack the
+  weight on every GEMM call, so 2-8 rows cost 3-6 GEMVs; oneDNN with the weight packed once
+  costs 1.1-2.4. The engine asks for these copies (``pack_fp32_rows``) when it decodes
+  several rows at a time.
 
 :func:`optimize_layout` applies these choices. Values, shapes, parameter names and gradients
 are unchanged; only strides differ (save paths call ``.contiguous()``).
@@ -39,18 +43,26 @@ def wants_column_major(weight: torch.Tensor) -> bool:
     )
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def _can_pack(weight: torch.Tensor, fp32: bool) -> bool:
+    dtypes = (torch.bfloat16, torch.float32) if fp32 else (torch.bfloat16,)
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
+        and weight.dtype in dtypes
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
 @torch.no_grad()
-def optimize_layout(model: nn.Module, *, pack_bf16: bool = True) -> nn.Module:
-    """Re-stride (and for bf16 on CPU, pre-pack) every linear weight of ``model``.
+def optimize_layout(model: nn.Module, *, pack_bf16: bool = True,
+                    pack_fp32_rows: bool = False) -> nn.Module:
+    """Re-stride (and on CPU pre-pack) every linear weight of ``model``.
+
+    ``pack_bf16`` packs bf16 weights for oneDNN (every product); ``pack_fp32_rows`` keeps a
+    oneDNN-packed second copy of fp32 weights for products of a few rows
+    (:data:`~exitlm.model.layers.PACKED_ROWS`: batched decoding, verification, KV
+    recomputation) - twice the weight memory, asked for by the decoding engine only when it
+    multiplies several rows at a time.
 
     Idempotent, and safe to call again after ``model.to(dtype)`` (``.to`` keeps strides, and a
     column-major fp32 weight cast to fp16 must become row-major again - this does that).
@@ -67,14 +79,13 @@ def optimize_layout(model: nn.Module, *, pack_bf16: bool = True) -> nn.Module:
                 w.data = _column_major(w.data)
         elif not w.is_contiguous():
             w.data = w.data.contiguous()
-        if pack_bf16 and is_packed(w):
+        if is_packed(w):
             continue  # already packed and unchanged since
-        packed = None
-        if pack_bf16 and _can_pack(w):
+        if (pack_bf16 and _can_pack(w, fp32=False)) or (pack_fp32_rows and _can_pack(w, True)):
             try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
-            except RuntimeError:  # oneDNN without bf16 support on this CPU
-                packed = None
-        register_packed(w, packed)
+                # batch-size hint: bf16 is packed for batch-1 decoding, fp32 for a few rows
+                hint = 8 if w.dtype == torch.float32 else 1
+                register_packed(w, torch.ops.mkldnn._reorder_linear_weight(w.data, hint))
+            except RuntimeError:  # oneDNN without support for this dtype on this CPU
+                register_packed(w, None)
     return model
-
