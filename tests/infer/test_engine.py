@@ -237,3 +237,44 @@ def test_streamed_updates_concatenate_per_request() -> None:
     for r in reqs:
         assert "".join(texts[r.id]) == r.text == r.result(model.num_layers).text
     assert sorted(finished) == sorted(r.id for r in reqs)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "opts"),
+    [("ar", {}), ("self-spec", {"exit_layer": 2, "num_speculations": 3}),
+     ("early-exit", {"threshold": 1.0}), ("ppd", {"ppd_layer": 3})],
+)
+def test_logprobs_are_the_final_layers_for_lossless_strategies(strategy: str, opts: dict) -> None:
+    """Greedy lossless strategies report, per token, the final layer's log-probability (the
+    token is its argmax) and the top alternatives - the same numbers a cache-free scoring of
+    the output gives."""
+    from exitlm.infer.score import score_tokens
+
+    model = ee_model(every_layer=True)
+    prompt = random_prompts(sizes=(6,))[0]
+    res = generate(model, None, prompt, strategy=strategy, max_new_tokens=10,
+                   ignore_eos=True, logprobs=3, **opts)
+    seq = res.sequences[0]
+    assert seq.logprobs is not None and len(seq.logprobs) == 10
+    scored = score_tokens(model, prompt + seq.token_ids, top=3)[len(prompt):]
+    for got, want in zip(seq.logprobs, scored, strict=True):
+        assert want is not None and got.token == want.token
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.top[0][0] == got.token  # greedy: the chosen token is the most likely
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert "logprobs" in seq.to_dict()
+    assert generate(model, None, prompt, max_new_tokens=3).sequences[0].logprobs is None
+
+
+def test_early_exit_logprobs_come_from_the_exit() -> None:
+    model = ee_model("linear")
+    prompt = random_prompts(sizes=(6,))[0]
+    res = generate(model, None, prompt, strategy="early-exit", threshold=0.3, max_new_tokens=12,
+                   ignore_eos=True, logprobs=0)
+    seq = res.sequences[0]
+    assert seq.logprobs is not None
+    early = [(lp, layer) for lp, layer in zip(seq.logprobs, seq.exit_layers, strict=True)
+             if layer < 4]
+    assert early
+    for lp, _layer in early:
+        assert lp.top == () and lp.logprob >= torch.log(torch.tensor(0.3)).item() - 1e-5

@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string (repeatable; \\n, \\t, \\xNN, \\uNNNN escapes are "
                         "understood); the text is cut before it")
+    p.add_argument("--logprobs", type=int_at_least(0), default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N most likely "
+                        "alternatives")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the model's end-of-sequence token")
     p.add_argument("--chat", action="store_true",
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         stop_strings=tuple(unescape(x) for x in args.stop),
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     overrides = strategy_overrides(args, args.strategy)
     if args.threads is not None:

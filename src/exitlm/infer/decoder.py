@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import torch
 
 from exitlm.infer.options import SamplingOptions
-from exitlm.infer.result import DecodeStats
-from exitlm.infer.sampling import choose_rows
+from exitlm.infer.result import DecodeStats, TokenLogprob
+from exitlm.infer.sampling import choose_rows, token_logprobs
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import linear
 from exitlm.model.transformer import EarlyExitLM
@@ -43,6 +43,8 @@ class Seq:
         stats: the strategy's per-sequence statistics, updated by the decoder.
         last: the newest chosen token, not yet fed through the model (``-1`` before prefill).
         generated: tokens chosen so far.
+        logprobs: log-probabilities of the tokens chosen since the engine last collected
+            them, in order (kept only when ``sampling.logprobs`` asks for them).
     """
 
     prompt: list[int]
@@ -52,6 +54,11 @@ class Seq:
     stats: DecodeStats
     last: int = -1
     generated: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
 
     @property
     def remaining(self) -> int:
@@ -82,9 +89,29 @@ class Batch:
 
     def choose(self, logits: torch.Tensor, rows: list[int] | None = None) -> list[int]:
         """Each row's next token from ``logits`` ``(R, V)``; ``rows`` picks which sequences
-        the logits belong to (default: all, in order)."""
+        the logits belong to (default: all, in order). Records log-probabilities for the
+        sequences that want them."""
         seqs = self.seqs if rows is None else [self.seqs[i] for i in rows]
-        return choose_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        tokens = choose_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        self.record(logits, tokens, rows)
+        return tokens
+
+    def record(self, logits: torch.Tensor, tokens: list[int], rows: list[int] | None = None
+               ) -> None:
+        """Note the log-probabilities of ``tokens`` (one per row of ``logits``) for the
+        sequences ``rows`` that want them; a row may repeat (several tokens of one sequence,
+        in order)."""
+        idx = list(range(len(self.seqs))) if rows is None else rows
+        want = [j for j, i in enumerate(idx) if self.seqs[i].wants_logprobs]
+        if not want:
+            return
+        top = max(self.seqs[idx[j]].sampling.logprobs or 0 for j in want)
+        sel = torch.tensor(want, device=logits.device)
+        for j, lp in zip(want, token_logprobs(logits[sel], [tokens[j] for j in want], top),
+                         strict=True):
+            seq = self.seqs[idx[j]]
+            keep = seq.sampling.logprobs or 0
+            seq.logprobs.append(TokenLogprob(lp.token, lp.logprob, lp.top[:keep]))
 
     def lasts(self, device: torch.device) -> torch.Tensor:
         """``(B, 1)`` the newest token of every sequence."""

@@ -39,7 +39,7 @@ from exitlm.config import ConfigError
 from exitlm.infer.decoder import Decoder, Emit, Seq
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.pool import SlotPool
-from exitlm.infer.result import DecodeStats, FinishReason, SequenceResult
+from exitlm.infer.result import DecodeStats, FinishReason, SequenceResult, TokenLogprob
 from exitlm.infer.sampling import make_generator
 from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
@@ -68,6 +68,7 @@ class Update:
     exit_layers: list[int]
     pieces: list[tuple[str, int]]
     finished: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -88,6 +89,7 @@ class Request:
     status: Status = "waiting"
     finish_reason: FinishReason | None = None
     exit_layers: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     layer_evaluations: int = 0
     t_submit: float = 0.0
     t_admit: float = 0.0
@@ -121,6 +123,7 @@ class Request:
             exit_layers=list(self.exit_layers), finish_reason=self.finish_reason or "length",
             prompt_tokens=len(self.prompt_ids), layer_evaluations=self.layer_evaluations,
             stats=self.seq.stats, num_layers=num_layers,
+            logprobs=list(self.logprobs) if self.sampling.logprobs is not None else None,
         )
 
 
@@ -330,14 +333,16 @@ class Engine:
         done: list[int] = []
         for k, (r, em) in enumerate(zip(reqs, emits, strict=True)):
             kept, why = self._push(r, em)
+            lps, r.seq.logprobs = r.seq.logprobs[:kept], []
+            r.logprobs.extend(lps)
             r.layer_evaluations += em.evals
             r.seq.generated += kept
             r.seq.last = em.tokens[kept - 1] if kept else r.seq.last
             if why is not None:
                 done.append(lo + k)
-                updates.append(self._finish(r, why, em.tokens[:kept], em.layers[:kept]))
+                updates.append(self._finish(r, why, em.tokens[:kept], em.layers[:kept], lps))
             else:
-                updates.append(self._update(r, em.tokens, em.layers, False))
+                updates.append(self._update(r, em.tokens, em.layers, False, lps))
         self._release(done)
 
     def _push(self, r: Request, em: Emit) -> tuple[int, FinishReason | None]:
@@ -373,17 +378,18 @@ class Engine:
 
     # ----- requests -------------------------------------------------------------------------------
     def _finish(self, r: Request, why: FinishReason, tokens: list[int] | None = None,
-                layers: list[int] | None = None) -> Update:
+                layers: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> Update:
         r.status, r.finish_reason, r.t_end = "finished", why, time.perf_counter()
         if r.t_first == 0.0:
             r.t_first = r.t_end
         r.tracker.finish()  # streams the held-back tail
-        return self._update(r, tokens or [], layers or [], True)
+        return self._update(r, tokens or [], layers or [], True, logprobs)
 
-    def _update(self, r: Request, tokens: list[int], layers: list[int],
-                finished: bool) -> Update:
+    def _update(self, r: Request, tokens: list[int], layers: list[int], finished: bool,
+                logprobs: list[TokenLogprob] | None = None) -> Update:
         pieces, r._pieces = r._pieces, []
-        return Update(r, list(tokens), list(layers), pieces, finished)
+        return Update(r, list(tokens), list(layers), pieces, finished, list(logprobs or []))
 
     def _piece_sink(self, r: Request) -> Callable[[int, str], None]:
         def sink(_index: int, piece: str) -> None:

@@ -15,6 +15,9 @@ from exitlm.config import ConfigError
 from exitlm.schema import NonNegativeFloat, NonNegativeInt, Range, Seed, check
 
 TopP = Annotated[float, Range(gt=0, le=1)]
+MAX_LOGPROBS = 20
+"""The most alternatives per token :attr:`SamplingOptions.logprobs` may ask for."""
+TopLogprobs = Annotated[int, Range(ge=0, le=MAX_LOGPROBS)]
 
 
 def option(default: Any, help: str, *, per_request: bool = False) -> Any:
@@ -54,6 +57,10 @@ class SamplingOptions:
             is cut right before it.
         ignore_eos: do not stop at the model's end-of-sequence tokens (benchmarks use this to
             generate exactly ``max_new_tokens``).
+        logprobs: report each generated token's log-probability under the distribution that
+            chose it (the exit's, for an early exit; the final layer's for verified drafts),
+            with this many most likely alternatives (``0``: the token's own only; ``None``:
+            off).
     """
 
     temperature: NonNegativeFloat = 0.0
@@ -64,6 +71,7 @@ class SamplingOptions:
     stop_token_ids: tuple[NonNegativeInt, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: TopLogprobs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_strings, str):

@@ -165,7 +165,7 @@ class PPDDecoder(Decoder):
         for c in self.branches:  # the prompt's prefix entries, once
             c.copy_from(main, self.m, slice(0, int(lens[0])))
         self.carried = None
-        x = int(self.model.final_logits(last_positions(h, lens)).argmax(dim=-1)[0])
+        x = batch.choose(self.model.final_logits(last_positions(h, lens)))[0]  # greedy
         return [Emit([x], [self.d], self.d)]
 
     def step(self, batch: Batch) -> list[Emit]:
@@ -191,7 +191,7 @@ class PPDDecoder(Decoder):
             model.exit_features(hm, self.d_bar, cache=main, ctx=ctx)
         jobs = self._start_branches(cands, p + 1)
         hf = model.run_layers(hm, self.d_bar, self.d, cache=main, ctx=ctx)  # main, in parallel
-        x = int(model.final_logits(hf)[0, -1].argmax())
+        x = batch.choose(model.final_logits(hf[:, -1]))[0]  # greedy
         states = self._finish_branches(jobs)
         evals += self.m + len(cands) * self.m
         self.carried = self._resolve(seq, main, cands, states, x, p + 1)

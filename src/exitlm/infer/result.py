@@ -113,6 +113,20 @@ class ExitSummary:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the most likely alternatives ``(id, logprob)`` at its
+    position, under the (unwarped) distribution of the logits that chose it."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": self.logprob,
+                "top": [[t, lp] for t, lp in self.top]}
+
+
 @dataclass
 class Timings:
     """Wall-clock timings of one generation call.
@@ -164,6 +178,7 @@ class SequenceResult:
             decoding spends ``len(token_ids) * num_layers``.
         stats: the strategy's per-sequence statistics.
         num_layers: the model's depth.
+        logprobs: per generated token, when asked for (``SamplingOptions.logprobs``).
     """
 
     token_ids: list[int]
@@ -174,17 +189,21 @@ class SequenceResult:
     layer_evaluations: int = 0
     stats: DecodeStats = field(default_factory=DecodeStats)
     num_layers: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     def exits(self) -> ExitSummary:
         return ExitSummary.of(self.exit_layers, self.layer_evaluations, self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "token_ids": list(self.token_ids), "text": self.text,
             "exit_layers": list(self.exit_layers), "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens, "layer_evaluations": self.layer_evaluations,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [x.to_dict() for x in self.logprobs]
+        return out
 
 
 @dataclass

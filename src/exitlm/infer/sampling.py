@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from exitlm.infer.options import SamplingOptions
+from exitlm.infer.result import TokenLogprob
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -92,3 +93,17 @@ def choose_rows(
         if not opts.greedy:
             tokens[i] = int(choose(logits[i : i + 1], opts, gen)[0])
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens`` under ``logits`` ``(R, V)`` (one token per row) and
+    each row's ``top`` most likely alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if top > 0:
+        vals, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+        alts = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(),
+                                                                strict=True)]
+    else:
+        alts = [()] * len(tokens)
+    return [TokenLogprob(t, lp, a) for t, lp, a in zip(tokens, chosen, alts, strict=True)]

@@ -177,6 +177,7 @@ class SelfSpecDecoder(Decoder):
         hv = self.model.run_layers(drafts.exit_query[:, : n + 1], self.e, self.model.num_layers,
                                    cache=batch.cache, ctx=ctx)
         accepted, final = self._accept(batch, drafts, hv)
+        self._record_logprobs(batch, drafts, hv, accepted, final)
         keep = batch.cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
         batch.cache.lengths = keep
         batch.cache.crop(keep)
@@ -258,6 +259,16 @@ class SelfSpecDecoder(Decoder):
             a, f = _accept_sampled(drafts.tokens[i : i + 1, :k], q, p[None], s.generator)
             accepted[i], final[i] = int(a[0]), int(f[0])
         return accepted, final
+
+    def _record_logprobs(self, batch: Batch, drafts: _Drafts, hv: torch.Tensor,
+                         accepted: list[int], final: list[int]) -> None:
+        """Log-probabilities of the emitted tokens under the verifier (the final layer), for
+        the sequences that want them: accepted drafts are the target model's tokens."""
+        for i, s in enumerate(batch.seqs):
+            if s.wants_logprobs:
+                a = accepted[i]
+                tokens = [*drafts.tokens[i, :a].tolist(), final[i]]
+                batch.record(self.model.final_logits(hv[i, : a + 1]), tokens, [i] * (a + 1))
 
     def _emit(self, seq: Seq, drafts: _Drafts, i: int, a: int, final: int) -> Emit:
         st: SelfSpecStats = seq.stats  # type: ignore[assignment]

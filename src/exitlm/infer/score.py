@@ -1,0 +1,35 @@
+"""Log-probabilities of given text under the model (no generation): the prompt logprobs of an
+OpenAI ``echo`` + ``logprobs`` completion, and lm-evaluation-harness's log-likelihoods.
+
+One forward over the tokens without a cache; position ``i``'s logits score token ``i + 1``
+(the first token has no score). Any exit can be the scorer (``layer``; default: the final
+layer), so a LayerSkip or EE-LLM model's exits can be evaluated the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exitlm.infer.result import TokenLogprob
+from exitlm.infer.sampling import token_logprobs
+from exitlm.model.transformer import EarlyExitLM
+
+
+@torch.inference_mode()
+def score_tokens(model: EarlyExitLM, ids: list[int], *, top: int = 0,
+                 layer: int | None = None) -> list[TokenLogprob | None]:
+    """Per token of ``ids``: its log-probability given the tokens before it (``None`` for the
+    first) and the ``top`` most likely alternatives, at exit ``layer`` (default: final)."""
+    if not ids:
+        return []
+    if len(ids) > model.config.max_seq_len:
+        from exitlm.config import ConfigError
+
+        raise ConfigError(f"{len(ids)} tokens exceed the model's context of "
+                          f"{model.config.max_seq_len}")
+    layer = model.num_layers if layer is None else layer
+    model.exit_route(layer, shared_ok=True, setting="layer")
+    tokens = torch.tensor([ids], device=model.embed_tokens.weight.device)
+    h = model.run_layers(model.embed(tokens), 0, layer)
+    logits = model.exit_logits(h, layer, shared_ok=True)[0, :-1]  # (T-1, V)
+    return [None, *token_logprobs(logits, ids[1:], top)]
