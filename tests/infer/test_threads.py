@@ -40,7 +40,7 @@ def test_fixed_threads_are_kept() -> None:
 
 def test_policy_follows_the_faster_setting() -> None:
     clock = FakeClock()
-    policy = ThreadPolicy(max_threads=2, clock=clock)
+    policy = ThreadPolicy(max_threads=2, initial=1, clock=clock)
     # a quiet machine: two threads are faster; the policy moves there after one probe
     used = _run(policy, clock, {1: 1.0, 2: 0.7}, 40)
     assert used[0] == 1 and used[-1] == 2 and policy.switches == 1
@@ -52,7 +52,7 @@ def test_policy_follows_the_faster_setting() -> None:
 
 def test_losing_probes_back_off_and_abort_early() -> None:
     clock = FakeClock()
-    policy = ThreadPolicy(max_threads=2, clock=clock)
+    policy = ThreadPolicy(max_threads=2, initial=1, clock=clock)
     used = _run(policy, clock, {1: 1.0, 2: 5.0}, 4000)
     probes = sum(n == 2 for n in used)
     assert used[-1] == 1
@@ -63,9 +63,18 @@ def test_losing_probes_back_off_and_abort_early() -> None:
 
 def test_new_conditions_are_not_compared_with_old_ones() -> None:
     clock = FakeClock()
-    policy = ThreadPolicy(max_threads=2, clock=clock)
+    policy = ThreadPolicy(max_threads=2, initial=1, clock=clock)
     for key, cost in (("b1", 1.0), ("b8", 3.0), ("b1", 1.0)):
         for _ in range(10):
             with policy.step("torch", key=key):
                 clock.now += cost
     assert policy.switches == 0 and policy.current == 1
+
+
+def test_a_busy_start_is_corrected() -> None:
+    """Starting on all threads on a machine that is in fact busy costs a few steps only."""
+    clock = FakeClock()
+    policy = ThreadPolicy(max_threads=2, initial=2, clock=clock)
+    used = _run(policy, clock, {1: 1.0, 2: 5.0}, 100)
+    assert used[0] == 2 and used[-1] == 1
+    assert sum(n == 2 for n in used) <= 12

@@ -3,22 +3,24 @@
 On a quiet machine more threads decode faster (2 threads: ~1.2x for batch-1 fp32 on the
 project's 2-core CPUs, more for batches). On a machine where another process is busy, a step
 split over threads waits for the one that shares a core, and decoding collapses - measured
-here 3-7x slower with 2 threads than with 1 (README "Performance"; OpenMP's passive wait policy
+here 2-7x slower with 2 threads than with 1 (README "Performance"; OpenMP's passive wait policy
 did not help, because OpenBLAS' own workers and the split itself are the problem). No fixed
-count is right for both, so by default the policy **measures**: it starts on one thread and
-every so often tries ``max_threads`` for a few steps, keeping whichever decodes a token
-faster. A probe that loses backs off (the interval doubles, up to :data:`MAX_INTERVAL`
-steps) and is abandoned after one step when that step is clearly slower, so a busy machine
-pays little for the probing; a probe that wins keeps re-checking, so a machine that becomes
-busy is noticed. ``--threads N`` fixes the count instead.
+count is right for both, so by default the policy **measures**: it starts on all threads when
+the load average says the machine is idle and on one otherwise, and every so often tries the
+other setting for a few steps, keeping whichever decodes a token faster. A probe that loses
+backs off (the interval doubles, up to :data:`MAX_INTERVAL` steps) and is abandoned after one
+step when that step is clearly slower, so a busy machine pays little for the probing; a probe
+that wins keeps re-checking, so a machine that becomes busy is noticed. ``--threads N`` fixes
+the count instead.
 
-Every step has a *kind*: ``gemv`` steps (fp32 on CPU, few rows: the products run through
-numpy's OpenBLAS) give the threads to OpenBLAS and leave torch one; ``torch`` steps give them
-to torch (:func:`~exitlm.model.layers.thread_split`).
+Every step has a *kind*: ``gemv`` steps (one fp32 sequence on CPU: its products are numpy
+GEMVs) give the threads to OpenBLAS and leave torch one; ``torch`` steps (batches: few-row
+products through oneDNN) give them to torch (:func:`~exitlm.model.layers.thread_split`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -42,6 +44,14 @@ ABORT = 1.5
 """A probe step this much slower than the current setting ends the probe at once."""
 
 
+def _idle(cores: int) -> bool:
+    """Whether the 1-minute load average leaves ``cores`` free (POSIX; else: assume not)."""
+    try:
+        return os.getloadavg()[0] < cores - 0.5
+    except (AttributeError, OSError):
+        return False
+
+
 def set_threads(n: int) -> None:
     """Use ``n`` CPU threads for torch (``--threads``)."""
     if n < 1:
@@ -63,11 +73,14 @@ class ThreadPolicy:
     Args:
         threads: a fixed thread count (``--threads``); ``None`` measures.
         max_threads: the most threads tried (default: torch's thread count at creation).
+        initial: the count to start from (default: ``max_threads`` on an idle machine - a
+            1-minute load average below ``max_threads - 0.5`` - else 1).
         clock: the time source (tests pass a fake one).
     """
 
     threads: int | None = None
     max_threads: int | None = None
+    initial: int | None = None
     clock: Callable[[], float] = time.perf_counter
     current: int = field(init=False)
     _key: Hashable = field(init=False, default=None)
@@ -84,7 +97,12 @@ class ThreadPolicy:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.max_threads is None:
             self.max_threads = self.threads or torch.get_num_threads()
-        self.current = self.threads or 1
+        if self.threads is not None:
+            self.current = self.threads
+        elif self.initial is not None:
+            self.current = self.initial
+        else:
+            self.current = self.max_threads if _idle(self.max_threads) else 1
 
     @property
     def adaptive(self) -> bool:
