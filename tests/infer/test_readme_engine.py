@@ -20,7 +20,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def test_readme_engine_example() -> None:
     text = README.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    code = next(b for b in blocks if "Engine(" in b and "engine.step()" in b)
+    code = next(b for b in blocks
+                if "Engine(" in b and "engine.step()" in b and "load_model(" in b)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
