@@ -160,7 +160,7 @@ class PPDDecoder(Decoder):
         cfg = self.model.config
         capacity = len(seq.prompt) + seq.sampling.max_new_tokens + 1
         self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
-                                 dtype=main.keys[0].dtype, device=self.device)
+                                 dtype=main.dtype, device=self.device)
                          for _ in range(self.k)]
         for c in self.branches:  # the prompt's prefix entries, once
             c.copy_from(main, self.m, slice(0, int(lens[0])))

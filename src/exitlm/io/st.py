@@ -198,12 +198,13 @@ def remove_stale_temps(target: Path) -> list[Path]:
             continue
         if m.group(1) == "old" and (entry / "d").is_dir() and not target.exists():
             os.replace(entry / "d", target)  # the previous version was never replaced
-        _remove(entry)
+        remove_path(entry)
         removed.append(entry)
     return removed
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree (not following a symlink); gone already is fine."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:

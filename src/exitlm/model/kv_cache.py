@@ -72,6 +72,10 @@ class KVCache:
         return len(self.keys)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
     def lengths(self) -> torch.Tensor:
         """``(B,)`` committed tokens per sequence (the next token's position); assignments
         are copied in place, so a :meth:`rows` view updates its pool."""

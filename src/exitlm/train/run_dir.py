@@ -21,13 +21,13 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from exitlm.errors import ConfigError, ExitlmError
+from exitlm.io.st import remove_path
 
 try:
     import fcntl
@@ -159,7 +159,7 @@ class RunDir:
         for name in OUTPUTS:
             p = self.path / name
             if p.exists() or p.is_symlink():
-                _remove(p)
+                remove_path(p)
                 removed.append(p)
         return removed + self.clean_leftovers()
 
@@ -172,7 +172,7 @@ class RunDir:
                 continue
             for entry in sorted(folder.iterdir()):
                 if _leftover(entry, in_checkpoints):
-                    _remove(entry)
+                    remove_path(entry)
                     removed.append(entry)
         return removed
 
@@ -192,9 +192,3 @@ def _leftover(entry: Path, in_checkpoints: bool) -> bool:
     return name == "log.jsonl.tmp"  # written by older versions when truncating the log
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
