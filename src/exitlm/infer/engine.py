@@ -175,8 +175,7 @@ class Engine:
                               f"got {max_seq_len}")
         self.max_seq_len = max_seq_len or context
         self.max_queue = max_queue
-        self.pool = SlotPool(model, self.decoder.aux_dims, self.max_batch,
-                             self.max_seq_len + self.decoder.max_lookahead)
+        self.pool = self._new_pool()
         self.eos_ids = frozenset(model.config.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ())
         self._ids = itertools.count()
@@ -212,6 +211,10 @@ class Engine:
         if not ids:
             raise ConfigError("the prompt is empty: every prompt needs at least one token "
                               "(add a BOS token)")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         need = len(ids) + sampling.max_new_tokens
         if need > self.max_seq_len:
             raise ConfigError(
@@ -267,8 +270,24 @@ class Engine:
         while self.has_work():
             self.step()
 
+    def abort_running(self) -> list[Request]:
+        """Recover after :meth:`step` raised: end every running request (finish reason
+        ``error``; no update is sent) and start the pool afresh, since a failed step may have
+        left its rows half-written. Waiting requests stay queued. Returns the ended requests,
+        so that their owners can be told."""
+        failed, self.running = self.running, []
+        now = time.perf_counter()
+        for r in failed:
+            r.status, r.finish_reason, r.t_end = "finished", "error", now
+        self.pool = self._new_pool()
+        return failed
+
     def close(self) -> None:
         self.decoder.close()
+
+    def _new_pool(self) -> SlotPool:
+        return SlotPool(self.model, self.decoder.aux_dims, self.max_batch,
+                        self.max_seq_len + self.decoder.max_lookahead)
 
     # ----- scheduling ---------------------------------------------------------------------------
     def _reap_cancelled(self, updates: list[Update]) -> None:
@@ -297,11 +316,11 @@ class Engine:
             return
         t0 = time.perf_counter()
         lo = len(self.running)
-        look = max(self.decoder.lookahead(r.seq) for r in (*self.running, *new))
-        self.pool.ensure(lo + len(new), max(len(r.prompt_ids) for r in new) + look)
-        for r in new:
+        for r in new:  # running before anything can fail (abort_running finds them)
             r.status, r.t_admit = "running", t0
         self.running.extend(new)
+        look = max(self.decoder.lookahead(r.seq) for r in self.running)
+        self.pool.ensure(lo + len(new), max(len(r.prompt_ids) for r in new) + look)
         with self.threads.split("torch"):
             emits = self.decoder.prefill(self.pool.batch(lo, lo + len(new),
                                                          [r.seq for r in new]))
