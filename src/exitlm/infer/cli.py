@@ -107,6 +107,20 @@ def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
     return loaded
 
 
+def tokenizer_for(loaded: Any, source: str) -> Tokenizer:
+    """The loaded model's tokenizer, or one token per byte for a model shipped without one
+    (presets, byte-level checkpoints; a note goes to stderr)."""
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer
+    if loaded.config.vocab_size < 256:
+        raise ConfigError(
+            f"model {source!r} has no tokenizer and its vocabulary "
+            f"({loaded.config.vocab_size}) is too small for the byte fallback (256)"
+        )
+    print(f"exitlm: {source!r} has no tokenizer; using one token per byte", file=sys.stderr)
+    return byte_level_tokenizer()
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm generate``; returns the exit status (bad input raises an
     :class:`~exitlm.errors.ExitlmError`, which ``exitlm`` prints as one line)."""
@@ -121,16 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         set_threads(args.threads)  # loading and prefill use them too
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
-    tokenizer = loaded.tokenizer
-    if tokenizer is None:
-        tokenizer = byte_level_tokenizer()
-        if loaded.config.vocab_size < 256:
-            raise ConfigError(
-                f"model {args.model!r} has no tokenizer and its vocabulary "
-                f"({loaded.config.vocab_size}) is too small for the byte fallback (256)"
-            )
-        print(f"exitlm: {args.model!r} has no tokenizer; using one token per byte",
-              file=sys.stderr)
+    tokenizer = tokenizer_for(loaded, args.model)
     num_layers = loaded.model.num_layers
     colour = args.show_exits and (
         args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
