@@ -24,7 +24,7 @@ from exitlm.errors import ExitlmError, ExitlmWarning
 # ``set_defaults(func=...)`` where ``func(args) -> int`` is the exit status.
 _COMMAND_MODULES: tuple[str, ...] = (
     "exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli", "exitlm.train.cli",
-    "exitlm.infer.bench_cli",
+    "exitlm.infer.bench_cli", "exitlm.serve.cli",
 )
 
 
