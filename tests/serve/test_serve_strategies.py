@@ -38,8 +38,12 @@ def test_greedy_equals_generate(servers: dict[str, Server], reference: Reference
         streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=20,
                                              temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == alone.text
-    if strategy == "self-spec":
+    if strategy == "self-spec":  # draft acceptance reaches the response and /metrics
         assert summary["stats"]["drafted"] > 0
+        server.wait_for(lambda: server.metric(
+            'exitlm_strategy_events_total{event="drafted"}') >= summary["stats"]["drafted"])
+        rate = server.metric('exitlm_strategy_rate{rate="acceptance_rate"}')
+        assert 0 <= rate <= 1
 
 
 def test_per_request_options(servers: dict[str, Server], reference: Reference) -> None:
@@ -52,6 +56,11 @@ def test_per_request_options(servers: dict[str, Server], reference: Reference) -
         assert res.choices[0].text == alone.text
         assert res.model_dump()["choices"][0]["exit_layers"] == alone.exit_layers
     assert alone.exits().early_exit_fraction > 0  # 0.5 exits early, 1.0 never does
+    server = servers["early-exit"]
+    early = sum(server.metric(f'exitlm_generation_tokens_by_exit_layer_total{{layer="{x}"}}')
+                for x in (1, 2, 3))
+    assert early >= sum(1 for x in alone.exit_layers if x < 4)
+    assert server.metric("exitlm_layer_evaluations_saved") > 0
 
     ss = servers["self-spec"].client()
     res = ss.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=0,

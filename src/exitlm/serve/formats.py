@@ -33,7 +33,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenText:
-    """Each token's text and bytes, for log-probability entries (cached per token id)."""
+    """Each token's text and bytes, for log-probability entries (cached per token id). A
+    token holding part of a UTF-8 character is spelled ``bytes:\\xe2\\x80`` (OpenAI's
+    convention), so that different tokens keep different strings."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -51,6 +53,8 @@ class TokenText:
                     raw = bytes([int(m.group(1), 16)])
                 elif piece and all(c in _BYTES for c in piece):
                     raw = bytes(_BYTES[c] for c in piece)
+                if raw != text.encode("utf-8"):  # OpenAI's spelling of partial characters
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             hit = self._cache[token] = (text, list(raw))
         return hit
 

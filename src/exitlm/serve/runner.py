@@ -196,7 +196,10 @@ class EngineRunner:
             return
         for u in updates:
             if self.on_update is not None:
-                self.on_update(u)
+                try:
+                    self.on_update(u)
+                except Exception:  # metrics must never stop the engine thread
+                    log.exception("update callback failed")
             if u.finished:
                 with self._cond:
                     self._live.pop(u.request.id, None)
