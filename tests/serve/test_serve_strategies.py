@@ -60,7 +60,6 @@ def test_per_request_options(servers: dict[str, Server], reference: Reference) -
     early = sum(server.metric(f'exitlm_generation_tokens_by_exit_layer_total{{layer="{x}"}}')
                 for x in (1, 2, 3))
     assert early >= sum(1 for x in alone.exit_layers if x < 4)
-    assert server.metric("exitlm_layer_evaluations_saved") > 0
 
     ss = servers["self-spec"].client()
     res = ss.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=0,
