@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = strategy_overrides(args, args.strategy)
+    sock = _listen(args.host, args.port)  # fail before the model loads
     if args.threads is not None:
         set_threads(args.threads)
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
@@ -94,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
     state = ServerState(engine, tokenizer, args.served_model_name or args.model,
                         api_key=args.api_key or os.environ.get("EXITLM_API_KEY") or None,
                         drain_timeout=args.drain_timeout)
-    sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     config = uvicorn.Config(
