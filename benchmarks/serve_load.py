@@ -12,9 +12,11 @@ request latency p50/p99 (from the client's send), and for self-speculative decod
 acceptance the server reports (``early_exit``).
 
 With ``--llama-cpp PYTHON`` (a Python with ``llama-cpp-python[server]``), the same load goes to
-llama.cpp's OpenAI server (``python -m llama_cpp.server``) on the default model's GGUF, as a
-reference point. Every server process runs on one thread (``--threads 1``; llama.cpp
-``--n_threads 1``); the clients are plain HTTP in this process.
+llama.cpp's OpenAI server (``python -m llama_cpp.server``, which decodes one request at a
+time; ``--interrupt_requests False`` so that a new request waits instead of cutting the running
+one short) on the default model's GGUF, as a reference point. Every server process runs on
+one thread (``--threads 1``; llama.cpp ``--n_threads 1``); the clients are plain HTTP in this
+process.
 
 Prints one JSON object on stdout; progress and a table go to stderr.
 
@@ -156,7 +158,7 @@ def stream_once(url: str, body: dict[str, Any]) -> Sample:
     res = conn.getresponse()
     if res.status != 200:
         raise RuntimeError(f"HTTP {res.status}: {res.read()[:300]!r}")
-    ttft, tokens, summary = 0.0, 0, None
+    ttft, tokens, chunks, summary = 0.0, 0, 0, None
     while True:
         line = res.readline()
         if not line:
@@ -169,12 +171,14 @@ def stream_once(url: str, body: dict[str, Any]) -> Sample:
         chunk = json.loads(data)
         if chunk.get("choices") and not ttft:
             ttft = time.perf_counter() - t0
+        chunks += any(c.get("finish_reason") is None for c in chunk.get("choices", ()))
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         summary = chunk.get("early_exit", summary)
     latency = time.perf_counter() - t0
     conn.close()
-    return Sample(ttft, latency, tokens, summary)
+    # a server that reports no usage in streams (llama-cpp-python): one chunk per token
+    return Sample(ttft, latency, tokens or chunks, summary)
 
 
 def run_level(url: str, target: Target, prompts: list[str], clients: int, max_tokens: int
@@ -263,7 +267,8 @@ def targets(args: argparse.Namespace) -> list[Target]:
         out.append(Target(
             "llama.cpp (llama-cpp-python server)",
             [args.llama_cpp, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "1",
-             "--n_threads_batch", "1", "--n_ctx", "2048", "--host", "127.0.0.1",
+             "--n_threads_batch", "1", "--n_ctx", "2048", "--interrupt_requests", "False",
+             "--host", "127.0.0.1",
              "--port", str(port)],
             gguf, long_prompts, {"logit_bias": {str(t): -100 for t in eos}},
             ready=r"Uvicorn running on", port=port))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
@@ -122,8 +123,10 @@ async def _serve(state: ServerState, http: HTTPRequest, plan: Plan) -> Response:
         group.cancel()
         raise
     if plan.req.stream:
+        # the background task also covers a client gone before the stream started
         return EventSourceResponse(_stream(state, plan, group, scores, log), sep="\n",
-                                   ping=PING_S, shutdown_grace_period=state.drain_timeout)
+                                   ping=PING_S, shutdown_grace_period=state.drain_timeout,
+                                   background=BackgroundTask(group.cancel))
     return await _complete(state, http, plan, group, scores, log)
 
 
