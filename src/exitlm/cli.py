@@ -25,6 +25,7 @@ from exitlm.errors import ExitlmError, ExitlmWarning
 _COMMAND_MODULES: tuple[str, ...] = (
     "exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli", "exitlm.train.cli",
     "exitlm.infer.bench_cli", "exitlm.eval.cli",
+    "exitlm.serve.cli",
 )
 
 

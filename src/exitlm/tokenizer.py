@@ -26,6 +26,14 @@ CHATML_TEMPLATE = (
 )
 
 
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table, which byte-level BPE (``tokenizers``' ByteLevel
+    pre-tokenizer and decoder) uses to spell every byte as a printable character."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+
+
 class Tokenizer:
     """A text <-> token-id codec with the model's special tokens and chat template."""
 

@@ -30,7 +30,7 @@ from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.infer.threads import set_threads
-from exitlm.tokenizer import Tokenizer
+from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -260,10 +260,7 @@ def byte_level_tokenizer() -> Tokenizer:
     (presets with ``vocab_size >= 256``)."""
     import tokenizers
 
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = [b for b in range(256) if b not in printable]
-    # GPT-2's byte -> unicode table, which the ByteLevel pre-tokenizer and decoder use.
-    char_of = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    char_of = byte_level_alphabet()
     vocab = {char_of[b]: b for b in range(256)}
     tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-FinishReason = Literal["length", "stop_token", "stop_string", "cancelled"]
+FinishReason = Literal["length", "stop_token", "stop_string", "cancelled", "error"]
 
 S = TypeVar("S", bound="DecodeStats")
 
@@ -170,8 +170,9 @@ class SequenceResult:
         text: the decoded generated text (special tokens skipped, cut before a stop string).
         exit_layers: for every generated token, the 1-based layer whose output chose it
             (``num_layers`` for the final layer, i.e. plain decoding).
-        finish_reason: ``length`` (max_new_tokens reached), ``stop_token``, ``stop_string``
-            or ``cancelled``.
+        finish_reason: ``length`` (max_new_tokens reached), ``stop_token``, ``stop_string``,
+            ``cancelled`` or ``error`` (a failed engine step ended it,
+            :meth:`~exitlm.infer.engine.Engine.abort_running`).
         prompt_tokens: the prompt's length in tokens.
         layer_evaluations: transformer-layer evaluations (token x layer) spent after the prompt,
             counting the prompt's last position, which produces the first token. Plain

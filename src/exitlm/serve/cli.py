@@ -1,0 +1,136 @@
+"""``exitlm serve``: the OpenAI-compatible HTTP server.
+
+    exitlm serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
+    exitlm serve default-ee --strategy self-spec --num-speculations 3 --port 8080
+    exitlm serve ./runs/ls/model --strategy early-exit --threshold 0.8 --api-key secret
+
+The model loads the way ``exitlm generate`` loads it (a strategy other than ``ar`` on a model
+without exits gets LayerSkip-style exits at every layer; a model without a tokenizer gets one
+token per byte). Once the server listens it prints ``exitlm serve: listening on URL``
+(``--port 0`` picks a free port). SIGINT (Ctrl-C) or SIGTERM stops accepting connections,
+lets requests in flight finish for up to ``--drain-timeout`` seconds, then stops the engine
+and exits with status 0; a second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from exitlm.cli import finite_float, int_at_least
+from exitlm.config import ConfigError
+from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
+from exitlm.infer.flags import add_strategy_flags, strategy_overrides
+from exitlm.infer.strategies import STRATEGIES, get_strategy
+from exitlm.infer.threads import set_threads
+
+log = logging.getLogger("exitlm.serve")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` sub-command to the ``exitlm`` parser."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                    "/metrics) on the decoding engine, with early-exit statistics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default="default", metavar="MODEL",
+                   help="'default' (embedded SmolLM2-135M-Instruct), 'default-ee', a "
+                        "checkpoint directory, a .gguf file, or a preset name")
+    p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
+                   help="decoding strategy")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int_at_least(0), default=8000,
+                   help="port to listen on (0: any free port)")
+    p.add_argument("--max-batch", type=int_at_least(1), default=8,
+                   help="the most requests decoded together (continuous batching)")
+    p.add_argument("--max-queue", type=int_at_least(1), default=256,
+                   help="the most requests waiting for a slot; beyond it requests get 503")
+    p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
+                   help="the longest prompt + completion served (default: the model's context)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                        "/detokenize (default: $EXITLM_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: MODEL as given)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads per decoding step (default: measured while decoding)")
+    p.add_argument("--drain-timeout", type=_non_negative, default=30.0,
+                   help="seconds a shutdown waits for requests in flight")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="'info' logs one line per request")
+    add_strategy_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``exitlm serve``: load, listen, serve until a signal, drain."""
+    import uvicorn  # the server's modules load only for this command
+
+    from exitlm.infer.engine import Engine
+    from exitlm.serve.app import create_app
+    from exitlm.serve.server import Server, signals_end_quietly
+    from exitlm.serve.state import ServerState
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = strategy_overrides(args, args.strategy)
+    sock = _listen(args.host, args.port)  # fail before the model loads
+    if args.threads is not None:
+        set_threads(args.threads)
+    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    tokenizer = tokenizer_for(loaded, args.model)
+    engine = Engine(loaded.model, tokenizer, args.strategy,
+                    get_strategy(args.strategy).options(None, **overrides),
+                    max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                    max_queue=args.max_queue, threads=args.threads)
+    state = ServerState(engine, tokenizer, args.served_model_name or args.model,
+                        api_key=args.api_key or os.environ.get("EXITLM_API_KEY") or None,
+                        drain_timeout=args.drain_timeout)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    config = uvicorn.Config(
+        create_app(state), log_config=None, access_log=False,
+        log_level="debug" if args.log_level == "debug" else "warning",
+        timeout_graceful_shutdown=int(args.drain_timeout) + 2)
+
+    def ready() -> None:
+        print(f"exitlm serve: listening on {url} (model {state.model_name!r}, strategy "
+              f"{state.strategy}, max batch {engine.max_batch}, context {state.context})",
+              file=sys.stderr, flush=True)
+
+    with signals_end_quietly():
+        Server(config, ready, state).run(sockets=[sock])
+    print("exitlm serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _non_negative(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound socket (uvicorn listens on it), or a one-line error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror or err}); choose "
+                          "another --host/--port") from None
+    sock.set_inheritable(True)
+    return sock
