@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.parallel.pipeline.stage import build_stages, stage_parameter_names
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int, root: str, cases: list[dict[str, A
         for case in cases:
             model = build_model(case)
             pc = pcfg_of(case)
-            grid = ProcessGrid.build(world, rank, pc.pp, pc.dp)
+            grid = ParallelDims.build(world, rank, pc.pp, pc.dp)
             eng = PipelineEngine(model, pc, grid, microbatches=case.get("microbatches", 3),
                                  slices=pc.slice_lengths(SEQ), device=torch.device("cpu"))
             batches = batches_of(case, grid.replica, eng.schedule.num_microbatches, model)
@@ -109,7 +109,7 @@ def reference_grads(case: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     App. C.2's partial contributions of bubble-filling microbatches (masked per stage)."""
     model = build_model(case)
     pc = pcfg_of(case)
-    probe = PipelineEngine(build_model(case), pc, ProcessGrid.build(pc.pp, 0, pc.pp),
+    probe = PipelineEngine(build_model(case), pc, ParallelDims.build(pc.pp, 0, pc.pp),
                            microbatches=case.get("microbatches", 3),
                            slices=pc.slice_lengths(SEQ), device=torch.device("cpu"))
     routes = probe.schedule.routes

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, root: str, jobs: list[dict[str, An
             cfg = _cfg(Path(root), job["out"], job.get("parallel"), job.get("train"))
             t = Trainer(cfg, resume=job.get("resume", False))
             recs = t.train(until_step=job.get("until"))
-            host = t._host_model()
+            host = t.layout.host_model()
             if rank == 0:
                 out = {"losses": [r["loss"] for r in recs],
                        "exit1": [r.get("loss_1") for r in recs],
@@ -132,7 +132,7 @@ def test_single_process_token_slicing_trains_like_no_slicing(tmp_path: Path) -> 
     a = Trainer(_cfg(tmp_path, "a", train={"steps": 2, "checkpoint_every": 0}))
     b = Trainer(_cfg(tmp_path, "b", {"token_slices": "auto"},
                      train={"steps": 2, "checkpoint_every": 0}))
-    assert len(b.pipeline.schedule.slices) >= 1
+    assert len(b.layout.engine.schedule.slices) >= 1
     assert [r["loss"] for r in a.train()] == pytest.approx([r["loss"] for r in b.train()],
                                                            rel=1e-5)
 
