@@ -11,6 +11,7 @@ watches everyone else's; when a collective fails, :func:`guard` turns the error 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -48,6 +49,7 @@ class Heartbeat:
         self._values: dict[int, bytes] = {}
         self._count = 0
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exitlm-heartbeat", daemon=True)
         self._thread.start()
 
@@ -67,7 +69,7 @@ class Heartbeat:
         if hb is None or hb.world != world:
             try:  # a connection of its own: the main thread may be inside a store call
                 client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                       timeout=timedelta(seconds=10))
+                                       timeout=timedelta(seconds=3))
             except (RuntimeError, ValueError):
                 return None
             hb = cls._running[key] = cls(client, rank, world)
@@ -77,7 +79,7 @@ class Heartbeat:
         return f"exitlm/heartbeat/{rank}"
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 self._count += 1
                 self.store.set(self._key(self.rank), str(self._count))
@@ -92,7 +94,21 @@ class Heartbeat:
                     self.last_ok = now
             except Exception:  # the store is gone or stuck: stay silent, retry
                 pass
-            time.sleep(self.interval)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        """End the thread and close its store connection while the process is whole (a
+        store client torn down by interpreter exit under a running thread aborts)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self.store = None
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for hb in cls._running.values():
+            hb.stop()
+        cls._running.clear()
 
     def silent(self, min_s: float | None = None) -> dict[int, float]:
         """Ranks whose counter has not moved for ``min_s`` seconds (default: three
@@ -162,3 +178,6 @@ def guard(what: str, *, rank: int, timeout_s: float,
             f"parallel.timeout_s={timeout_s:g} s ({first[:300]})",
             hint="see the named rank's log; raise parallel.timeout_s if it is only slow",
         ) from err
+
+
+atexit.register(Heartbeat.stop_all)
