@@ -121,7 +121,7 @@ class Layout:
             n = len(batches)
             total, sums = 0.0, {}
             for i, mb in enumerate(batches):
-                with self._sync(i == n - 1), self._loss_context():
+                with self._sync(i == n - 1), self.loss_context():
                     with self._autocast():
                         loss, per_exit = self.module(mb.tokens, mb.labels, weights, mb.active)
                     scaled = loss / n
@@ -138,7 +138,9 @@ class Layout:
     def _sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where losses on this layout's logits are computed and back-propagated
+        (``loss_parallel`` under tensor parallelism)."""
         return self.tp.loss_context() if self.tp is not None else contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from exitlm.parallel.tensor import local
+
+
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or the inner tensors of a wrapper
+    subclass (a DTensor's local shard, an asynchronous collective's result)."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs]
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in _plain_parts(i)]
+    return [t]
 
 
 def param_storages(model: nn.Module) -> set[int]:
@@ -26,11 +37,12 @@ class SavedBytes:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = local(t).untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self.exclude and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.bytes += st.nbytes()
+        for inner in _plain_parts(t):
+            st = inner.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self.exclude and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.bytes += st.nbytes()
         return t
 
     def __enter__(self) -> SavedBytes:
