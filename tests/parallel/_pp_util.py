@@ -29,6 +29,7 @@ from exitlm.parallel.layout import Layout, PipelineLayout, parallelize
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.parallel.pipeline.stage import build_stages, stage_parameter_names
+from exitlm.parallel.tensor import local
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import multi_exit_loss
 
@@ -110,10 +111,15 @@ def _worker(rank: int, world: int, port: int, root: str, cases: list[dict[str, A
             save_file(grads, str(d / f"rank{rank}.safetensors"))
             routes = ([r.kind for r in lay.engine.schedule.routes]
                       if isinstance(lay, PipelineLayout) else [])
+            vocab = None
+            if case.get("flat") and lay.tp is not None:  # logits exist as vocabulary shards
+                with torch.no_grad():
+                    h = model.embed(batches[0].tokens)
+                    vocab = int(local(model.exit_logits(h, model.num_layers)).shape[-1])
             (d / f"rank{rank}.json").write_text(json.dumps(
                 {"stage": dims.stage, "replica": dims.replica, "tp_rank": dims.tp_rank,
                  "losses": {str(k): v for k, v in res.exit_losses.items()},
-                 "routes": routes}))
+                 "routes": routes, "local_vocab": vocab}))
             lay.close()
             dist.barrier()
     finally:
@@ -187,6 +193,8 @@ def check_case(root: Path, case: dict[str, Any], world: int) -> None:
                                        msg=lambda m, n=name, r=rank: f"{case['name']} rank {r} "
                                        f"{n}: {m}")
             seen.add(name)
+        if info["local_vocab"] is not None:
+            assert info["local_vocab"] == 64 // case["tp"], info  # never the full vocabulary
         if case.get("fill", "none") != "none":
             assert any(k != "regular" for k in info["routes"]), "no bubble-filling microbatch"
         for k, v in ce.items():

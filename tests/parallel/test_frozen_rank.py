@@ -22,7 +22,7 @@ from _dist import free_port
 from exitlm.errors import ExitlmError
 from exitlm.train.trainer import Trainer
 
-TIMEOUT_S = 6.0
+TIMEOUT_S = 4.0
 
 
 def _worker(rank: int, port: int, root: str, parallel: dict[str, Any]) -> None:
@@ -67,3 +67,27 @@ def test_frozen_rank_is_named_within_the_timeout(tmp_path: Path,
     assert "rank 1 stopped responding" in res["message"], res
     assert "parallel.timeout_s" in res["message"], res
     assert res["elapsed"] < TIMEOUT_S + 8, res
+
+
+def _slow_rank0(rank: int, port: int, root: str) -> None:
+    from exitlm.parallel.dims import ParallelDims
+    from exitlm.parallel.groups import ProcessGroups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    groups = ProcessGroups.for_dims(ParallelDims.build(2, rank), torch.device("cpu"), 1.5)
+    if rank == 0:
+        time.sleep(4.0)  # longer than timeout_s: tokenizing, evaluating, writing
+    groups.wait_for_rank0("waiting for rank 0")
+    (Path(root) / f"done{rank}").write_text("ok")
+    groups.barrier()
+    dist.destroy_process_group()
+
+
+def test_waiting_for_slow_rank0_outlasts_the_timeout(tmp_path: Path) -> None:
+    """Work only rank 0 does (data preparation, evaluation, checkpoint writing) may take longer
+    than ``parallel.timeout_s``: the others wait as long as rank 0's heartbeat moves."""
+    from _dist import run_processes
+
+    run_processes(_slow_rank0, (free_port(), str(tmp_path)), 2, 60.0, "slow rank 0")
+    assert (tmp_path / "done0").is_file() and (tmp_path / "done1").is_file()

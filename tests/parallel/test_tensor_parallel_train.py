@@ -1,6 +1,6 @@
-"""Tensor-parallel training through the Trainer: whole runs equal one process, a checkpoint
-written at tp=2 x pp=2 resumes at pp=2 x dp=2 and then in one process as if never
-interrupted, and ``torchrun ... -m exitlm train ... parallel.tp=2`` logs the single-process
+"""Tensor-parallel training through the Trainer: a checkpoint written at tp=2 x pp=2 resumes
+at pp=2 x dp=2, then at dp=2 x tp=2 with sequence parallelism, then in one process, as if
+never interrupted; ``torchrun ... -m exitlm train ... parallel.tp=2`` logs the single-process
 per-exit losses and writes an ordinary exitlm model."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import job_config, same_params, spawn_jobs
+from _jobs import job_config, spawn_jobs
 
 from _dist import free_port
 from exitlm.config import ConfigError
 from exitlm.io import load_model
 from exitlm.train.trainer import Trainer
+
+STEPS = {"steps": 5}
 
 
 @pytest.fixture(scope="module")
@@ -26,41 +28,36 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tptrain")
     spawn_jobs(4, root, [
         # tp=2 x pp=2, stopped at step 2 (a checkpoint there), as a crash would
-        {"out": "resumed", "tag": "tp2pp2", "parallel": {"pp": 2, "tp": 2}, "until": 2},
+        {"out": "resumed", "tag": "tp2pp2", "parallel": {"pp": 2, "tp": 2}, "until": 2,
+         "train": STEPS},
         # resumed at tp=1, pp=2, dp=2 (half the rows per replica: the same global batch)
         {"out": "resumed", "tag": "pp2dp2", "parallel": {"pp": 2, "dp": 2}, "resume": True,
-         "until": 3, "train": {"batch_size": 1, "checkpoint_every": 1}},
-        # dp=2 x tp=2 with sequence parallelism, a whole run
-        {"out": "dp2tp2", "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True},
-         "train": {"batch_size": 1, "steps": 3, "checkpoint_every": 0}},
+         "until": 3, "train": {**STEPS, "batch_size": 1, "checkpoint_every": 1}},
+        # resumed into dp=2 x tp=2 with sequence parallelism
+        {"out": "resumed", "tag": "dp2tp2", "resume": True, "until": 4,
+         "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True},
+         "train": {**STEPS, "batch_size": 1, "checkpoint_every": 1}},
     ])
     return root
 
 
 def test_checkpoint_resumes_across_layouts(runs: Path) -> None:
-    """tp=2 x pp=2 to step 2, pp=2 x dp=2 to step 3, one process to step 4: the losses and
-    weights of an uninterrupted single-process run."""
-    straight = Trainer(job_config(runs, "straight"))
-    ref = [r["loss"] for r in straight.train()]
-    assert json.loads((runs / "tp2pp2.json").read_text())["losses"] == pytest.approx(
-        ref[:2], rel=1e-5)
-    assert json.loads((runs / "pp2dp2.json").read_text())["losses"] == pytest.approx(
-        [ref[2]], rel=1e-5)
-    single = Trainer(job_config(runs, "resumed"), resume=True)
-    assert single.step == 3
-    assert [r["loss"] for r in single.train()] == pytest.approx([ref[3]], rel=1e-5)
+    """tp=2 x pp=2 to step 2, pp=2 x dp=2 to step 3, dp=2 x tp=2 (sequence parallel) to step
+    4, one process to step 5: the losses and weights of an uninterrupted single-process run;
+    the tensor-parallel steps also report the same per-exit losses."""
+    straight = Trainer(job_config(runs, "straight", train=STEPS))
+    ref = straight.train()
+    for tag, steps in (("tp2pp2", ref[:2]), ("pp2dp2", ref[2:3]), ("dp2tp2", ref[3:4])):
+        got = json.loads((runs / f"{tag}.json").read_text())["records"]
+        for g, r in zip(got, steps, strict=True):
+            for k in ("loss", "loss_1", "loss_2", "loss_4"):
+                assert g[k] == pytest.approx(r[k], rel=1e-5), (tag, g["step"], k)
+    single = Trainer(job_config(runs, "resumed", train=STEPS), resume=True)
+    assert single.step == 4
+    assert [r["loss"] for r in single.train()] == pytest.approx([ref[4]["loss"]], rel=1e-5)
     for name, p in straight.model.named_parameters():
         torch.testing.assert_close(dict(single.model.named_parameters())[name], p,
                                    rtol=1e-4, atol=5e-5)
-
-
-def test_dp_x_tp_with_sequence_parallelism_matches_one_process(runs: Path) -> None:
-    got = json.loads((runs / "dp2tp2.json").read_text())
-    single = Trainer(job_config(runs, "single-b2", train={"steps": 3, "checkpoint_every": 0}))
-    recs = single.train()
-    assert [r["loss"] for r in recs] == pytest.approx(got["losses"], rel=1e-5)
-    assert [r["loss_1"] for r in recs] == pytest.approx(got["exit1"], rel=1e-5)
-    same_params(got, single.model, atol=5e-5)
 
 
 def test_torchrun_tp2_logs_single_process_exit_losses(tmp_path: Path) -> None:

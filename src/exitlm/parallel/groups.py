@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from exitlm.config import ConfigError
 from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.health import Heartbeat, guard
+from exitlm.parallel.health import Heartbeat, ParallelError, guard
 
 
 def choose_device(spec: str) -> torch.device:
@@ -142,6 +143,36 @@ class ProcessGroups:
         if self.world is not None:
             with self.guard("waiting for every process"):
                 dist.barrier(group=self.world)
+
+    def wait_for_rank0(self, what: str) -> None:
+        """Every process waits here until rank 0 arrives too, for as long as rank 0 works
+        (tokenizing the corpus, evaluating, writing a checkpoint can outlast
+        ``parallel.timeout_s``): the others poll a store key and give up only when rank 0's
+        heartbeat stops. Then a barrier."""
+        hb = self.heartbeat
+        if self.world is None:
+            return
+        if hb is not None:
+            key = hb.next_mark()
+            if self.dims.rank == 0:
+                hb.mark(key)
+            else:
+                while not self._marked(hb, key, what):
+                    if 0 in hb.silent(max(self.timeout_s, 2 * hb.interval + 1.0)):
+                        raise ParallelError(f"{what}: rank 0 stopped responding (no "
+                                            f"heartbeat for more than {self.timeout_s:g} s: "
+                                            "stopped, stuck or dead)")
+                    time.sleep(0.2)
+        self.barrier()
+
+    @staticmethod
+    def _marked(hb: Heartbeat, key: str, what: str) -> bool:
+        try:
+            return hb.marked(key)
+        except RuntimeError as err:
+            raise ParallelError(f"{what}: the rendezvous store stopped answering (it lives in "
+                                "the torchrun agent, or in rank 0's process without torchrun: "
+                                f"is rank 0 stopped?): {err}") from err
 
     def all_reduce(self, t: torch.Tensor, group: Any = "world") -> torch.Tensor:
         """Sum ``t`` (any device) over ``group`` (default: every process); returns a tensor

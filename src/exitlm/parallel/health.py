@@ -49,7 +49,9 @@ class Heartbeat:
         self._values: dict[int, bytes] = {}
         self._count = 0
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()  # one connection, two threads
         self._stop = threading.Event()
+        self._marks = 0
         self._thread = threading.Thread(target=self._run, name="exitlm-heartbeat", daemon=True)
         self._thread.start()
 
@@ -82,9 +84,11 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self._count += 1
-                self.store.set(self._key(self.rank), str(self._count))
-                present = [r for r in range(self.world) if self.store.check([self._key(r)])]
-                values = self.store.multi_get([self._key(r) for r in present])
+                with self._store_lock:
+                    self.store.set(self._key(self.rank), str(self._count))
+                    present = [r for r in range(self.world)
+                               if self.store.check([self._key(r)])]
+                    values = self.store.multi_get([self._key(r) for r in present])
                 now = time.monotonic()
                 with self._lock:
                     for r, v in zip(present, values, strict=True):
@@ -110,10 +114,24 @@ class Heartbeat:
             hb.stop()
         cls._running.clear()
 
+    def next_mark(self) -> str:
+        """A new store key for :meth:`mark` / :meth:`marked` (every process numbers its
+        calls alike, so the n-th call of each names the same key)."""
+        self._marks += 1
+        return f"exitlm/mark/{self._marks}"
+
+    def mark(self, key: str) -> None:
+        with self._store_lock:
+            self.store.set(key, "1")
+
+    def marked(self, key: str) -> bool:
+        with self._store_lock:
+            return bool(self.store.check([key]))
+
     def silent(self, min_s: float | None = None) -> dict[int, float]:
-        """Ranks whose counter has not moved for ``min_s`` seconds (default: three
-        intervals) -> seconds since it last did (since this heartbeat started if never)."""
-        limit = 3 * self.interval + 1.0 if min_s is None else min_s
+        """Ranks whose counter has not moved for ``min_s`` seconds (default: two intervals
+        and a second) -> seconds since it last did (since this heartbeat started if never)."""
+        limit = 2 * self.interval + 1.0 if min_s is None else min_s
         now = time.monotonic()
         with self._lock:
             out = {}
@@ -135,7 +153,7 @@ def describe_stalled(heartbeat: Heartbeat | None) -> str:
     """Which ranks stopped, in words ('' when none can be named)."""
     if heartbeat is None:
         return ""
-    if heartbeat.store_silent_s() > 3 * heartbeat.interval + 1.0:
+    if heartbeat.store_silent_s() > 2 * heartbeat.interval + 1.0:
         return ("the rendezvous store stopped answering (it lives in the torchrun agent, or in "
                 "rank 0's process without torchrun: is rank 0 stopped?)")
     silent = heartbeat.silent()

@@ -212,7 +212,8 @@ class Layout:
         tensors by name, from any layout). Shapes are checked against the whole model's."""
         from exitlm.errors import ExitlmError
 
-        own = {n: t for n, t in self.model.state_dict().items() if n in self.holds()}
+        held = self.holds()
+        own = {n: t for n, t in self.model.state_dict().items() if n in held}
         with torch.no_grad():
             for name, t in weights.items():
                 if name not in own:

@@ -197,7 +197,7 @@ class RunStateMixin:
             path = save_checkpoint(self.out, model=model_state, optimizer=optim_state,
                                    state=state, names=self.trained_names,
                                    keep=self.cfg.train.keep_checkpoints)
-        self.layout.barrier()
+        self.layout.groups.wait_for_rank0("waiting for rank 0 to write a checkpoint")
         return path
 
     def _truncate_log(self, step: int) -> None:

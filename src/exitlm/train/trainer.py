@@ -111,11 +111,11 @@ class Trainer(RunStateMixin):
         self.trained_names: set[str] | None = None
         if cfg.tune.freeze_backbone:
             self.trained_names = set(freeze_backbone(model))
-        # data: rank 0 tokenizes, the others wait and reuse its files
+        # data: rank 0 tokenizes, the others wait (as long as it takes) and reuse its files
         if self.rank == 0:
             self.data_dir = prepare(cfg.data, progress=run.progress,
                                     tokenizer=self._data_tokenizer())
-        self._barrier()
+        self.groups.wait_for_rank0("waiting for rank 0 to prepare the data")
         if self.rank != 0:
             self.data_dir = prepare(cfg.data, progress=False, tokenizer=self._data_tokenizer())
         meta = json.loads((self.data_dir / "meta.json").read_text(encoding="utf-8"))
@@ -160,9 +160,6 @@ class Trainer(RunStateMixin):
         if spec == "default" and self.tokenizer is not None and self.cfg.model.init == "default":
             return self.tokenizer
         return load_tokenizer(spec)
-
-    def _barrier(self) -> None:
-        self.groups.barrier()
 
     # ----- the loop --------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -271,7 +268,7 @@ class Trainer(RunStateMixin):
                         log.write(json.dumps(ev) + "\n")
                         log.flush()
                         self._tb(writer, ev)
-                    self._barrier()
+                    self.groups.wait_for_rank0("waiting for rank 0 to evaluate")
                 if run.checkpoint_every and self.step % run.checkpoint_every == 0:
                     self.save()
             if self.step >= run.steps and until_step is None:
@@ -311,7 +308,7 @@ class Trainer(RunStateMixin):
             from exitlm.train.plot import plot_log
 
             plot_log(self.out / "log.jsonl", self.out / "loss.png")
-        self._barrier()
+        self.groups.wait_for_rank0("waiting for rank 0 to save the model")
 
     def _tensorboard(self) -> Any:
         if not self.cfg.train.tensorboard:
