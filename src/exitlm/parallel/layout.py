@@ -40,6 +40,8 @@ from exitlm.train.checkpoint import load_optimizer_state, optimizer_state_by_nam
 from exitlm.train.losses import LossModule
 
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
+__all__ = ["DDPLayout", "FSDPLayout", "Layout", "Microbatch", "PipelineLayout", "StepResult",
+           "parallelize"]
 
 
 @dataclass

@@ -29,8 +29,7 @@ from exitlm.config import PRESETS as MODEL_PRESETS
 from exitlm.config import ConfigError, check_fits_in_memory
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.groups import ProcessGroups
-from exitlm.parallel.layout import parallelize
-from exitlm.parallel.pipeline.executor import Microbatch
+from exitlm.parallel.layout import Microbatch, parallelize
 from exitlm.train.config import ModelSpec, TrainConfig
 from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
 from exitlm.train.finite import NonFiniteGuard, refuse_non_finite
