@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 from exitlm.config import ExitConfig, ModelConfig, preset
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
@@ -134,7 +134,7 @@ class Runner:
 
 
 class OursRunner(Runner):
-    def __init__(self, name: str, a: dict[str, Any], grid: ProcessGrid, exits: tuple[int, ...],
+    def __init__(self, name: str, a: dict[str, Any], grid: ParallelDims, exits: tuple[int, ...],
                  deferred: bool, batches: list[Microbatch], slices: tuple[int, ...]) -> None:
         super().__init__(name)
         self.model = build(a, exits)
@@ -170,7 +170,7 @@ class OursRunner(Runner):
 
 
 class TorchRunner(Runner):
-    def __init__(self, name: str, a: dict[str, Any], grid: ProcessGrid,
+    def __init__(self, name: str, a: dict[str, Any], grid: ParallelDims,
                  batches: list[Microbatch]) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -222,7 +222,7 @@ def _worker(rank: int, world: int, port: int, a: dict[str, Any], out: str) -> No
             print(f"[pipeline_train] {msg}", file=sys.stderr, flush=True)
 
     try:
-        grid = ProcessGrid.build(world, rank, a["pp"], 1)
+        grid = ParallelDims.build(world, rank, a["pp"], 1)
         report: dict[str, Any] = {}
         # 1. exits x deferred (EE-LLM Fig. 7 / Table 1)
         batches = make_batches(a["vocab"], a["microbatches"], a["microbatch"], a["seq"], 1)

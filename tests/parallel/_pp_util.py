@@ -1,14 +1,17 @@
 """Multi-process pipeline runs and their single-process references (gloo on CPU).
 
-A *case* is a dict: ``pp``, ``dp``, ``schedule``, ``deferred``, ``placement``, ``slices``,
-``fill``, ``fill_microbatches``, ``ratio``, ``boundaries``, ``microbatches``, ``exits``
-(ExitConfig fields), ``model`` (ModelConfig overrides), ``weights`` (layer -> w),
-``dropout`` (p_max). Every process builds the same model and data from seeds; the engine's
-gradients per rank go to ``ROOT/<case>/rank<r>.safetensors``.
+A *case* is a dict: ``pp``, ``dp``, ``tp``, ``sp`` (sequence parallelism), ``schedule``,
+``deferred``, ``placement``, ``slices``, ``fill``, ``fill_microbatches``, ``ratio``,
+``boundaries``, ``microbatches``, ``exits`` (ExitConfig fields), ``model`` (ModelConfig
+overrides), ``preset``, ``weights`` (layer -> w), ``dropout`` (p_max), ``flat`` (run through
+:func:`exitlm.parallel.layout.parallelize` without a pipeline: tensor x data parallelism).
+Every process builds the same model and data from seeds; each rank's gradients (whole
+tensors: tensor-parallel shards are gathered) go to ``ROOT/<case>/rank<r>.safetensors``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -20,10 +23,13 @@ from safetensors.torch import save_file
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.parallel.groups import ProcessGroups
+from exitlm.parallel.layout import Layout, PipelineLayout, parallelize
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.parallel.pipeline.stage import build_stages, stage_parameter_names
+from exitlm.parallel.tensor import local
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import multi_exit_loss
 
@@ -34,18 +40,23 @@ BATCH = 2
 def build_model(case: dict[str, Any]) -> EarlyExitLM:
     over = {"dim": 32, "num_heads": 2, "num_kv_heads": 2, "hidden_dim": 64, "vocab_size": 64,
             **case.get("model", {})}
-    cfg = preset("debug", exits=ExitConfig(**case.get("exits", {"layers": (1, 2, 3)})), **over)
+    if case.get("tp", 1) > 1:  # GQA: query heads and key/value heads split over the shards
+        over.update(num_heads=4, num_kv_heads=2 if case["tp"] == 2 else 4)
+    over.update(case.get("model", {}))
+    cfg = preset(case.get("preset", "debug"),
+                 exits=ExitConfig(**case.get("exits", {"layers": (1, 2, 3)})), **over)
     torch.manual_seed(1234)
     return EarlyExitLM(cfg)
 
 
 def pcfg_of(case: dict[str, Any]) -> ParallelConfig:
     return ParallelConfig(
-        pp=case["pp"], dp=case.get("dp", 1), schedule=case.get("schedule", "1f1b"),
+        pp=case.get("pp", 1), dp=case.get("dp", 1), schedule=case.get("schedule", "1f1b"),
         deferred_exits=case.get("deferred", True), exit_placement=case.get("placement", "next"),
         bubble_fill=case.get("fill", "none"), fill_microbatches=case.get("fill_microbatches"),
         backward_forward_ratio=case.get("ratio", 2.0), boundaries=tuple(case.get("boundaries", ())),
         token_slices=tuple(case["slices"]) if "slices" in case else 1,
+        tp=case.get("tp", 1), sequence_parallel=case.get("sp", False), timeout_s=60.0,
     )
 
 
@@ -70,6 +81,16 @@ def batches_of(case: dict[str, Any], replica: int, count: int, model: EarlyExitL
     return out
 
 
+def _layout(case: dict[str, Any], model: EarlyExitLM, pc: ParallelConfig, dims: ParallelDims
+            ) -> Layout:
+    groups = ProcessGroups.for_dims(dims, torch.device("cpu"), pc.timeout_s)
+    if case.get("flat"):
+        return parallelize(model, groups, pc, microbatches=case.get("microbatches", 3),
+                           seq_len=SEQ)
+    return PipelineLayout(model, groups, pc, pc.slice_lengths(SEQ),
+                          microbatches=case.get("microbatches", 3))
+
+
 def _worker(rank: int, world: int, port: int, root: str, cases: list[dict[str, Any]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -78,25 +99,36 @@ def _worker(rank: int, world: int, port: int, root: str, cases: list[dict[str, A
         for case in cases:
             model = build_model(case)
             pc = pcfg_of(case)
-            grid = ProcessGrid.build(world, rank, pc.pp, pc.dp)
-            eng = PipelineEngine(model, pc, grid, microbatches=case.get("microbatches", 3),
-                                 slices=pc.slice_lengths(SEQ), device=torch.device("cpu"))
-            batches = batches_of(case, grid.replica, eng.schedule.num_microbatches, model)
+            dims = ParallelDims.build(world, rank, pc.pp, pc.dp, pc.tp)
+            lay = _layout(case, model, pc, dims)
+            batches = batches_of(case, dims.replica, lay.microbatches, model)
             weights = weights_of(case, model)
-            stats = eng.run(batches, weights)
-            losses = eng.reduce_exit_losses(stats, sorted(weights))
-            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
-                     for n, p in eng.named_parameters() if p.requires_grad}
+            res = lay.forward_backward(batches, weights)
+            grads = {n: _full(lay, n, p.grad if p.grad is not None else torch.zeros_like(p))
+                     for n, p in lay.named_parameters() if p.requires_grad}
             d = Path(root) / case["name"]
             d.mkdir(parents=True, exist_ok=True)
             save_file(grads, str(d / f"rank{rank}.safetensors"))
+            routes = ([r.kind for r in lay.engine.schedule.routes]
+                      if isinstance(lay, PipelineLayout) else [])
+            vocab = None
+            if case.get("flat") and lay.tp is not None:  # logits exist as vocabulary shards
+                with torch.no_grad():
+                    h = model.embed(batches[0].tokens)
+                    vocab = int(local(model.exit_logits(h, model.num_layers)).shape[-1])
             (d / f"rank{rank}.json").write_text(json.dumps(
-                {"stage": grid.stage, "replica": grid.replica,
-                 "losses": {str(k): v for k, v in losses.items()},
-                 "routes": [r.kind for r in eng.schedule.routes]}))
+                {"stage": dims.stage, "replica": dims.replica, "tp_rank": dims.tp_rank,
+                 "losses": {str(k): v for k, v in res.exit_losses.items()},
+                 "routes": routes, "local_vocab": vocab}))
+            lay.close()
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _full(lay: Layout, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The whole gradient ``name`` (gathered over the tensor-parallel group)."""
+    return (lay.tp.full(name, t) if lay.tp is not None else t.detach()).contiguous()
 
 
 def spawn(world: int, root: Path, cases: list[dict[str, Any]], timeout: float = 240.0) -> None:
@@ -109,7 +141,8 @@ def reference_grads(case: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     App. C.2's partial contributions of bubble-filling microbatches (masked per stage)."""
     model = build_model(case)
     pc = pcfg_of(case)
-    probe = PipelineEngine(build_model(case), pc, ProcessGrid.build(pc.pp, 0, pc.pp),
+    solo = dataclasses.replace(pc, tp=1, sequence_parallel=False)  # routes only
+    probe = PipelineEngine(build_model(case), solo, ParallelDims.build(pc.pp, 0, pc.pp),
                            microbatches=case.get("microbatches", 3),
                            slices=pc.slice_lengths(SEQ), device=torch.device("cpu"))
     routes = probe.schedule.routes
@@ -160,6 +193,8 @@ def check_case(root: Path, case: dict[str, Any], world: int) -> None:
                                        msg=lambda m, n=name, r=rank: f"{case['name']} rank {r} "
                                        f"{n}: {m}")
             seen.add(name)
+        if info["local_vocab"] is not None:
+            assert info["local_vocab"] == 64 // case["tp"], info  # never the full vocabulary
         if case.get("fill", "none") != "none":
             assert any(k != "regular" for k in info["routes"]), "no bubble-filling microbatch"
         for k, v in ce.items():

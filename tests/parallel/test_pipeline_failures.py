@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from _pp_util import SEQ, batches_of, build_model
 
 from _dist import free_port
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.p2p import PipelineError
 
@@ -27,7 +27,7 @@ def _worker(rank: int, port: int, root: str, mode: str) -> None:
     case = {"pp": 2}
     model = build_model(case)
     eng = PipelineEngine(model, ParallelConfig(pp=2, timeout_s=3.0),
-                         ProcessGrid.build(2, rank, 2), microbatches=2, slices=(SEQ,),
+                         ParallelDims.build(2, rank, 2), microbatches=2, slices=(SEQ,),
                          device=torch.device("cpu"))
     dist.barrier()
     if rank == 1:

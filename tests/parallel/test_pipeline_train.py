@@ -7,70 +7,27 @@ import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-
-from _dist import free_port, run_processes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from _jobs import job_config, same_params, spawn_jobs
 from _train_util import tiny_config
 
+from _dist import free_port
 from exitlm.config import ConfigError
 from exitlm.train.trainer import Trainer
-
-TRAIN = {"batch_size": 2, "steps": 4, "grad_accum": 3, "checkpoint_every": 2}
-
-
-def _cfg(root: Path, out: str, parallel: dict[str, Any] | None = None,
-         train: dict[str, Any] | None = None) -> Any:
-    return tiny_config(root, out, train={**TRAIN, **(train or {})}, parallel=parallel or {})
-
-
-def _worker(rank: int, world: int, port: int, root: str, jobs: list[dict[str, Any]]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
-    try:
-        for job in jobs:
-            cfg = _cfg(Path(root), job["out"], job.get("parallel"), job.get("train"))
-            t = Trainer(cfg, resume=job.get("resume", False))
-            recs = t.train(until_step=job.get("until"))
-            host = t._host_model()
-            if rank == 0:
-                out = {"losses": [r["loss"] for r in recs],
-                       "exit1": [r.get("loss_1") for r in recs],
-                       "params": {n: p.detach().tolist() for n, p in host.named_parameters()}}
-                (Path(root) / f"{job['out']}.json").write_text(json.dumps(out))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, root: Path, jobs: list[dict[str, Any]], timeout: float = 240.0) -> None:
-    run_processes(_worker, (world, free_port(), str(root), jobs), world, timeout,
-                  "pipeline training workers")
-
-
-def _same_params(result: dict[str, Any], model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(torch.tensor(result["params"][name]), p.detach(),
-                                   rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pptrain")
-    _spawn(4, root, [
+    spawn_jobs(4, root, [
         {"out": "pp4", "parallel": {"pp": 4}, "until": 2},  # stopped at 2, as a crash would
         {"out": "pp2dp2", "parallel": {"pp": 2, "dp": 2, "token_slices": 2},
          "train": {"steps": 3, "checkpoint_every": 0}},
     ])
-    _spawn(2, root, [
+    spawn_jobs(2, root, [
         {"out": "pp2", "parallel": {"pp": 2, "schedule": "gpipe", "token_slices": [20, 12],
                                     "deferred_exits": False}},
         {"out": "pp4", "parallel": {"pp": 2}, "resume": True, "until": 3,  # P=4 -> P=2
@@ -81,32 +38,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_pipeline_training_matches_single_process(runs: Path) -> None:
     got = json.loads((runs / "pp2.json").read_text())
-    single = Trainer(_cfg(runs, "single"))
+    single = Trainer(job_config(runs, "single"))
     recs = single.train()
     assert [r["loss"] for r in recs] == pytest.approx(got["losses"], rel=1e-5)
     assert [r["loss_1"] for r in recs] == pytest.approx(got["exit1"], rel=1e-5)
-    _same_params(got, single.model)
+    same_params(got, single.model)
     assert (runs / "pp2" / "model" / "model.safetensors").is_file()
     assert (runs / "pp2" / "loss.png").is_file()
 
 
 def test_dp_times_pp_matches_single_process_on_the_combined_batch(runs: Path) -> None:
     got = json.loads((runs / "pp2dp2.json").read_text())
-    single = Trainer(_cfg(runs, "single-b4", train={"batch_size": 4, "steps": 3,
+    single = Trainer(job_config(runs, "single-b4", train={"batch_size": 4, "steps": 3,
                                                     "checkpoint_every": 0}))
     recs = single.train()
     assert [r["loss"] for r in recs] == pytest.approx(got["losses"], rel=1e-5)
-    _same_params(got, single.model)
+    same_params(got, single.model)
 
 
 def test_checkpoint_resumes_with_another_layout(runs: Path) -> None:
     """Written by 4 stages at step 2, resumed by 2 stages to step 3, then by one process to
     step 4: the same losses and weights as an uninterrupted single-process run."""
-    straight = Trainer(_cfg(runs, "straight"))
+    straight = Trainer(job_config(runs, "straight"))
     ref = straight.train()
     via_pp2 = json.loads((runs / "pp4.json").read_text())
     assert via_pp2["losses"] == pytest.approx([ref[2]["loss"]], rel=1e-5)
-    single = Trainer(_cfg(runs, "pp4"), resume=True)
+    single = Trainer(job_config(runs, "pp4"), resume=True)
     assert single.step == 3
     rest = single.train()
     assert [r["loss"] for r in rest] == pytest.approx([ref[3]["loss"]], rel=1e-5)
@@ -117,29 +74,29 @@ def test_checkpoint_resumes_with_another_layout(runs: Path) -> None:
 
 def test_bad_pipeline_configs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"pp x parallel\.dp"):
-        Trainer(_cfg(tmp_path, "bad1", {"pp": 2, "dp": 1}))  # one process, pp=2
+        Trainer(job_config(tmp_path, "bad1", {"pp": 2, "dp": 1}))  # one process, pp=2
     with pytest.raises(ConfigError, match="token_slices"):
-        Trainer(_cfg(tmp_path, "bad2", {"token_slices": [10, 10]}))  # sums to 20, not 32
+        Trainer(job_config(tmp_path, "bad2", {"token_slices": [10, 10]}))  # sums to 20, not 32
     with pytest.raises(ConfigError, match="dropout"):
         tiny = tiny_config(tmp_path, "bad3", parallel={"token_slices": 2},
                            dropout={"p_max": 0.2})
         Trainer(tiny)
     with pytest.raises(ConfigError, match=r"parallel\.schedule"):
-        _cfg(tmp_path, "bad4", {"schedule": "interleaved"})
+        job_config(tmp_path, "bad4", {"schedule": "interleaved"})
 
 
 def test_single_process_token_slicing_trains_like_no_slicing(tmp_path: Path) -> None:
-    a = Trainer(_cfg(tmp_path, "a", train={"steps": 2, "checkpoint_every": 0}))
-    b = Trainer(_cfg(tmp_path, "b", {"token_slices": "auto"},
+    a = Trainer(job_config(tmp_path, "a", train={"steps": 2, "checkpoint_every": 0}))
+    b = Trainer(job_config(tmp_path, "b", {"token_slices": "auto"},
                      train={"steps": 2, "checkpoint_every": 0}))
-    assert len(b.pipeline.schedule.slices) >= 1
+    assert len(b.layout.engine.schedule.slices) >= 1
     assert [r["loss"] for r in a.train()] == pytest.approx([r["loss"] for r in b.train()],
                                                            rel=1e-5)
 
 
 def test_torchrun_cli(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 2 -m exitlm train ... parallel.pp=2``."""
-    cfg = _cfg(tmp_path, "cli", train={"steps": 2, "checkpoint_every": 0})
+    cfg = job_config(tmp_path, "cli", train={"steps": 2, "checkpoint_every": 0})
     import yaml
 
     path = tmp_path / "run.yaml"

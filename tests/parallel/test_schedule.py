@@ -14,9 +14,9 @@ from exitlm.parallel.pipeline.schedule import (
     Route,
     build_schedule,
     check_schedule,
-    fill_counts,
     fill_routes,
 )
+from exitlm.plan.cost_model import bubble_fill_capacity, part2_backward_stages
 
 
 def _names(sched: PipelineSchedule, stage: int) -> str:
@@ -47,11 +47,12 @@ def test_token_slices_backward_in_reverse_order() -> None:
 
 
 def test_fill_counts_follow_app_c21() -> None:
-    # floor((p - 1) / (f/b + 1)): p=4, b=2f -> floor(3 / 1.5) = 2
-    assert fill_counts(4, 2.0) == 2
-    assert fill_counts(4, 1.0) == 1
-    assert fill_counts(8, 3.0) == 5
-    assert fill_counts(2, 2.0) == 0
+    # floor((p - 1) / (f/b + 1)): p=4, b=2f -> floor(3 / 1.5) = 2 - the cost model's function
+    # is the one the schedule uses (fill_microbatches unset)
+    for p, ratio, k in [(4, 2.0, 2), (4, 1.0, 1), (8, 3.0, 5), (2, 2.0, 0)]:
+        assert bubble_fill_capacity(p, 1.0, ratio) == k
+        s = build_schedule("1f1b", p, 2 * p, fill="cooldown", backward_forward_ratio=ratio)
+        assert s.num_microbatches - 2 * p == len(part2_backward_stages(p, 1.0, ratio, k))
 
 
 def test_fill_routes() -> None:

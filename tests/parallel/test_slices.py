@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.train.losses import multi_exit_loss
@@ -32,7 +32,7 @@ def test_slices_match_one_backward_over_the_sequence(head: str, deferred: bool,
     for b in batches:
         (multi_exit_loss(ref, b.tokens, b.labels, weights).total / 2).backward()
     eng = PipelineEngine(model, ParallelConfig(deferred_exits=deferred),
-                         ProcessGrid.build(1, 0, 1), microbatches=2, slices=(5, 1, 7),
+                         ParallelDims.build(1, 0, 1), microbatches=2, slices=(5, 1, 7),
                          device=torch.device("cpu"))
     stats = eng.run(batches, weights)
     assert set(stats.exit_ce) == set(weights)
@@ -46,5 +46,5 @@ def test_block_exits_cannot_be_deferred_across_slices() -> None:
 
     model = EarlyExitLM(preset("debug", exits=ExitConfig(layers=(1,), head="block")))
     with pytest.raises(ConfigError, match="deferred_exits=false"):
-        PipelineEngine(model, ParallelConfig(), ProcessGrid.build(1, 0, 1), microbatches=1,
+        PipelineEngine(model, ParallelConfig(), ParallelDims.build(1, 0, 1), microbatches=1,
                        slices=(4, 4), device=torch.device("cpu"))

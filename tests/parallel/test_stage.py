@@ -10,7 +10,7 @@ import torch
 
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.config import ConfigError
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.stage import (
     build_stages,
     prune_to_stage,
@@ -80,6 +80,6 @@ def test_parallel_config_errors() -> None:
         ParallelConfig(token_slices=[3, 3]).slice_lengths(8)
     assert ParallelConfig(token_slices=3).slice_lengths(8) == (3, 3, 2)
     with pytest.raises(ConfigError, match="processes"):
-        ProcessGrid.build(4, 0, pp=2, dp=3)
-    g = ProcessGrid.build(4, 3, pp=2)
+        ParallelDims.build(4, 0, pp=2, dp=3)
+    g = ParallelDims.build(4, 3, pp=2)
     assert (g.stage, g.replica, g.dp_ranks(), g.pipeline_ranks()) == (1, 1, [1, 3], [2, 3])

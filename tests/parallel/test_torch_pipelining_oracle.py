@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.parallel.pipeline.engine import PipelineEngine
 from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         dist.barrier()
         # --- exitlm ----------------------------------------------------------------------
         model = _model()
-        grid = ProcessGrid.build(world, rank, PP, 1)
+        grid = ParallelDims.build(world, rank, PP, 1)
         eng = PipelineEngine(model, ParallelConfig(pp=PP, dp=1, schedule="1f1b"), grid,
                              microbatches=M, slices=(SEQ,), device=torch.device("cpu"))
         batches = [Microbatch(t, y) for t, y in zip(tokens.chunk(M), labels.chunk(M),

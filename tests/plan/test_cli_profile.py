@@ -103,3 +103,30 @@ def test_analytic_and_measured_costs() -> None:
     pm, raw = profile_terapipe(cfg, 8, 2, repeats=1, threads=1)
     assert pm.seq_len == 8 and raw["layers_per_stage"] == 2
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("fill,slices", [("none", 1), ("both", 1), ("cooldown", 2)])
+def test_plan_pipeline_simulates_the_actions_train_executes(capsys, fill: str,
+                                                            slices: int) -> None:
+    """``exitlm plan pipeline`` times the very action lists a training stage runs: a 4-stage
+    engine with exits on stages 1 and 2, ``parallel.bubble_fill``, ``backward_forward_ratio``
+    and ``token_slices`` set like the plan's ``--fill``, ``--times`` (b = 2f) and
+    ``--token-slices``."""
+    import torch
+
+    from exitlm import EarlyExitLM, ExitConfig
+    from exitlm.parallel.dims import ParallelConfig, ParallelDims
+    from exitlm.parallel.pipeline.engine import PipelineEngine
+
+    plan_fill = {"none": "none", "both": "both", "cooldown": "part2"}[fill]
+    rc, out = _run(capsys, ["plan", "pipeline", "--stages", "4", "--microbatches", "6",
+                            "--exits-per-stage", "0,1,1,0", "--times", "0,0,1,2,0,0,0,0",
+                            "--fill", plan_fill, "--token-slices", str(slices), "--json"])
+    assert rc == 0, out
+    cfg = preset("debug", tie_embeddings=False,
+                 exits=ExitConfig(layers=(1, 2), output="own", norm="own"))
+    pc = ParallelConfig(pp=4, bubble_fill=fill, backward_forward_ratio=2.0,
+                        token_slices=slices)
+    eng = PipelineEngine(EarlyExitLM(cfg), pc, ParallelDims.build(4, 0, pp=4), microbatches=6,
+                         slices=pc.slice_lengths(8), device=torch.device("cpu"))
+    assert out["actions"] == [" ".join(map(str, acts)) for acts in eng.schedule.actions]

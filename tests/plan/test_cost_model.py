@@ -21,7 +21,7 @@ from exitlm.plan.cost_model import (
     recommend_exits,
     stage_memory,
 )
-from exitlm.plan.simulate import simulate_training
+from exitlm.plan.simulate import simulate, simulate_training, training_ops, training_schedule
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -96,20 +96,37 @@ def test_bubble_filling_counts_from_the_paper() -> None:
     assert part1_forward_depths((0, 1, 0, 1, 1, 0, 0, 0), 4) == [4, 2, 2, 0]
 
 
-@pytest.mark.parametrize("p,f,b", [(4, 1, 1), (4, 1, 2), (8, 1, 2), (6, 1, 3), (5, 1, 2)])
-def test_bubble_filling_adds_no_time_and_counts_are_tight(p: int, f: float, b: float) -> None:
+@pytest.mark.parametrize("p,f,b,part1_extra", [(4, 1, 1, 0), (4, 1, 2, 0), (8, 1, 2, 0),
+                                                (6, 1, 3, 0), (5, 1, 2, 0), (8, 1, 3, 4.0)])
+def test_bubble_filling_in_the_executed_schedule(p: int, f: float, b: float,
+                                                 part1_extra: float) -> None:
+    """EE-LLM App. C.2.1 through the action lists ``exitlm train`` executes: the fill
+    microbatches' routes come from the cost model's counts; Part 2 fills the cool-down
+    bubbles without adding time (planned for a larger b/f than the real one, it costs time);
+    Part 1 is free except where both ends of a link must see messages in the same order
+    (p=8, b=3f: +4 of 92; the paper's Fig. 4 order, which ignores that, is free)."""
     spec = PipelineSpec(p, 2 * p, (0,) * p, BB=OpCost(f, b))
     base = simulate_training(spec).makespan
-    part2 = part2_backward_stages(p, f, b)
-    assert simulate_training(spec, fill_part2=part2).makespan == pytest.approx(base)
-    # one more backward stage for the first inserted microbatch costs time
-    more = [part2[0] + 1, *part2[1:]]
-    assert simulate_training(spec, fill_part2=more).makespan > base + 1e-9
+    sched = training_schedule(spec, fill="cooldown")
+    cap = bubble_fill_capacity(p, f, b)
+    assert [p - r.bwd_first for r in sched.routes if r.kind == "fill2"] == [
+        n for n in part2_backward_stages(p, f, b, cap) if n > 0]
+    assert simulate(training_ops(spec, sched)).makespan == pytest.approx(base)
+    assert simulate_training(spec, fill="cooldown",
+                             backward_forward_ratio=3 * b / f).makespan >= base
     ex = (0,) + (1,) * (p - 2) + (0,)
     spec1 = PipelineSpec(p, 2 * p, ex, BB=OpCost(f, b))
-    depths = part1_forward_depths(ex, bubble_fill_capacity(p, f, b))
-    assert simulate_training(spec1, fill_part1=depths).makespan == pytest.approx(
-        simulate_training(spec1).makespan)
+    sched1 = training_schedule(spec1, fill="warmup")
+    assert [r.fwd_last + 1 for r in sched1.routes if r.kind == "fill1"] == [
+        d for d in part1_forward_depths(ex, cap) if d > 0]
+    assert simulate(training_ops(spec1, sched1)).makespan == pytest.approx(
+        simulate_training(spec1).makespan + part1_extra)
+
+
+def test_an_optimistic_backward_forward_ratio_costs_time() -> None:
+    spec = PipelineSpec(8, 16, (0,) * 8, BB=OpCost(1, 2))
+    base = simulate_training(spec).makespan
+    assert simulate_training(spec, fill="cooldown", backward_forward_ratio=4.0).makespan > base
 
 
 def test_exit_placement_rules() -> None:

@@ -123,7 +123,8 @@ def test_deadlock_and_bad_schedule_errors(tmp_path) -> None:
 def test_timeline_files(tmp_path) -> None:
     spec = PipelineSpec(4, 6, (0, 1, 1, 0), IN=OpCost(0.1, 0.2), BB=OpCost(1, 2),
                         FE=OpCost(0.5, 1), EE=OpCost(0.5, 1))
-    res = simulate_training(spec, fill_part1=[2, 0], fill_part2=[2, 1])
+    res = simulate_training(spec, fill="both")
+    assert {o.label for o in res.ops} >= {"a1", "z1", "1", "6"}
     for ext in ("png", "svg"):
         path = draw_timeline(res, str(tmp_path / f"t.{ext}"))
         assert (tmp_path / f"t.{ext}").stat().st_size > 1000

@@ -148,7 +148,7 @@ class _PoisonAt(torch.nn.Module):
 
     def __init__(self, trainer: Trainer, steps: set[int]) -> None:
         super().__init__()
-        self.inner, self.trainer, self.steps = trainer.module, trainer, steps
+        self.inner, self.trainer, self.steps = trainer.layout.module, trainer, steps
 
     def forward(self, *args: Any) -> Any:
         loss, per_exit = self.inner(*args)
@@ -161,7 +161,7 @@ def test_skip_policy_drops_the_bad_step(tmp_path: Path) -> None:
     ref = Trainer(run_config(tmp_path, "ref", train={"steps": 4}))
     ref_recs = ref.train()
     t = Trainer(run_config(tmp_path, "skip", train={"steps": 4, "on_nonfinite": "skip"}))
-    t.module = _PoisonAt(t, {3})
+    t.layout.module = _PoisonAt(t, {3})
     with pytest.warns(ExitlmWarning, match="step 3.*update skipped"):
         recs = t.train()
     assert [r.get("skipped") for r in recs] == [None, None, "non-finite", None]
@@ -172,7 +172,7 @@ def test_skip_policy_drops_the_bad_step(tmp_path: Path) -> None:
 
 def test_error_policy_keeps_earlier_checkpoints(tmp_path: Path) -> None:
     t = Trainer(run_config(tmp_path, train={"steps": 4, "checkpoint_every": 1}))
-    t.module = _PoisonAt(t, {3})
+    t.layout.module = _PoisonAt(t, {3})
     with pytest.raises(ExitlmError, match="step 3: the loss is nan"):
         t.train()
     assert [p.name for p in checkpoints(tmp_path / "run")] == ["step-00000002",

@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp") 
                                  "parallel": parallel})
         t = Trainer(cfg)
         recs = t.train()
-        host = t._host_model()
+        host = t.layout.host_model()
         params = ({} if host is None else
                   {n: p.detach().tolist() for n, p in host.named_parameters()})
         out = {"losses": [r["loss"] for r in recs],

@@ -296,7 +296,14 @@ class EarlyExitLM(nn.Module):
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the last layer (final norm + LM head)."""
-        return linear(self.norm(h), self.output_embedding())
+        return self.project(self.norm(h), self.output_embedding())
+
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Logits ``h @ weight.T`` of an exit's features on an output embedding ``(V, D)``:
+        the one product every exit's and the final head's logits go through. A parallel
+        layout may replace it on a model instance (the vocabulary-parallel output of
+        :mod:`exitlm.parallel.tensor`, whose weights are sharded by vocabulary rows)."""
+        return linear(h, weight)
 
     def exit_logits(
         self,
@@ -314,7 +321,8 @@ class EarlyExitLM(nn.Module):
         through the final norm and LM head when ``exits.every_layer`` (LayerSkip) or
         ``shared_ok`` is set (see :meth:`exit_route`).
         """
-        return linear(*self.exit_features(h, layer, positions, cache, ctx, shared_ok=shared_ok))
+        return self.project(*self.exit_features(h, layer, positions, cache, ctx,
+                                                shared_ok=shared_ok))
 
     def exit_features(
         self,
@@ -327,7 +335,7 @@ class EarlyExitLM(nn.Module):
         shared_ok: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exit's input to its output embedding and that embedding ``(V, D)``:
-        ``exit_logits == linear(*exit_features(...))``. Decoders that need only some
+        ``exit_logits == project(*exit_features(...))``. Decoders that need only some
         vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight."""
         route = self.exit_route(layer, shared_ok=shared_ok)
         head = route.head

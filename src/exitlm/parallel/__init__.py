@@ -1,3 +1,12 @@
 """Parallelism applied to a built model from outside it (the model never imports
-``torch.distributed``): the process grid (:mod:`exitlm.parallel.dims`) and pipeline
-parallelism (:mod:`exitlm.parallel.pipeline`)."""
+``torch.distributed``; torchtitan's "parallelize after build"):
+
+* :mod:`.dims` - the ``parallel`` config section and the validated ``pp x dp x tp`` grid;
+* :mod:`.groups` - device choice, process groups with ``parallel.timeout_s``, the DTensor mesh;
+* :mod:`.health` - heartbeats that name a stopped rank when a collective times out;
+* :mod:`.layout` - ``parallelize``: one process, DDP, FSDP, tensor x data, pipeline x tensor x
+  data parallelism behind one interface the trainer uses;
+* :mod:`.tensor` - tensor parallelism with DTensor, vocabulary-parallel exits (EE-LLM Sec. 3);
+* :mod:`.grads`, :mod:`.memory` - gradient averaging / clipping over shards; activation bytes;
+* :mod:`.pipeline` - EE-LLM's pipeline parallelism.
+"""

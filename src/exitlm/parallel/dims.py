@@ -1,9 +1,4 @@
-"""The ``parallel`` section of a training config and the DP x PP process grid.
-
-Ranks are laid out pipeline-major: global rank ``r`` is stage ``r % pp`` of data-parallel
-replica ``r // pp``, so the stages of one pipeline are consecutive ranks (on one node when
-possible, where activations travel most often).
-"""
+"""The ``parallel`` section of a training config and the ``dp x pp x tp`` process grid."""
 
 from __future__ import annotations
 
@@ -20,9 +15,14 @@ BubbleFill = Literal["none", "warmup", "cooldown", "both"]
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Pipeline and data parallelism (EE-LLM Sec. 3, App. A.2 and C.2; TeraPipe Sec. 3).
+    """Pipeline, tensor and data parallelism (EE-LLM Sec. 3, App. A.2 and C.2; TeraPipe
+    Sec. 3).
 
-    * ``pp``: pipeline stages; ``dp``: data-parallel replicas (0 = world size / pp).
+    * ``pp``: pipeline stages; ``tp``: tensor-parallel shards of every stage
+      (:mod:`exitlm.parallel.tensor`); ``dp``: data-parallel replicas (0 = world size /
+      (pp x tp)).
+    * ``sequence_parallel``: under ``tp > 1``, norms and the residual stream are sharded
+      along the sequence (activation memory / tp, same communication volume).
     * ``schedule``: ``1f1b`` (PipeDream-Flush) or ``gpipe``. ``train.grad_accum`` is the
       number of microbatches per step and ``train.batch_size`` the rows of each.
     * ``boundaries``: explicit stage boundaries as 1-based layers after which a stage ends
@@ -39,11 +39,14 @@ class ParallelConfig:
       (none), ``N`` (N equal slices), a list of slice lengths summing to ``data.seq_len``,
       or ``auto`` (the dynamic program of :mod:`exitlm.plan.terapipe` over a cost model of
       this machine).
-    * ``timeout_s``: a peer that sends nothing for this long ends the job with an error.
+    * ``timeout_s``: every collective and transfer between processes that does not complete
+      within this many seconds ends the job with an error naming the rank that stopped.
     """
 
     pp: PositiveInt = 1
     dp: NonNegativeInt = 0
+    tp: PositiveInt = 1
+    sequence_parallel: bool = False
     schedule: Schedule = "1f1b"
     boundaries: tuple[PositiveInt, ...] = ()
     exit_placement: ExitPlacement = "next"
@@ -86,44 +89,75 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class ProcessGrid:
-    """Where this process sits in the ``dp x pp`` grid (pipeline-major rank order)."""
+class ParallelDims:
+    """Where this process sits in the ``dp x pp x tp`` grid (torchtitan's ``ParallelDims``).
+
+    Global rank ``r = (replica * pp + stage) * tp + tp_rank``: the ranks of one
+    tensor-parallel group are consecutive (on one node when possible: they exchange the
+    most), then the stages of one pipeline, then the data-parallel replicas.
+    :func:`exitlm.parallel.groups.ProcessGroups.create` builds the process groups and the
+    device mesh of these dimensions.
+    """
 
     world_size: int
     pp: int
     dp: int
+    tp: int
     rank: int
 
     @classmethod
-    def build(cls, world_size: int, rank: int, pp: int, dp: int = 0) -> ProcessGrid:
+    def build(cls, world_size: int, rank: int, pp: int = 1, dp: int = 0,
+              tp: int = 1) -> ParallelDims:
+        """Validate the dimensions against the number of processes; ``dp = 0`` takes the
+        processes left over by ``pp x tp``. Errors name the setting to change."""
+        for key, v in (("parallel.pp", pp), ("parallel.tp", tp)):
+            if v < 1:
+                raise ConfigError(f"{key} must be >= 1, got {v}")
+        model = pp * tp
         if dp == 0:
-            if world_size % pp:
-                raise ConfigError(f"{world_size} process(es) cannot hold parallel.pp={pp} "
-                                  "stages; launch pp x dp processes, e.g. torchrun "
-                                  f"--nproc-per-node {pp} -m exitlm train ...")
-            dp = world_size // pp
-        if pp * dp != world_size:
-            raise ConfigError(f"parallel.pp x parallel.dp = {pp} x {dp} = {pp * dp} but "
-                              f"{world_size} processes were launched (torchrun "
-                              "--nproc-per-node); make them equal")
-        return cls(world_size, pp, dp, rank)
+            if world_size % model:
+                raise ConfigError(
+                    f"{world_size} process(es) cannot hold parallel.pp={pp} stages x "
+                    f"parallel.tp={tp} shards; launch a multiple of pp x tp = {model} "
+                    f"processes, e.g. torchrun --nproc-per-node {model} -m exitlm train ...")
+            dp = world_size // model
+        if pp * dp * tp != world_size:
+            raise ConfigError(f"parallel.pp x parallel.dp x parallel.tp = {pp} x {dp} x {tp} = "
+                              f"{pp * dp * tp} but {world_size} processes were launched "
+                              "(torchrun --nproc-per-node); make them equal")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
+        return cls(world_size, pp, dp, tp, rank)
 
     @property
     def stage(self) -> int:
-        return self.rank % self.pp
+        return (self.rank // self.tp) % self.pp
 
     @property
     def replica(self) -> int:
-        return self.rank // self.pp
+        return self.rank // (self.tp * self.pp)
 
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
-        r = self.replica if replica is None else replica
-        return r * self.pp + stage
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
-    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
-        return [self.rank_of(s, replica) for s in range(self.pp)]
-
-    def dp_ranks(self, stage: int | None = None) -> list[int]:
+    def rank_of(self, stage: int | None = None, replica: int | None = None,
+                tp_rank: int | None = None) -> int:
+        """Global rank of (``stage``, ``replica``, ``tp_rank``); each defaults to this
+        process's own."""
         s = self.stage if stage is None else stage
-        return [self.rank_of(s, r) for r in range(self.dp)]
+        r = self.replica if replica is None else replica
+        t = self.tp_rank if tp_rank is None else tp_rank
+        return (r * self.pp + s) * self.tp + t
+
+    def pipeline_ranks(self, replica: int | None = None, tp_rank: int | None = None) -> list[int]:
+        """The stages of one pipeline (one replica, one tensor-parallel shard)."""
+        return [self.rank_of(s, replica, tp_rank) for s in range(self.pp)]
+
+    def dp_ranks(self, stage: int | None = None, tp_rank: int | None = None) -> list[int]:
+        """The replicas of one stage's shard: they average gradients."""
+        return [self.rank_of(stage, r, tp_rank) for r in range(self.dp)]
+
+    def tp_ranks(self, stage: int | None = None, replica: int | None = None) -> list[int]:
+        """The shards of one stage of one replica: one tensor-parallel group."""
+        return [self.rank_of(stage, replica, t) for t in range(self.tp)]

@@ -93,7 +93,10 @@ def register(subparsers: Any) -> None:
                    help="exit forward in the forward step (EE-LLM Fig. 3b) instead of deferred")
     q.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     q.add_argument("--fill", choices=("none", "part1", "part2", "both"), default="none",
-                   help="simulate bubble filling (EE-LLM App. C.2.1) with the maximal counts")
+                   help="simulate bubble filling (EE-LLM App. C.2.1) with the maximal counts: "
+                        "part1 = parallel.bubble_fill=warmup, part2 = cooldown")
+    q.add_argument("--token-slices", type=int_at_least(1), default=1, metavar="N",
+                   help="TeraPipe: N equal token slices per microbatch (parallel.token_slices)")
     q.add_argument("--model", help="preset or config JSON: derive --times/--memory from it")
     q.add_argument("--seq-len", type=int_at_least(1), default=512, help="with --model")
     q.add_argument("--micro-batch", type=int_at_least(1), default=1, help="with --model")
@@ -304,12 +307,13 @@ def _write_json(path: str, obj: Any) -> None:
 
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     def body(a: argparse.Namespace) -> int:
-        from exitlm.plan.simulate import simulate_training
+        from exitlm.plan.simulate import simulate, training_ops, training_schedule
 
         p = a.stages
-        if p * a.microbatches > MAX_SIMULATED_STEPS:
-            raise PlanError(f"--stages {p} x --microbatches {a.microbatches} is more than the "
-                            f"simulator does (at most {MAX_SIMULATED_STEPS:,} stage steps)")
+        if p * a.microbatches * a.token_slices > MAX_SIMULATED_STEPS:
+            raise PlanError(f"--stages {p} x --microbatches {a.microbatches} x --token-slices "
+                            f"{a.token_slices} is more than the simulator does (at most "
+                            f"{MAX_SIMULATED_STEPS:,} stage steps)")
         notes: dict[str, Any] = {}
         n = tuple(int(x) for x in _floats(a.exits_per_stage, p, "--exits-per-stage",
                                           "N1..NP")) if a.exits_per_stage else (0,) * p
@@ -347,7 +351,10 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         cap = bubble_fill_capacity(p, f_max, b_max) if b_max > 0 else 0
         part2 = part2_backward_stages(p, f_max, b_max, cap) if b_max > 0 else []
         part1 = part1_forward_depths(n, cap)
-        sim = simulate_training(spec, a.schedule)
+        slices = (1,) * a.token_slices  # equal shares of a microbatch's time
+        ratio = b_max / f_max if f_max > 0 and b_max > 0 else 1.0
+        sched = training_schedule(spec, a.schedule, backward_forward_ratio=ratio, slices=slices)
+        sim = simulate(training_ops(spec, sched))
         mem = stage_memory(spec)
         out: dict[str, Any] = {
             "time_per_iteration_bound": iteration_time_bound(spec),
@@ -364,11 +371,15 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
             "quantities": {k: vars(c) for k, c in costs.items()},
         }
         out.update(notes)
-        fill1 = part1 if a.fill in ("part1", "both") else []
-        fill2 = part2 if a.fill in ("part2", "both") else []
-        if fill1 or fill2:
-            sim = simulate_training(spec, a.schedule, fill1, fill2)
+        fill = {"none": "none", "part1": "warmup", "part2": "cooldown", "both": "both"}[a.fill]
+        if fill != "none":
+            sched = training_schedule(spec, a.schedule, fill, backward_forward_ratio=ratio,
+                                      slices=slices)
+            sim = simulate(training_ops(spec, sched))
             out["bubble_filling"]["time_per_iteration_simulated"] = sim.makespan
+        # the per-stage actions simulated: exactly what `exitlm train` executes with
+        # parallel.schedule / bubble_fill / backward_forward_ratio / token_slices set alike
+        out["actions"] = [" ".join(map(str, acts)) for acts in sched.actions]
         if a.plot:
             from exitlm.plan.timeline import draw_timeline
             out["plot"] = draw_timeline(sim, a.plot, f"{a.schedule.upper()} P={p} "

@@ -1,15 +1,11 @@
-"""Discrete-event simulation of pipeline schedules from per-operation times.
+"""Simulated pipeline timelines from per-operation times (:mod:`exitlm.plan.events` runs them).
 
-Each stage (device) executes a fixed, ordered list of operations; an operation starts when
-its stage is free *and* every operation it depends on has finished (P2P latency ignored, as
-in EE-LLM App. A.3 and TeraPipe Sec. 3.3). With fixed per-stage orders this list schedule is
-exactly the discrete-event execution of the pipeline.
+Schedules timed here:
 
-Schedules built here:
-
-* GPipe and 1F1B training with early exits, deferred (EE-LLM Fig. 3c, App. A.2) or not
-  (Fig. 3b), and EE-LLM's bubble filling (App. C.2.1, Fig. 4): Part 1 partial forward /
-  backward microbatches after the warm-up, Part 2 extra cool-down microbatches;
+* training: exactly the per-stage action lists ``exitlm train`` executes
+  (:func:`exitlm.parallel.pipeline.schedule.build_schedule`: GPipe or 1F1B, EE-LLM's
+  bubble filling of App. C.2.1, TeraPipe token slices), each action timed by EE-LLM's cost
+  model with exits deferred (Fig. 3c, App. A.2) or not (Fig. 3b);
 * TeraPipe token slices (TeraPipe Fig. 2, Sec. 3.2) optionally over batch splits (Sec. 3.4);
 * EE-LLM's pipeline-based early-exit inference (EE-LLM Sec. 4, Fig. 5).
 """
@@ -17,85 +13,16 @@ Schedules built here:
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from exitlm.plan.cost_model import PipelineSpec, PlanError
+from exitlm.plan.cost_model import PipelineSpec, PlanError, stage_step_times
+from exitlm.plan.events import Op, SimResult, simulate
 
+if TYPE_CHECKING:
+    from exitlm.parallel.pipeline.schedule import PipelineSchedule
 
-@dataclass
-class Op:
-    """One operation on one stage. ``segments`` are ``(category, duration)`` pieces drawn back
-    to back (e.g. backbone backward then exit backward); ``label`` is drawn in the block."""
-
-    key: Hashable
-    stage: int  # 0-based stage (device) index
-    label: str
-    kind: str  # "F" (forward-type) or "B" (backward-type), picks the colour family
-    segments: list[tuple[str, float]]
-    deps: list[Hashable] = field(default_factory=list)
-    start: float = 0.0
-    end: float = 0.0
-
-    @property
-    def duration(self) -> float:
-        return sum(d for _, d in self.segments)
-
-
-@dataclass
-class SimResult:
-    """Simulated schedule: ``ops`` with start/end filled, ``makespan`` (time per iteration),
-    per-stage ``busy`` and ``idle`` time within ``[0, makespan]``."""
-
-    ops: list[Op]
-    num_stages: int
-    makespan: float
-    busy: list[float]
-    idle: list[float]
-
-    def to_dict(self) -> dict[str, object]:
-        return {"makespan": self.makespan, "busy": self.busy, "idle": self.idle,
-                "bubble_fraction": [i / self.makespan if self.makespan else 0.0
-                                    for i in self.idle]}
-
-
-def simulate(stage_ops: Sequence[Sequence[Op]]) -> SimResult:
-    """Execute per-stage ordered op lists; each op starts at
-    ``max(stage free, max(end of deps))``. Raises :class:`PlanError` on a deadlock."""
-    keys = {}
-    for ops in stage_ops:
-        for op in ops:
-            if op.key in keys:
-                raise PlanError(f"operation {op.key!r} appears twice in the schedule")
-            keys[op.key] = op
-    for ops in stage_ops:
-        for op in ops:
-            for d in op.deps:
-                if d not in keys:
-                    raise PlanError(f"operation {op.key!r} depends on {d!r}, which is not "
-                                    "scheduled on any stage")
-    done: dict[Hashable, float] = {}
-    ptr = [0] * len(stage_ops)
-    free = [0.0] * len(stage_ops)
-    remaining = sum(len(o) for o in stage_ops)
-    while remaining:
-        progress = False
-        for s, ops in enumerate(stage_ops):
-            while ptr[s] < len(ops) and all(d in done for d in ops[ptr[s]].deps):
-                op = ops[ptr[s]]
-                op.start = max([free[s]] + [done[d] for d in op.deps])
-                op.end = op.start + op.duration
-                free[s] = op.end
-                done[op.key] = op.end
-                ptr[s] += 1
-                remaining -= 1
-                progress = True
-        if not progress:
-            blocked = [ops[ptr[s]].key for s, ops in enumerate(stage_ops) if ptr[s] < len(ops)]
-            raise PlanError(f"schedule deadlocks; stages wait on {blocked}: reorder the ops")
-    all_ops = [op for ops in stage_ops for op in ops]
-    makespan = max((op.end for op in all_ops), default=0.0)
-    busy = [sum(op.duration for op in ops) for ops in stage_ops]
-    return SimResult(all_ops, len(stage_ops), makespan, busy, [makespan - b for b in busy])
+__all__ = ["Op", "SimResult", "inference_schedule", "simulate", "simulate_training",
+           "terapipe_schedule", "training_ops", "training_schedule"]
 
 
 # ----- training: GPipe / 1F1B with exits and bubble filling ---------------------------------
@@ -122,107 +49,80 @@ def _segments(spec: PipelineSpec, s: int, backward: bool) -> list[tuple[str, flo
     return [x for x in seg if x[1] > 0]
 
 
-def _fwd(spec: PipelineSpec, s: int, mb: object, label: str) -> Op:
-    deps = [("F", mb, s - 1)] if s > 0 else []
-    return Op(("F", mb, s), s, label, "F", _segments(spec, s, False), deps)
-
-
-def _bwd(spec: PipelineSpec, s: int, mb: object, label: str, last: int | None = None) -> Op:
-    last = spec.stages - 1 if last is None else last
-    deps = [("F", mb, s)] + ([("B", mb, s + 1)] if s < last else [])
-    return Op(("B", mb, s), s, label, "B", _segments(spec, s, True), deps)
-
-
-def training_schedule(spec: PipelineSpec, schedule: str = "1f1b",
-                      fill_part1: Sequence[int] = (),
-                      fill_part2: Sequence[int] = ()) -> list[list[Op]]:
-    """Per-stage op lists of one training iteration (microbatches numbered from 1).
-
-    ``schedule``: ``"gpipe"`` (all forwards, then backwards in reverse order) or ``"1f1b"``
-    (stage ``i`` runs ``P-i`` warm-up forwards, then alternates, EE-LLM Fig. 3).
-    ``fill_part1[i-1]`` is the forward depth of the ``i``-th microbatch inserted after the
-    warm-up (EE-LLM App. C.2.1 Part 1, see ``cost_model.part1_forward_depths``): it runs
-    forward on stages ``1..depth`` right after each stage's first steady forward, then
-    backward of the exit losses it visited. ``fill_part2[i-1]`` is the number of backward
-    stages of the ``i``-th extra cool-down microbatch (Part 2): a full forward after the
-    last regular forward of each stage, then backward on the last ``n_i`` stages after the
-    stage's regular backwards.
-    """
-    p, m = spec.stages, spec.microbatches
-    stages: list[list[Op]] = [[] for _ in range(p)]
-    for s in range(p):
-        if schedule == "gpipe":
-            stages[s] += [_fwd(spec, s, j, str(j)) for j in range(1, m + 1)]
-            stages[s] += [_bwd(spec, s, j, str(j)) for j in range(m, 0, -1)]
-        elif schedule == "1f1b":
-            warm = min(p - 1 - s, m)
-            order: list[Op] = [_fwd(spec, s, j, str(j)) for j in range(1, warm + 1)]
-            for j in range(warm + 1, m + 1):
-                order.append(_fwd(spec, s, j, str(j)))
-                order.append(_bwd(spec, s, j - warm, str(j - warm)))
-            order += [_bwd(spec, s, j, str(j)) for j in range(m - warm + 1, m + 1)]
-            stages[s] = order
-        else:
-            raise PlanError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
-    for i, depth in enumerate(fill_part1, start=1):
-        if not 0 <= depth <= p:
-            raise PlanError(f"Part-1 depth {depth} of inserted microbatch {i} must be in [0, {p}]")
-    for i, nb in enumerate(fill_part2, start=1):
-        if not 0 <= nb <= p:
-            raise PlanError(f"Part-2 backward stages {nb} of microbatch {i} must be in [0, {p}]")
-    for s in range(p):
-        ops = stages[s]
-        # Part 1: after the first steady forward (before the first backward)
-        first_b = next((k for k, op in enumerate(ops) if op.kind == "B"), len(ops))
-        ins = [i for i, d in enumerate(fill_part1, start=1) if d > s]
-        fw = [_fwd(spec, s, ("p1", i), f"a{i}") for i in ins]
-        bw = [_bwd(spec, s, ("p1", i), f"a{i}", last=fill_part1[i - 1] - 1)
-              for i in reversed(ins)]
-        ops[first_b:first_b] = fw + bw
-        # Part 2: the i-th extra forward rides in the cool-down gap right after the regular
-        # backward B(M-w+i-1) (w = warm-up count), later ones and the extras' backwards form
-        # a tail ordered by readiness (see simulate_training)
-        w = min(p - 1 - s, m)
-        for i in range(1, len(fill_part2) + 1):
-            op = _fwd(spec, s, ("p2", i), f"z{i}")
-            target = m - w + i - 1
-            k = next((k for k, o in enumerate(ops) if o.key == ("B", target, s)), None)
-            if k is None or i > w + 1:
-                ops.append(op)
+def training_ops(spec: PipelineSpec, sched: PipelineSchedule) -> list[list[Op]]:
+    """The per-stage ops of one training iteration that executes ``sched`` - the action
+    lists :class:`~exitlm.parallel.pipeline.engine.PipelineEngine` runs - timed by
+    ``spec`` (EE-LLM Table 2 quantities; a token slice takes its share of a microbatch's
+    time). Labels: regular microbatches ``1..M``, bubble-filling ones ``a1..`` (Part 1,
+    warm-up) and ``z1..`` (Part 2, cool-down), ``.s`` for slice ``s``."""
+    if sched.num_stages != spec.stages:
+        raise PlanError(f"the schedule has {sched.num_stages} stages, the cost model "
+                        f"{spec.stages}")
+    names = _labels(sched)
+    total = sum(sched.slices)
+    out: list[list[Op]] = [[] for _ in range(sched.num_stages)]
+    for k, actions in enumerate(sched.actions):
+        for a in actions:
+            route = sched.routes[a.mb]
+            share = sched.slices[a.slice] / total
+            segs = [(cat, d * share) for cat, d in _segments(spec, k, a.kind == "B")]
+            if a.kind == "F":
+                deps: list[Hashable] = [("F", a.mb, a.slice, k - 1)] if k > 0 else []
             else:
-                ops.insert(k + 1, op)
-        for i, nb in enumerate(fill_part2, start=1):
-            if s >= p - nb:
-                ops.append(_bwd(spec, s, ("p2", i), f"z{i}"))
-    return stages
+                deps = [("F", a.mb, a.slice, k)]
+                if k < route.fwd_last:
+                    deps.append(("B", a.mb, a.slice, k + 1))
+            label = names[a.mb] + (f".{a.slice}" if a.slice else "")
+            out[k].append(Op((a.kind, a.mb, a.slice, k), k, label, a.kind, segs, deps))
+    return out
 
 
-def simulate_training(spec: PipelineSpec, schedule: str = "1f1b",
-                      fill_part1: Sequence[int] = (),
-                      fill_part2: Sequence[int] = ()) -> SimResult:
-    """Simulate one training iteration (see :func:`training_schedule`).
+def _labels(sched: PipelineSchedule) -> list[str]:
+    counts = {"regular": 0, "fill1": 0, "fill2": 0}
+    prefix = {"regular": "", "fill1": "a", "fill2": "z"}
+    out = []
+    for r in sched.routes:
+        counts[r.kind] += 1
+        out.append(f"{prefix[r.kind]}{counts[r.kind]}")
+    return out
 
-    Ops after a stage's last regular backward (bubble-filling extras) are re-ordered by the
-    time their inputs become ready, re-simulating until the order is stable.
-    """
-    stages = training_schedule(spec, schedule, fill_part1, fill_part2)
-    res = simulate(stages)
-    for _ in range(4 * spec.stages + 4):
-        changed = False
-        end = {x.key: x.end for x in res.ops}
-        for ops in stages:
-            last_b = max((k for k, o in enumerate(ops) if o.kind == "B" and o.label.isdigit()),
-                         default=-1)
-            tail = ops[last_b + 1:]
-            ready = {o.key: max([0.0] + [end[d] for d in o.deps]) for o in tail}
-            new = sorted(tail, key=lambda o: (ready[o.key], o.kind != "F"))
-            if [o.key for o in new] != [o.key for o in tail]:
-                ops[last_b + 1:] = new
-                changed = True
-        if not changed:
-            break
-        res = simulate(stages)
-    return res
+
+def training_schedule(spec: PipelineSpec, schedule: str = "1f1b", fill: str = "none", *,
+                      backward_forward_ratio: float | None = None,
+                      fill_microbatches: int | None = None,
+                      slices: Sequence[int] = (1,)) -> PipelineSchedule:
+    """The schedule ``exitlm train`` would execute for ``spec``'s pipeline
+    (:func:`exitlm.parallel.pipeline.schedule.build_schedule`): ``schedule`` ``1f1b`` or
+    ``gpipe``; ``fill`` ``none`` / ``warmup`` (EE-LLM App. C.2.1 Part 1) / ``cooldown``
+    (Part 2) / ``both``; the fill counts from the backward/forward ratio, by default the
+    cost model's ``b / f`` of the slowest stage (as ``parallel.backward_forward_ratio``)."""
+    from exitlm.config import ConfigError
+    from exitlm.parallel.pipeline.schedule import build_schedule
+
+    if backward_forward_ratio is None:
+        steps = stage_step_times(spec)
+        f, b = max(x for x, _ in steps), max(y for _, y in steps)
+        backward_forward_ratio = b / f if f > 0 and b > 0 else 1.0
+    exit_stages = [i for i, n in enumerate(spec.exits_per_stage) if n]
+    try:
+        return build_schedule(schedule, spec.stages, spec.microbatches, tuple(slices),
+                              fill=fill, exit_stages=exit_stages,
+                              backward_forward_ratio=backward_forward_ratio,
+                              fill_microbatches=fill_microbatches)
+    except ConfigError as err:
+        raise PlanError(str(err)) from err
+
+
+def simulate_training(spec: PipelineSpec, schedule: str = "1f1b", fill: str = "none", *,
+                      backward_forward_ratio: float | None = None,
+                      fill_microbatches: int | None = None,
+                      slices: Sequence[int] = (1,)) -> SimResult:
+    """Simulate one training iteration of the schedule ``exitlm train`` executes (see
+    :func:`training_schedule` for the arguments, :func:`training_ops` for the timing)."""
+    sched = training_schedule(spec, schedule, fill,
+                              backward_forward_ratio=backward_forward_ratio,
+                              fill_microbatches=fill_microbatches, slices=slices)
+    return simulate(training_ops(spec, sched))
 
 
 # ----- TeraPipe token slices -----------------------------------------------------------------

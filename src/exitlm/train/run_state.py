@@ -1,10 +1,11 @@
-"""Checkpoints of a training run: save, resume, and the whole model on rank 0.
+"""Checkpoints of a training run: save and resume.
 
-The same checkpoint format serves every layout (one process, DDP, FSDP, any pipeline
-``pp x dp``): model tensors under the whole model's parameter names and optimizer state keyed
-by parameter name (:mod:`exitlm.train.checkpoint`). FSDP gathers full tensors; a pipeline
-gathers its stages' parts on rank 0 (:meth:`exitlm.parallel.pipeline.engine.PipelineEngine.
-gather`); on resume every process takes the tensors it holds.
+The same checkpoint format serves every layout (one process, DDP, FSDP, any ``pp x dp x
+tp``): model tensors under the whole model's parameter names and optimizer state keyed by
+parameter name (:mod:`exitlm.train.checkpoint`). The layout gathers them on rank 0
+(:meth:`exitlm.parallel.layout.Layout.state`) and, on resume, every process takes its part
+(:meth:`~exitlm.parallel.layout.Layout.load`), so a checkpoint written by one layout resumes
+under any other.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from exitlm.errors import ExitlmError, warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import write_text_atomic
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.parallel.layout import Layout
 from exitlm.train.checkpoint import (
     TrainState,
     checkpoints,
     latest_checkpoint,
-    load_optimizer_state,
-    optimizer_state_by_name,
     read_checkpoint,
     save_checkpoint,
 )
 from exitlm.train.finite import refuse_non_finite
 from exitlm.train.run_dir import RUN_FILE, RunDir
+from exitlm.train.schedules import lr_at
 
 
 class RunStateMixin:
@@ -44,10 +45,8 @@ class RunStateMixin:
     run_dir: RunDir
     model: EarlyExitLM
     optimizer: torch.optim.Optimizer
-    fsdp: bool
-    pipeline: Any
+    layout: Layout
     trained_names: set[str] | None
-    param_names: dict[int, str]
     step: int
     stream: Any
     resuming: bool
@@ -60,10 +59,9 @@ class RunStateMixin:
     started: bool
 
     def _lr(self, step: int) -> float:
-        raise NotImplementedError
-
-    def _barrier(self) -> None:
-        raise NotImplementedError
+        """The learning rate of ``step`` (:func:`~exitlm.train.schedules.lr_at`)."""
+        o = self.cfg.optim
+        return lr_at(step, o.lr, o.warmup_steps, self.cfg.train.steps, o.min_lr_ratio)
 
     def _resume(self) -> None:
         """Load the newest readable checkpoint of the run in ``out``; damaged ones are
@@ -88,17 +86,15 @@ class RunStateMixin:
                               "readable", hint="start a new run (--overwrite) instead")
         self._check_identity(ckpt, state.extra, recorded)
         self._check_tensors(ckpt, weights)
-        if self.fsdp:
-            # Every rank reads the full tensors and keeps its own shards of them.
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            strict = self.trained_names is None and not self.init_missing
-            set_state_dict(self.model, self.optimizer, model_state_dict=weights,
-                           optim_state_dict=optim,
-                           options=StateDictOptions(full_state_dict=True, strict=strict))
-        else:
-            self._load_weights(ckpt, weights)
-            load_optimizer_state(self.optimizer, optim, self.param_names)
+        unknown = sorted(set(weights) - self.layout.known())
+        if unknown:
+            raise ExitlmError(f"{ckpt}: checkpoint has tensors {unknown[:5]} this model lacks - "
+                              "was it written for another model configuration?")
+        strict = self.trained_names is None and not self.init_missing
+        try:
+            self.layout.load(weights, optim, self.optimizer, strict=strict)
+        except ExitlmError as err:
+            raise ExitlmError(f"{ckpt}: {err}", hint=err.hint) from err
         self.step = state.step
         self.stream.position = state.data_position
         if self.rank == 0:
@@ -133,7 +129,7 @@ class RunStateMixin:
     def _check_tensors(self, ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
         """Tensors of this model (this stage) the checkpoint lacks are an error unless
         ``init_missing``, which keeps their fresh initialisation and logs them."""
-        names = set(self._own_state())
+        names = self.layout.holds()
         if self.trained_names is not None:
             names &= self.trained_names
         missing = sorted(names - set(weights))
@@ -150,24 +146,6 @@ class RunStateMixin:
             warn(f"--init-missing: {len(missing)} tensor(s) absent from {ckpt} start from "
                  f"scratch: {shown}")
         self.events.append({"event": "init_missing", "tensors": missing})
-
-    def _load_weights(self, ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
-        """Copy checkpoint tensors into this process's parameters (a pipeline stage takes
-        the ones it holds; checkpoints do not depend on the layout that wrote them)."""
-        own = self._own_state()
-        known = set(own) if self.pipeline is None else self.pipeline.all_names
-        unknown = sorted(set(weights) - known)
-        if unknown:
-            raise ExitlmError(f"{ckpt}: checkpoint has tensors {unknown[:5]} this model lacks - "
-                              "was it written for another model configuration?")
-        with torch.no_grad():
-            for name, t in weights.items():
-                if name not in own:
-                    continue
-                if own[name].shape != t.shape:
-                    raise ExitlmError(f"{ckpt}: {name} has shape {tuple(t.shape)}, the model "
-                                      f"{tuple(own[name].shape)}")
-                own[name].copy_(t)
 
     def _begin_writing(self) -> None:
         """Rank 0, before the first write: lock the directory, confirm nothing changed since
@@ -207,25 +185,10 @@ class RunStateMixin:
     def save(self) -> Path | None:
         """Write a checkpoint of the current state (rank 0 writes, every rank waits)."""
         path = None
-        model_state: Any = self.model
-        optim_state: Any = self.optimizer
-        if not self.fsdp:
-            model_state = self._own_state()
-            optim_state = optimizer_state_by_name(self.optimizer, self.param_names)
-        if self.pipeline is not None:  # collect every stage's part on rank 0
-            parts = self.pipeline.gather((model_state, optim_state))
-            if parts is not None:
-                model_state, optim_state = _merge_parts(parts)
-        if self.fsdp:  # gather full tensors (collective: every rank takes part)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            model_state, optim_state = get_state_dict(
-                self.model, self.optimizer,
-                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-            )
-        if self.rank == 0:
-            refuse_non_finite(model_state if isinstance(model_state, dict)
-                              else model_state.state_dict(), f"checkpoint step {self.step}")
+        parts = self.layout.state(self.optimizer)  # collective: full tensors on rank 0
+        if parts is not None:
+            model_state, optim_state = parts
+            refuse_non_finite(model_state, f"checkpoint step {self.step}")
             state = TrainState(self.step, self.stream.position,
                                {"kind": "cosine", "step": self.step,
                                 "lr": self._lr(self.step)},
@@ -234,15 +197,8 @@ class RunStateMixin:
             path = save_checkpoint(self.out, model=model_state, optimizer=optim_state,
                                    state=state, names=self.trained_names,
                                    keep=self.cfg.train.keep_checkpoints)
-        self._barrier()
+        self.layout.groups.wait_for_rank0("waiting for rank 0 to write a checkpoint")
         return path
-
-    def _own_state(self) -> dict[str, torch.Tensor]:
-        """The tensors this process holds (all of them unless it is a pipeline stage)."""
-        sd = self.model.state_dict()
-        if self.pipeline is None:
-            return sd
-        return {n: t for n, t in sd.items() if n in self.pipeline.owned}
 
     def _truncate_log(self, step: int) -> None:
         """Keep the log's records up to ``step``. A torn last line (power loss while it was
@@ -265,53 +221,6 @@ class RunStateMixin:
             if isinstance(at, int) and at <= step:
                 keep.append(line)
         write_text_atomic(log, "".join(line + "\n" for line in keep))
-
-    def _host_model(self) -> EarlyExitLM | None:
-        """The whole model on rank 0, ``None`` elsewhere. Under FSDP this gathers the shards
-        and must be called on every rank."""
-        if self.pipeline is not None:
-            parts = self.pipeline.gather(self._own_state())
-            if parts is None:
-                return None
-            host = EarlyExitLM(self.model.config)
-            host.load_state_dict(_union(parts))
-            return host
-        if not self.fsdp:
-            return self.model if self.rank == 0 else None
-        from torch.distributed.tensor import DTensor
-
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                for k, v in self.model.state_dict().items()}
-        if self.rank != 0:
-            return None
-        host = EarlyExitLM(self.model.config)
-        host.load_state_dict(full)
-        return host
-
-
-def _merge_parts(parts: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Union of the stages' ``(model tensors, optimizer state by name)``; a parameter
-    replicated on several stages (tied weights) is identical everywhere, the first is kept."""
-    groups: list[dict[str, Any]] = []
-    for _, optim in parts:
-        for i, g in enumerate(optim["param_groups"]):
-            if i == len(groups):
-                groups.append({**g, "params": []})
-            groups[i]["params"] += [p for p in g["params"] if p not in groups[i]["params"]]
-    model = _union([weights for weights, _ in parts])
-    state = _union([optim["state"] for _, optim in parts])
-    return model, {"state": state, "param_groups": groups}
-
-
-def _union(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stages' name -> value maps as one; a name several stages hold (a replicated,
-    tied parameter, equal everywhere) keeps the first stage's value."""
-    out: dict[str, Any] = {}
-    for part in parts:
-        for k, v in part.items():
-            out.setdefault(k, v)
-    return out
-
 
 IDENTITY_SECTIONS = ("model", "data")
 _IGNORED_KEYS = frozenset({"data.cache_dir"})  # where data is cached, not what it is

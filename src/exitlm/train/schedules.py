@@ -193,3 +193,12 @@ def dropout_rates(
         raise ConfigError(f"dropout.p_max must lie in [0, 1], got {p_max}")
     s = time_scale(t, total_steps, curriculum)
     return [s * layer_scale(l, num_layers) * p_max for l in range(num_layers)]
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to ``min_ratio * base_lr``."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    s = min(max(step - warmup, 0) / span, 1.0)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * s)))

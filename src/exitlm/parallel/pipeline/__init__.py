@@ -7,6 +7,6 @@
 * :mod:`.slices` - keys/values of earlier token slices as autograd leaves;
 * :mod:`.p2p` - ``isend``/``irecv`` with timeouts;
 * :mod:`.executor` - runs one step's actions: EE-LLM's ``L_i + <g_i, x_i>`` backward (Eq. 2);
-* :mod:`.engine` - gradient synchronisation (tied weights, data parallel), clipping, and
-  layout-independent state.
+* :mod:`.engine` - a stage in a step: tensor parallelism inside it, gradient
+  synchronisation (tied weights, data parallel), clipping.
 """

@@ -1,23 +1,22 @@
-"""A pipeline stage inside a training step: build, run, synchronise, clip, gather state.
+"""A pipeline stage inside a training step: build, run, synchronise, clip.
 
-:class:`PipelineEngine` owns what is specific to pipeline (and DP x PP) training around the
-executor:
+:class:`PipelineEngine` owns what is specific to pipeline (and DP x PP x TP) training around
+the executor:
 
-* cutting the model into this process's stage (:mod:`.stage`) and building the schedule;
+* cutting the model into this process's stage (:mod:`.stage`), sharding the stage over its
+  tensor-parallel group (:mod:`exitlm.parallel.tensor`) and building the schedule;
 * after the actions ran: summing the gradients of parameters replicated on several stages
   (tied embeddings, shared final norm / head; EE-LLM Sec. 3.1.2: compute as if untied,
-  then all-reduce), then averaging over data-parallel replicas;
-* the global gradient norm for clipping (each parameter counted once);
-* layout-independent state: every tensor keeps the whole model's parameter name, so the
-  union of the stages' state dicts *is* the single-process state dict, and a checkpoint
-  written with one ``pp`` loads with another.
+  then all-reduce) shard by shard, then averaging over data-parallel replicas;
+* the global gradient norm for clipping (each parameter and shard counted once).
 
-Process groups are created here, in the same order on every rank (``new_group`` is
-collective).
+Every tensor keeps the whole model's parameter name, so the union of the stages' (gathered)
+state dicts *is* the single-process state dict (:mod:`exitlm.parallel.layout`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +25,9 @@ import torch.distributed as dist
 
 from exitlm.config import ConfigError
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.dims import ParallelConfig, ProcessGrid
+from exitlm.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.parallel.grads import average_gradients, clip_gradients
+from exitlm.parallel.groups import ProcessGroups
 from exitlm.parallel.pipeline.executor import Microbatch, StageExecutor, StepStats
 from exitlm.parallel.pipeline.p2p import P2P
 from exitlm.parallel.pipeline.schedule import build_schedule
@@ -35,40 +36,49 @@ from exitlm.parallel.pipeline.stage import (
     prune_to_stage,
     shared_parameter_users,
 )
+from exitlm.parallel.tensor import TensorParallel, apply_tensor_parallel, local
 
 
 class PipelineEngine:
-    """This process's stage of a ``dp x pp`` pipeline-parallel model.
+    """This process's stage (and tensor-parallel shard) of a ``dp x pp x tp`` model.
 
-    ``model`` is pruned in place to the stage (:func:`~.stage.prune_to_stage`). ``slices``
-    are the resolved token-slice lengths (``pcfg.token_slices`` turned into lengths by the
-    caller, which may have run the TeraPipe planner for ``auto``).
+    ``model`` is pruned in place to the stage (:func:`~.stage.prune_to_stage`), then sharded
+    when ``dims.tp > 1``. ``slices`` are the resolved token-slice lengths
+    (``pcfg.token_slices`` turned into lengths by the caller, which may have run the
+    TeraPipe planner for ``auto``). ``groups`` defaults to new groups of ``dims``.
     """
 
     def __init__(
         self,
         model: EarlyExitLM,
         pcfg: ParallelConfig,
-        grid: ProcessGrid,
+        dims: ParallelDims,
         *,
         microbatches: int,
         slices: Sequence[int],
         device: torch.device,
         ignore_index: int = -100,
         measure_memory: bool = False,
+        groups: ProcessGroups | None = None,
     ) -> None:
         self.pcfg = pcfg
-        self.grid = grid
+        self.dims = dims
         self.model = model
         cfg = model.config
-        self.specs = build_stages(model, grid.pp, pcfg.boundaries, pcfg.exit_placement)
-        self.spec = self.specs[grid.stage]
+        self.specs = build_stages(model, dims.pp, pcfg.boundaries, pcfg.exit_placement)
+        self.spec = self.specs[dims.stage]
         if len(slices) > 1 and pcfg.deferred_exits and cfg.exits.head == "block" \
                 and cfg.exits.layers:
             raise ConfigError("exit heads of type 'block' attend over earlier token slices, so "
                               "their forward cannot be deferred to the (reverse-order) "
                               "backward: set parallel.deferred_exits=false or "
                               "parallel.token_slices=1")
+        seq_shards = dims.tp if pcfg.sequence_parallel and dims.tp > 1 else 1
+        if any(n % seq_shards for n in slices):
+            raise ConfigError(f"parallel.sequence_parallel shards every token slice over "
+                              f"parallel.tp={dims.tp} ranks, but the slices are {list(slices)}; "
+                              "make data.seq_len / parallel.token_slices divisible by tp, or "
+                              "set parallel.sequence_parallel=false")
         self.all_names = set(model.state_dict())
         self.shared = shared_parameter_users(model, self.specs)
         if pcfg.bubble_fill != "none" and self.shared:
@@ -79,50 +89,49 @@ class PipelineEngine:
                 "(model.overrides.tie_embeddings=false, model.exits.output=own, "
                 "model.exits.norm=own) or set parallel.bubble_fill=none")
         self.owned = prune_to_stage(model, self.spec)
+        self._own_groups = groups is None
+        self.groups = groups if groups is not None else ProcessGroups.for_dims(
+            dims, device, pcfg.timeout_s)
+        self.tp: TensorParallel | None = None
+        if dims.tp > 1:
+            self.tp = apply_tensor_parallel(model, self.groups.tp_mesh,
+                                            sequence_parallel=pcfg.sequence_parallel)
         exit_stages = [s.index for s in self.specs if s.exits]
         self.schedule = build_schedule(
-            pcfg.schedule, grid.pp, microbatches, tuple(slices), fill=pcfg.bubble_fill,
+            pcfg.schedule, dims.pp, microbatches, tuple(slices), fill=pcfg.bubble_fill,
             exit_stages=exit_stages, backward_forward_ratio=pcfg.backward_forward_ratio,
             fill_microbatches=pcfg.fill_microbatches,
         )
         self.microbatches = microbatches
         self.p2p = P2P(pcfg.timeout_s, device)
         self.executor = StageExecutor(
-            model, self.spec, self.schedule, self.p2p, grid.pipeline_ranks(),
+            model, self.spec, self.schedule, self.p2p, dims.pipeline_ranks(),
             deferred_exits=pcfg.deferred_exits, ignore_index=ignore_index,
-            measure_memory=measure_memory,
+            measure_memory=measure_memory, seq_shards=seq_shards,
         )
-        self.pipe_group: Any = None
-        self.dp_group: Any = None
         self.tied_groups: dict[tuple[int, ...], Any] = {}
         if dist.is_initialized():
             self._make_groups()
 
     def _make_groups(self) -> None:
-        g = self.grid
-        for r in range(g.dp):
-            grp = dist.new_group(g.pipeline_ranks(r))
-            if r == g.replica:
-                self.pipe_group = grp
-        for s in range(g.pp):
-            grp = dist.new_group(g.dp_ranks(s))
-            if s == g.stage:
-                self.dp_group = grp
+        """One group per set of stages sharing a parameter, per replica and shard."""
+        d = self.dims
         for users in sorted({tuple(u) for u in self.shared.values()}):
-            for r in range(g.dp):
-                grp = dist.new_group([g.rank_of(s, r) for s in users])
-                if r == g.replica and g.stage in users:
-                    self.tied_groups[users] = grp
+            for r in range(d.dp):
+                for t in range(d.tp):
+                    grp = self.groups.new_group([d.rank_of(s, r, t) for s in users])
+                    if (r, t) == (d.replica, d.tp_rank) and d.stage in users:
+                        self.tied_groups[users] = grp
 
     def close(self) -> None:
         """Destroy the process groups this engine created (when building several engines
         in one process, e.g. benchmarks)."""
-        groups = [self.pipe_group, self.dp_group, *self.tied_groups.values()]
-        for grp in groups:
+        for grp in self.tied_groups.values():
             if grp is not None:
                 dist.destroy_process_group(grp)
-        self.pipe_group = self.dp_group = None
         self.tied_groups = {}
+        if self._own_groups:
+            self.groups.close()
 
     # ----- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -138,12 +147,15 @@ class PipelineEngine:
         """Forward/backward of every microbatch of this step (gradients accumulate into
         ``.grad``, each microbatch's loss scaled by 1 / regular microbatches), then the
         gradient synchronisation."""
-        stats = self.executor.run_step(batches, weights, 1.0 / self.microbatches)
+        ctx = self.tp.loss_context() if self.tp is not None else contextlib.nullcontext()
+        with ctx:
+            stats = self.executor.run_step(batches, weights, 1.0 / self.microbatches)
         self.sync_grads()
         return stats
 
     def sync_grads(self) -> None:
-        """Sum replicated parameters' gradients over their stages, then average over DP."""
+        """Sum replicated parameters' gradients over their stages (each shard with the same
+        shard of the other stages), then average over DP."""
         params = dict(self.named_parameters())
         for name, users in sorted(self.shared.items()):  # same order on every rank
             p = params.get(name)
@@ -151,79 +163,28 @@ class PipelineEngine:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.tied_groups[tuple(users)])
-        if self.grid.dp > 1:
-            grads = []
-            for _, p in sorted(params.items()):
-                if not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.grid.dp
-                off = 0
-                for g in grads:
-                    n = g.numel()
-                    g.copy_(flat[off : off + n].view_as(g))
-                    off += n
+            grp = self.tied_groups.get(tuple(users))
+            if grp is not None:
+                dist.all_reduce(local(p.grad), group=grp)
+        if self.dims.dp > 1:
+            average_gradients([p for _, p in sorted(params.items())], self.groups.dp,
+                              self.dims.dp)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so the whole model's L2 norm is at most ``max_norm`` (like
-        ``torch.nn.utils.clip_grad_norm_``, replicated parameters counted once). Returns the
-        norm before clipping."""
-        sq = torch.zeros((), dtype=torch.float64)
+        ``torch.nn.utils.clip_grad_norm_``, replicated parameters and shards counted once).
+        Returns the norm before clipping."""
+        counted = []
         for name, p in self.named_parameters():
-            if p.grad is None:
-                continue
             users = self.shared.get(name)
-            if users is not None and users[0] != self.grid.stage:
-                continue
-            sq += p.grad.detach().double().pow(2).sum().cpu()
-        if self.pipe_group is not None:
-            sq = sq.to(self.p2p.device)
-            dist.all_reduce(sq, group=self.pipe_group)
-        norm = float(sq.sqrt())
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for _, p in self.named_parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return norm
+            if users is None or users[0] == self.dims.stage:
+                counted.append(p)
+        return clip_gradients(self.named_parameters(), counted, max_norm, self.groups, self.tp)
 
     def reduce_exit_losses(self, stats: StepStats, layers: Sequence[int]) -> dict[int, float]:
-        """Mean per-exit cross-entropy over regular microbatches and DP replicas."""
+        """Mean per-exit cross-entropy over regular microbatches and DP replicas (every
+        shard of a stage computes the same losses)."""
         layers = sorted(layers)
         vals = torch.tensor([stats.exit_ce.get(k, 0.0) for k in layers], dtype=torch.float64)
-        if dist.is_initialized():
-            vals = vals.to(self.p2p.device)
-            dist.all_reduce(vals)
-            vals = vals.cpu() / self.grid.dp
+        vals = self.groups.all_reduce(vals) / (self.dims.dp * self.dims.tp)
         return {k: float(v) / self.microbatches for k, v in zip(layers, vals, strict=True)}
-
-    # ----- state ----------------------------------------------------------------------------------
-    def gather(self, payload: Any) -> list[Any] | None:
-        """Collect one object per stage of replica 0 on global rank 0 (others get None).
-        Tensors inside ``payload`` travel as CPU copies."""
-        payload = _to_cpu(payload)
-        if not dist.is_initialized():
-            return [payload]
-        if self.grid.replica != 0:
-            return None
-        out: list[Any] | None = [None] * self.grid.pp if self.grid.rank == 0 else None
-        dist.gather_object(payload, out, dst=self.grid.rank_of(0, 0), group=self.pipe_group)
-        return out
-
-
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor (in dicts, lists, tuples) replaced by a detached CPU copy."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from exitlm.model.transformer import EarlyExitLM, StepContext
+from exitlm.parallel.memory import SavedBytes, param_storages
 from exitlm.parallel.pipeline.p2p import P2P, message_tag
 from exitlm.parallel.pipeline.schedule import Action, PipelineSchedule
 from exitlm.parallel.pipeline.slices import SliceKV
@@ -75,32 +76,6 @@ class StepStats:
     """Peak bytes saved for backward across in-flight microbatches (parameters excluded)."""
 
 
-class _SavedBytes:
-    """Counts bytes autograd saves for backward inside a ``with`` block (EE-LLM Sec. 3.2's
-    activation memory), excluding parameters and storages already counted."""
-
-    def __init__(self, exclude: set[int], seen: set[int] | None = None) -> None:
-        self.exclude = exclude
-        self.seen: set[int] = set() if seen is None else seen
-        self.bytes = 0
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self.exclude and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.bytes += st.nbytes()
-        return t
-
-    def __enter__(self) -> _SavedBytes:
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
-
-
 class StageExecutor:
     """Runs the actions of one stage for one step (see :func:`run_step`)."""
 
@@ -115,6 +90,7 @@ class StageExecutor:
         deferred_exits: bool = True,
         ignore_index: int = -100,
         measure_memory: bool = False,
+        seq_shards: int = 1,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -125,7 +101,8 @@ class StageExecutor:
         self.ignore_index = ignore_index
         self.measure = measure_memory
         self.dim = model.config.dim
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seq_shards = seq_shards  # sequence parallelism: activations are sequence shards
+        self.param_ptrs = param_storages(model)
         self.bounds = [0]
         for n in schedule.slices:
             self.bounds.append(self.bounds[-1] + n)
@@ -188,7 +165,7 @@ class StageExecutor:
                 x_in.requires_grad_()
         t0 = time.perf_counter()
         sl = _Slice(x_in=x_in)
-        meter = _SavedBytes(self.param_ptrs, sl.counted) if self.measure and grad_here else None
+        meter = SavedBytes(self.param_ptrs, sl.counted) if self.measure and grad_here else None
         with torch.set_grad_enabled(grad_here and torch.is_grad_enabled()):
             if meter is not None:
                 meter.__enter__()
@@ -271,7 +248,7 @@ class StageExecutor:
         t0 = time.perf_counter()
         mb = self.batches[a.mb]
         lo, hi = self.bounds[a.slice], self.bounds[a.slice + 1]
-        meter = (_SavedBytes(self.param_ptrs, set(sl.counted)) if self.measure and sl.deferred
+        meter = (SavedBytes(self.param_ptrs, set(sl.counted)) if self.measure and sl.deferred
                  else None)
         if meter is not None:
             meter.__enter__()
@@ -309,5 +286,7 @@ class StageExecutor:
             self.states.pop(a.mb, None)
 
     def _shape(self, a: Action) -> tuple[int, int, int]:
+        """The activations this process sends / receives for an action: the slice's tokens,
+        or this rank's sequence shard of them under sequence parallelism."""
         lo, hi = self.bounds[a.slice], self.bounds[a.slice + 1]
-        return (int(self.batches[a.mb].tokens.shape[0]), hi - lo, self.dim)
+        return (int(self.batches[a.mb].tokens.shape[0]), (hi - lo) // self.seq_shards, self.dim)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from exitlm.errors import ExitlmError
+from exitlm.parallel.health import ParallelError
 
 
-class PipelineError(ExitlmError, RuntimeError):
+class PipelineError(ParallelError):
     """A pipeline peer failed, timed out, or sent something unexpected."""
 
 

@@ -12,7 +12,9 @@ reaches. Regular microbatches go everywhere; EE-LLM's bubble-filling microbatche
 * Part 2 (cool-down bubble): the ``i``-th runs the whole forward, then the backward of only the
   last ``floor(p - i (f/b + 1))`` stages.
 
-``K = floor((p - 1) / (f/b + 1))`` per part (App. C.2.1) unless given.
+``K = floor((p - 1) / (f/b + 1))`` per part (App. C.2.1) unless given. The counts come from
+:mod:`exitlm.plan.cost_model` - one home for them - and ``exitlm plan pipeline`` simulates
+these very action lists (:func:`exitlm.plan.simulate.training_ops`).
 
 Schedules:
 
@@ -30,12 +32,16 @@ if the two ends of a link would see messages in different orders (NCCL matches i
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from exitlm.config import ConfigError
+from exitlm.plan.cost_model import (
+    bubble_fill_capacity,
+    part1_forward_depths,
+    part2_backward_stages,
+)
 
 
 @dataclass(frozen=True)
@@ -88,31 +94,19 @@ class PipelineSchedule:
                          for k, acts in enumerate(self.actions))
 
 
-def fill_counts(stages: int, backward_forward_ratio: float) -> int:
-    """How many microbatches fit one explicit bubble: ``floor((p-1) / (f/b + 1))``
-    (EE-LLM App. C.2.1)."""
-    fb = 1.0 / backward_forward_ratio
-    return max(0, math.floor((stages - 1) / (fb + 1) + 1e-9))
-
-
 def fill_routes(stages: int, exit_stages: Sequence[int], part: Literal[1, 2],
                 count: int, backward_forward_ratio: float) -> list[Route]:
-    """Routes of the ``count`` microbatches inserted into Part 1 or Part 2 (App. C.2.1)."""
-    routes = []
-    fb = 1.0 / backward_forward_ratio
-    for i in range(1, count + 1):
-        if part == 1:
-            reach = count - i  # 0-based index of stage K + 1 - i
-            with_exit = [s for s in exit_stages if s <= reach]
-            if not with_exit:
-                continue  # it would visit no loss: nothing to learn
-            routes.append(Route(fwd_last=max(with_exit), bwd_first=0, kind="fill1"))
-        else:
-            n = math.floor(stages - i * (fb + 1) + 1e-9)
-            if n < 1:
-                continue
-            routes.append(Route(fwd_last=stages - 1, bwd_first=stages - n, kind="fill2"))
-    return routes
+    """Routes of the ``count`` microbatches inserted into Part 1 or Part 2 (EE-LLM App.
+    C.2.1), from the cost model's functions (:func:`~exitlm.plan.cost_model.
+    part1_forward_depths`, :func:`~exitlm.plan.cost_model.part2_backward_stages`, with
+    ``f = 1`` and ``b = backward_forward_ratio``); microbatches that would reach no loss or
+    run no backward are left out."""
+    if part == 1:
+        n = [1 if k in set(exit_stages) else 0 for k in range(stages)]
+        return [Route(fwd_last=d - 1, bwd_first=0, kind="fill1")
+                for d in part1_forward_depths(n, count) if d > 0]
+    return [Route(fwd_last=stages - 1, bwd_first=stages - n, kind="fill2")
+            for n in part2_backward_stages(stages, 1.0, backward_forward_ratio, count) if n > 0]
 
 
 def build_schedule(
@@ -136,16 +130,15 @@ def build_schedule(
         raise ConfigError(f"a step needs at least one microbatch (train.grad_accum), got "
                           f"{microbatches}")
     routes = [Route(stages - 1) for _ in range(microbatches)]
-    part1: list[Route] = []
-    part2: list[Route] = []
-    if fill in ("warmup", "both"):
-        k = fill_counts(stages, backward_forward_ratio) if fill_microbatches is None \
-            else fill_microbatches
-        part1 = fill_routes(stages, exit_stages, 1, k, backward_forward_ratio)
-    if fill in ("cooldown", "both"):
-        k = fill_counts(stages, backward_forward_ratio) if fill_microbatches is None \
-            else fill_microbatches
-        part2 = fill_routes(stages, exit_stages, 2, k, backward_forward_ratio)
+    if fill not in ("none", "warmup", "cooldown", "both"):
+        raise ConfigError(f"parallel.bubble_fill must be none, warmup, cooldown or both, got "
+                          f"{fill!r}")
+    k = (bubble_fill_capacity(stages, 1.0, backward_forward_ratio)
+         if fill_microbatches is None else fill_microbatches)
+    part1 = fill_routes(stages, exit_stages, 1, k, backward_forward_ratio) \
+        if fill in ("warmup", "both") else []
+    part2 = fill_routes(stages, exit_stages, 2, k, backward_forward_ratio) \
+        if fill in ("cooldown", "both") else []
     n_slices = len(slices)
     regular = list(range(microbatches))
     p1 = list(range(microbatches, microbatches + len(part1)))
@@ -175,24 +168,110 @@ def build_schedule(
                 acts.append(b_reg[bi])
                 bi += 1
             acts += b_reg[bi:]
-        # Part 1: forwards after the same regular forward unit on every stage (the warm-up
-        # length of the deepest stage they reach), then their backwards, shortest route first.
-        mine1 = [m for m in p1 if all_routes[m].forwards(k)]
-        if mine1:
-            deepest = max(all_routes[m].fwd_last for m in p1)
-            at = _after_forward_units(acts, (n_slices - 1) + (stages - 1 - deepest)
-                                      if kind == "1f1b" else len(f_reg))
-            ins = fwd_units(mine1) + bwd_units(sorted(mine1, key=lambda m:
-                                                      all_routes[m].fwd_last))
-            acts = acts[:at] + ins + acts[at:]
-        # Part 2: forwards right after the last regular forward, backwards at the very end.
+        # Part 1, deepest microbatch first: its forwards after the same number of regular
+        # forward units on every stage it visits (both ends of a link must order messages
+        # alike) - in 1F1B the warm-up of its last stage plus that stage's first steady
+        # forward - and its backwards just before the stage's first regular backward.
+        for m in sorted((m for m in p1 if all_routes[m].forwards(k)),
+                        key=lambda m: -all_routes[m].fwd_last):
+            last = all_routes[m].fwd_last
+            at = _after_forward_units(acts, n_slices + stages - 1 - last if kind == "1f1b"
+                                      else len(f_reg))
+            while at < len(acts) and acts[at].mb in p1:  # after fills placed here before
+                at += 1
+            fwd = fwd_units([m])
+            acts = acts[:at] + fwd + acts[at:]
+            first_b = next((j for j, a in enumerate(acts)
+                            if a.kind == "B" and a.mb < microbatches), len(acts))
+            first_b = max(first_b, at + len(fwd))  # fewer microbatches than the warm-up
+            acts = acts[:first_b] + bwd_units([m]) + acts[first_b:]
+        # Part 2: the i-th extra forward rides in the cool-down gap after the regular
+        # backward of microbatch M - w - 1 + i (w: this stage's warm-up) in 1F1B without
+        # token slices, else right after the last regular forward; backwards go last.
         if p2:
-            at = _after_forward_units(acts, len(f_reg), only_regular=microbatches)
-            acts = acts[:at] + fwd_units(p2) + acts[at:]
+            warm = min(microbatches, stages - 1 - k)
+            for i, m in enumerate(p2):
+                target = microbatches - warm - 1 + i
+                spread = kind == "1f1b" and n_slices == 1 and i <= warm  # (slices: at the end)
+                at = _after_backward_of(acts, target) if spread else None
+                if at is None:  # after the last regular forward and the earlier extras
+                    before = set(regular) | set(p2[:i])
+                    at = 1 + max(j for j, a in enumerate(acts) if a.kind == "F"
+                                 and a.mb in before)
+                acts = acts[:at] + fwd_units([m]) + acts[at:]
             acts += bwd_units([m for m in p2 if all_routes[m].backwards(k)])
         sched.actions.append(acts)
+    if p2 and kind == "1f1b":
+        _order_cooldown(sched, microbatches, backward_forward_ratio)
     check_schedule(sched)
     return sched
+
+
+def _after_backward_of(acts: list[Action], mb: int) -> int | None:
+    """Index just after the last backward action of microbatch ``mb`` (``None``: none)."""
+    idx = [i for i, a in enumerate(acts) if a.kind == "B" and a.mb == mb]
+    return idx[-1] + 1 if idx else None
+
+
+def _order_cooldown(sched: PipelineSchedule, regular: int, ratio: float,
+                    rounds: int = 32) -> None:
+    """Order each stage's actions after its last regular backward by the time their inputs
+    arrive (simulated with forward 1, backward ``ratio`` per microbatch), forwards and
+    backwards each keeping their order so both ends of every link still agree; repeated
+    until stable. EE-LLM App. C.2.1: Part 2 then fills the cool-down bubbles without
+    lengthening the step (when the ratio is right)."""
+    from exitlm.plan.events import Op, simulate
+
+    share = [n / sum(sched.slices) for n in sched.slices]
+    for _ in range(rounds):
+        ops = []
+        for k, acts in enumerate(sched.actions):
+            row = []
+            for a in acts:
+                if a.kind == "F":
+                    deps = [("F", a.mb, a.slice, k - 1)] if k > 0 else []
+                    cost = share[a.slice]
+                else:
+                    deps = [("F", a.mb, a.slice, k)]
+                    if k < sched.routes[a.mb].fwd_last:
+                        deps.append(("B", a.mb, a.slice, k + 1))
+                    cost = ratio * share[a.slice]
+                row.append(Op((a.kind, a.mb, a.slice, k), k, "", a.kind, [("x", cost)], deps))
+            ops.append(row)
+        end = {op.key: op.end for op in simulate(ops).ops}
+        changed = False
+        for k, acts in enumerate(sched.actions):
+            last = max((i for i, a in enumerate(acts) if a.kind == "B" and a.mb < regular),
+                       default=-1)
+            tail = acts[last + 1:]
+            merged = _merge_by_readiness(tail, lambda a, k=k, end=end: _ready(sched, end, a, k))
+            if merged != tail:
+                sched.actions[k] = acts[: last + 1] + merged
+                changed = True
+        if not changed:
+            return
+
+
+def _ready(sched: PipelineSchedule, end: dict[tuple[str, int, int, int], float], a: Action,
+           k: int) -> float:
+    """When action ``a`` on stage ``k`` has its inputs, given simulated end times."""
+    if a.kind == "F":
+        return end.get(("F", a.mb, a.slice, k - 1), 0.0)
+    if k < sched.routes[a.mb].fwd_last:
+        return end[("B", a.mb, a.slice, k + 1)]
+    return end[("F", a.mb, a.slice, k)]
+
+
+def _merge_by_readiness(tail: list[Action], ready: Callable[[Action], float]) -> list[Action]:
+    """``tail``'s forwards and backwards merged by readiness (forwards first on ties), each
+    kind in its original order."""
+    queues = {"F": [a for a in tail if a.kind == "F"], "B": [a for a in tail if a.kind == "B"]}
+    merged = []
+    while queues["F"] or queues["B"]:
+        head = min((q[0] for q in queues.values() if q),
+                   key=lambda a: (ready(a), a.kind != "F"))
+        merged.append(queues[head.kind].pop(0))
+    return merged
 
 
 def _after_forward_units(acts: list[Action], n: int, only_regular: int | None = None) -> int:

@@ -1,0 +1,259 @@
+"""Tensor parallelism on a built model with ``torch.distributed.tensor`` (DTensor).
+
+Megatron-LM's layout, which EE-LLM trains under (EE-LLM Sec. 3.1: "existing functionalities
+... for data and tensor/sequence parallelism are directly applicable"), applied to an
+:class:`~exitlm.model.transformer.EarlyExitLM` after it is built (the model never imports
+``torch.distributed``):
+
+* attention: the fused ``wqkv`` projection column-wise, each rank holding ``H / T`` query
+  heads and ``Hkv / T`` key/value heads (GQA groups stay whole), ``wo`` row-wise;
+* MLP: the fused gate/up projection ``w_in`` column-wise, ``w_out`` row-wise;
+* the token (and learned position) embedding vocabulary-parallel: rows of ``(V, D)``
+  sharded, each rank looks up its own vocabulary range;
+* every output embedding - the LM head, an exit's own matrix, or the input embedding when
+  tied - sharded by vocabulary rows (EE-LLM Sec. 2: each exit holds an ``h x V`` matrix), so
+  logits are ``Shard(-1)`` DTensors and exit losses run under ``loss_parallel``, which never
+  gathers full-vocabulary logits;
+* exit heads sharded like layers: an MLP head like a layer's MLP, a block head like a layer;
+* optionally sequence parallelism (Korthikanti et al. 2022): norms and residual stream are
+  sharded along the sequence, all-gathered before attention / MLP, reduce-scattered after.
+
+A column-wise split of a *fused* weight must give rank ``r`` its part of each section (its
+query, key and value heads; its gate and up rows). Before sharding, the rows of such a weight
+are permuted to rank-major order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, and the attention / MLP
+modules are told their local head count and width (plain attributes they already have). The
+permutation is undone when tensors leave the layout (:meth:`TensorParallel.full`), so
+checkpoints hold the ordinary model's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from exitlm.config import ConfigError, ModelConfig
+from exitlm.model.layers import MLP, Attention, Block, Norm
+from exitlm.model.transformer import EarlyExitLM
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Raise a :class:`ConfigError` naming the setting when ``parallel.tp`` cannot split
+    this model: heads, key/value heads and the MLP width must divide evenly."""
+    if tp == 1:
+        return
+    sizes = {"model.num_heads": cfg.num_heads, "model.num_kv_heads": cfg.n_kv_heads,
+             "model.hidden_dim": cfg.hidden_dim}
+    for key, n in sizes.items():
+        if n % tp:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and all(v % d == 0
+                                                                  for v in sizes.values())]
+            raise ConfigError(f"parallel.tp={tp} does not divide {key}={n}: every rank needs "
+                              f"the same number of them; use parallel.tp in {ok}")
+
+
+def rank_major_rows(sections: list[int], tp: int) -> torch.Tensor:
+    """Row order that puts rank ``r``'s part of every section of a fused weight together:
+    ``sections`` are the row counts of the fused parts (q, k, v or gate, up); the result
+    ``idx`` makes ``W[idx]`` ``[s0_0 s1_0 ... | s0_1 s1_1 ... | ...]``."""
+    starts = [sum(sections[:i]) for i in range(len(sections))]
+    rows = []
+    for r in range(tp):
+        for start, n in zip(starts, sections, strict=True):
+            part = n // tp
+            rows.append(torch.arange(start + r * part, start + (r + 1) * part))
+    return torch.cat(rows)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: in-place changes reach the DTensor), or
+    ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel form of one model (or pipeline stage) on a 1-D ``tp`` mesh."""
+
+    mesh: DeviceMesh
+    sequence_parallel: bool
+    permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Parameter name -> row order (:func:`rank_major_rows`) of fused, permuted weights."""
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    # ----- tensors in and out -----------------------------------------------------------
+    def full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor ``name`` (a parameter or an optimizer state of one) in the
+        ordinary model's layout, on the CPU. Collective over the ``tp`` group for DTensors:
+        every rank of it calls this for the same names in the same order."""
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        t = t.detach()
+        perm = self.permutations.get(name)
+        if perm is not None and t.dim() > 0:
+            t = t[torch.argsort(perm).to(t.device)]
+        return t.cpu()
+
+    def shard_like(self, name: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``full`` (ordinary layout) as this rank holds parameter ``like``: the same
+        placements (no communication: every rank has ``full``)."""
+        if not isinstance(like, DTensor):
+            return full
+        perm = self.permutations.get(name)
+        if perm is not None:
+            full = full[perm.to(full.device)]
+        return distribute_tensor(full.to(like.device, like.dtype), self.mesh,
+                                 like.placements, src_data_rank=None)
+
+    def loss_context(self) -> contextlib.AbstractContextManager[None]:
+        """``loss_parallel``: cross-entropy on vocabulary-sharded logits, forward and
+        backward (both must run inside it)."""
+        return loss_parallel()
+
+    def counted_once(self, t: torch.Tensor) -> bool:
+        """Whether this rank's part of ``t`` is unique to it (a shard) rather than a copy
+        every rank of the group holds (for norms of gradients)."""
+        if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):
+            return True
+        return self.rank == 0
+
+    # ----- the output projection ----------------------------------------------------------
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel logits ``h @ weight.T``: ``h`` whole on every rank (gathered
+        along the sequence under sequence parallelism), ``weight`` sharded by vocabulary
+        rows; the result is a ``Shard(-1)`` DTensor (no full-vocabulary logits exist)."""
+        if not isinstance(h, DTensor):
+            seq = [Shard(1)] if self.sequence_parallel else [Replicate()]
+            h = DTensor.from_local(h, self.mesh, seq, run_check=False)
+        if h.placements != (Replicate(),):
+            h = h.redistribute(self.mesh, [Replicate()])
+        if not isinstance(weight, DTensor):
+            weight = DTensor.from_local(weight, self.mesh, [Replicate()], run_check=False)
+        return F.linear(h, weight)
+
+
+def apply_tensor_parallel(model: EarlyExitLM, mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False) -> TensorParallel:
+    """Shard ``model`` (whole, or a pruned pipeline stage) over ``mesh`` in place and route
+    its logits through :meth:`TensorParallel.project`. Layers and shared tensors a stage
+    does not hold (placeholders, emptied parameters) are left alone."""
+    tp = mesh.size()
+    check_tensor_parallel(model.config, tp)
+    plan = TensorParallel(mesh, sequence_parallel)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for i, block in enumerate(model.layers):
+        if isinstance(block, Block):
+            _shard_block(block, f"layers.{i}", plan, seq)
+    for key, head in model.exits.items():
+        prefix = f"exits.{key}"
+        if head.block is not None:
+            _shard_block(head.block, f"{prefix}.block", plan, seq)
+        if head.mlp is not None:
+            assert head.mlp_norm is not None
+            _shard_norm(head.mlp_norm, plan)
+            _shard_mlp(head.mlp, f"{prefix}.mlp", plan, seq)
+        if head.norm is not None:
+            _shard_norm(head.norm, plan)
+        if head.proj is not None:
+            _shard_rows(head.proj, mesh)
+    for emb in (model.embed_tokens, model.embed_positions):
+        if emb is not None and emb.weight.numel() > 0:
+            parallelize_module(emb, mesh, _local_data(RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=seq)))
+    if model.norm.weight.numel() > 0:
+        _shard_norm(model.norm, plan)
+    if model.lm_head is not None and model.lm_head.weight.numel() > 0:
+        _shard_rows(model.lm_head, mesh)
+    model.project = plan.project  # type: ignore[method-assign]
+    return plan
+
+
+def _shard_block(block: Block, prefix: str, plan: TensorParallel, seq: Any) -> None:
+    _shard_norm(block.norm_attn, plan)
+    _shard_norm(block.norm_mlp, plan)
+    _shard_attention(block.attn, f"{prefix}.attn", plan, seq)
+    _shard_mlp(block.mlp, f"{prefix}.mlp", plan, seq)
+
+
+def _shard_attention(attn: Attention, prefix: str, plan: TensorParallel, seq: Any) -> None:
+    tp, d = plan.size, attn.head_dim
+    sections = [attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d]
+    _permute_rows(attn.wqkv, f"{prefix}.wqkv", sections, plan)
+    attn.num_heads //= tp  # the local head counts the module reshapes its projections by
+    attn.num_kv_heads //= tp
+    parallelize_module(attn, plan.mesh, {
+        "wqkv": _local_data(ColwiseParallel()),
+        "wo": _local_data(RowwiseParallel(output_layouts=seq)),
+    })
+    if plan.sequence_parallel:  # (x, rope, cache, slot, plan, mask): gather x's sequence
+        parallelize_module(attn, plan.mesh, PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None, None),
+            use_local_output=True))
+
+
+def _shard_mlp(mlp: MLP, prefix: str, plan: TensorParallel, seq: Any) -> None:
+    if mlp.gated:
+        _permute_rows(mlp.w_in, f"{prefix}.w_in", [mlp.hidden, mlp.hidden], plan)
+    mlp.hidden //= plan.size
+    parallelize_module(mlp, plan.mesh, {
+        "w_in": _local_data(ColwiseParallel()),
+        "w_out": _local_data(RowwiseParallel(output_layouts=seq)),
+    })
+    if plan.sequence_parallel:
+        parallelize_module(mlp, plan.mesh, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_output=True))
+
+
+def _shard_norm(norm: Norm, plan: TensorParallel) -> None:
+    """Norms are replicated; under sequence parallelism they run on sequence shards and
+    their parameters' gradients are summed over the group."""
+    if plan.sequence_parallel:
+        parallelize_module(norm, plan.mesh, _local_data(SequenceParallel()))
+
+
+def _shard_rows(linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """An output embedding used through :meth:`EarlyExitLM.project`: vocabulary rows."""
+    linear.weight = nn.Parameter(
+        distribute_tensor(linear.weight.detach(), mesh, [Shard(0)], src_data_rank=None),
+        requires_grad=linear.weight.requires_grad)
+
+
+def _permute_rows(linear: nn.Linear, name: str, sections: list[int],
+                  plan: TensorParallel) -> None:
+    perm = rank_major_rows(sections, plan.size)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight[perm.to(linear.weight.device)])
+        plan.permutations[f"{name}.weight"] = perm
+        if linear.bias is not None:
+            linear.bias.copy_(linear.bias[perm.to(linear.bias.device)])
+            plan.permutations[f"{name}.bias"] = perm
+
+
+def _local_data(style: Any) -> Any:
+    """``style`` sharding the tensors every rank already holds (identical models from the
+    same seed or checkpoint) without a broadcast from rank 0."""
+    style.src_data_rank = None
+    return style
