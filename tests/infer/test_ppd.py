@@ -75,3 +75,17 @@ def test_ppd_batch_runs_one_sequence_at_a_time() -> None:
     got = generate(model, None, prompts, strategy="ppd", ppd_layer=3, max_new_tokens=NEW)
     assert got.token_ids == ar
     assert got.stats.forks == len(prompts) * (NEW - 2)
+
+
+@pytest.mark.parametrize(("prompt_len", "new"), [(60, 12), (150, 10)])
+def test_ppd_at_the_pool_and_context_edges(prompt_len: int, new: int) -> None:
+    """The branch writes one position past the main token's: the pool must hold it when a
+    sequence crosses the pool's allocation unit (64 positions) or fills the whole context."""
+    model = ee_model(every_layer=True)
+    prompt = random_prompts(sizes=(prompt_len,))[0]
+    ar = generate(model, None, prompt, max_new_tokens=new).token_ids
+    # every token a candidate: every fork is confirmed and copies the branch's entry
+    got = generate(model, None, prompt, strategy="ppd", ppd_layer=2, ppd_k=23,
+                   max_new_tokens=new)
+    assert got.token_ids == ar
+    assert got.stats.matches == got.stats.forks == new - 2

@@ -146,6 +146,14 @@ class PPDDecoder(Decoder):
         return {**super().resolved_options(), "ppd_layer": self.d_bar, "ppd_k": self.k,
                 "draft_vocab": self.head.vocab}
 
+    def lookahead(self, seq: Seq) -> int:
+        """A confirmed branch's entry lands one position past the token being decoded."""
+        return 2
+
+    @property
+    def max_lookahead(self) -> int:
+        return 2
+
     def check(self, seq: Seq) -> None:
         if not seq.sampling.greedy:
             raise ConfigError("ppd is exact greedy decoding; use temperature=0")
