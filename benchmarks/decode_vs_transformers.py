@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from _bench import note
 from exitlm.infer import generate
 from exitlm.io import load_model
 from exitlm.io.default_model import default_gguf_path
@@ -51,9 +52,6 @@ class _StreamTimer:
     def end(self) -> None:
         pass
 
-
-def _note(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def load_transformers_fp32() -> torch.nn.Module:
@@ -146,7 +144,7 @@ def bench_dtype(
             "transformers_decode_tokens_per_s": b["decode_tokens"] / b["decode_s"],
             "exitlm_prefill_s": a["prefill_s"], "transformers_prefill_s": b["prefill_s"],
         })
-        _note(f"{name}: {rows[-1]['exitlm_decode_tokens_per_s']:.1f} vs "
+        note(f"{name}: {rows[-1]['exitlm_decode_tokens_per_s']:.1f} vs "
               f"{rows[-1]['transformers_decode_tokens_per_s']:.1f} tok/s, identical={same}")
     ex, tr = _summary(mine), _summary(theirs)
     return {
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [d for d in names if d not in DTYPES]
     if unknown:
         ap.error(f"unknown dtypes {unknown}; choose from {list(DTYPES)}")
-    _note("loading transformers' model from the GGUF ...")
+    note("loading transformers' model from the GGUF ...")
     hf = load_transformers_fp32()
     results = {name: bench_dtype(name, hf, prompts, new, repeats) for name in names}
     import transformers

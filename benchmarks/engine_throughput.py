@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from _bench import note, percentile
 from exitlm.infer import Engine, SamplingOptions, generate, get_strategy
 from exitlm.io import load_model
 
@@ -49,15 +50,6 @@ TEXTS = [
 ]
 
 
-def _note(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 @dataclass
@@ -98,8 +90,9 @@ def serve(model: Any, tok: Any, strategy: str, options: Any, prompts: list[list[
     ttft = [t.times[0] - t.arrival for t in traces]
     itl = [b - a for t in traces for a, b in zip(t.times, t.times[1:], strict=False)]
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "token_latency_p50_s": _pct(itl, 0.5), "token_latency_p99_s": _pct(itl, 0.99),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "token_latency_p50_s": percentile(itl, 0.5),
+            "token_latency_p99_s": percentile(itl, 0.99),
             "threads_used": engine.threads.current}
 
 
@@ -112,9 +105,9 @@ def throughput(model: Any, tok: Any, strategy: str, options: Any, n: int, max_ba
     out: dict[str, Any] = {"requests": n, "prompt_tokens": [len(p) for p in prompts],
                            "max_new_tokens": budgets}
     for name, g in (("all_at_once", 0.0), ("staggered", gap)):
-        _note(f"engine_throughput: {strategy} {name}: batched ...")
+        note(f"engine_throughput: {strategy} {name}: batched ...")
         batched = serve(model, tok, strategy, options, prompts, budgets, max_batch, g, threads)
-        _note(f"engine_throughput: {strategy} {name}: one at a time ...")
+        note(f"engine_throughput: {strategy} {name}: one at a time ...")
         single = serve(model, tok, strategy, options, prompts, budgets, 1, g, threads)
         out[name] = {"engine": batched, "one_at_a_time": single,
                      "throughput_ratio": batched["tokens_per_s"] / single["tokens_per_s"]}
@@ -141,7 +134,7 @@ def busy(model: Any, tok: Any, new: int) -> dict:
             _decode_speed(model, tok, 1, 4)
             out[load] = {}
             for name, n in settings.items():
-                _note(f"engine_throughput: {load} machine, threads {name} ...")
+                note(f"engine_throughput: {load} machine, threads {name} ...")
                 out[load][name] = max(_decode_speed(model, tok, n, new) for _ in range(2))
         finally:
             if spinner is not None:

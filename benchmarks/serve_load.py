@@ -46,19 +46,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from _bench import note, percentile
+
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _note(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` (nearest rank)."""
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 # ----- prompts -------------------------------------------------------------------------------
@@ -198,10 +188,10 @@ def run_level(url: str, target: Target, prompts: list[str], clients: int, max_to
         "clients": clients, "requests": len(samples), "wall_s": round(wall, 3),
         "generated_tokens": tokens, "throughput_tok_s": round(tokens / wall, 2),
         "requests_per_s": round(len(samples) / wall, 3),
-        "ttft_p50_s": round(_pct([s.ttft for s in samples], 0.5), 3),
-        "ttft_p99_s": round(_pct([s.ttft for s in samples], 0.99), 3),
-        "latency_p50_s": round(_pct([s.latency for s in samples], 0.5), 3),
-        "latency_p99_s": round(_pct([s.latency for s in samples], 0.99), 3),
+        "ttft_p50_s": round(percentile([s.ttft for s in samples], 0.5), 3),
+        "ttft_p99_s": round(percentile([s.ttft for s in samples], 0.99), 3),
+        "latency_p50_s": round(percentile([s.latency for s in samples], 0.5), 3),
+        "latency_p99_s": round(percentile([s.latency for s in samples], 0.99), 3),
     }
     stats = [s.early_exit["stats"] for s in samples if s.early_exit and s.early_exit["stats"]]
     if stats and "drafted" in stats[0]:
@@ -213,7 +203,7 @@ def run_level(url: str, target: Target, prompts: list[str], clients: int, max_to
 
 def load_target(target: Target, levels: list[int], min_requests: int, max_tokens: int
                 ) -> dict[str, Any]:
-    _note(f"[{target.name}] starting: {' '.join(target.cmd[1:])}")
+    note(f"[{target.name}] starting: {' '.join(target.cmd[1:])}")
     t0 = time.perf_counter()
     server = ServerProcess(target)
     started = time.perf_counter() - t0
@@ -224,7 +214,7 @@ def load_target(target: Target, levels: list[int], min_requests: int, max_tokens
         for c in levels:
             prompts = snippets(target.prompt_chars, max(min_requests, 2 * c))
             r = run_level(server.url, target, prompts, c, max_tokens)
-            _note(f"[{target.name}] {c:>2} clients: {r['throughput_tok_s']:7.1f} tok/s, "
+            note(f"[{target.name}] {c:>2} clients: {r['throughput_tok_s']:7.1f} tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, latency p50 "
                   f"{r['latency_p50_s']:.2f}s p99 {r['latency_p99_s']:.2f}s"
                   + (f", acceptance {r['draft_acceptance']:.0%}" if "draft_acceptance" in r
