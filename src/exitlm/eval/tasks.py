@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from exitlm.config import ConfigError
 from exitlm.infer.rouge import rouge_l
@@ -130,7 +133,8 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     outputs: dict[str, list[str]] = {}
     for vname, (strategy, opts) in variants.items():
         texts, dec_tokens, dec_s = [], 0, 0.0
-        for prompt in task.prompts:
+        for prompt in tqdm(task.prompts, desc=f"{name}: {vname}", unit="prompt",
+                           file=sys.stderr, leave=False):
             res = generate(bench.model, bench.tokenizer, prompt, strategy=strategy,
                            max_new_tokens=task.max_new_tokens, stop_strings=task.stop,
                            **opts)
