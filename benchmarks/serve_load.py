@@ -4,12 +4,14 @@ For every target - the default model (SmolLM2-135M-Instruct, greedy AR) and, wit
 ``--layerskip PATH``, a LayerSkip-trained model (AR and self-speculative decoding) - one server
 runs with continuous batching (``--max-batch``, default 8) and, in the same run, one with
 ``--max-batch 1`` (requests queue and are decoded one at a time). Each server gets, in turn,
-1, 4 and 16 concurrent clients (``--concurrency``); every client streams completions of mixed
-prompt lengths (short, medium and long snippets of the Python standard library's source)
-until the level's requests (``max(--min-requests, 2 x clients)``) are done. Reported per level:
-generated tokens / wall time (throughput), requests / s, time to first token p50/p99 and
-request latency p50/p99 (from the client's send), and for self-speculative decoding the draft
-acceptance the server reports (``early_exit``).
+1, 4 and 16 concurrent clients (``--concurrency``; at each level the batched server, then the
+``--max-batch 1`` one, both started up front, so that load drifting during the run shifts both
+alike); every client streams completions of mixed prompt lengths (short, medium and long
+snippets of the Python standard library's source) until the level's requests
+(``max(--min-requests, 2 x clients)``) are done. Reported per level: generated tokens / wall
+time (throughput, and the batched server's over ``--max-batch 1``'s), requests / s, time to
+first token p50/p99 and request latency p50/p99 (from the client's send), and for
+self-speculative decoding the draft acceptance the server reports (``early_exit``).
 
 With ``--llama-cpp PYTHON`` (a Python with ``llama-cpp-python[server]``), the same load goes to
 llama.cpp's OpenAI server (``python -m llama_cpp.server``, which decodes one request at a
@@ -201,38 +203,55 @@ def run_level(url: str, target: Target, prompts: list[str], clients: int, max_to
     return out
 
 
-def load_target(target: Target, levels: list[int], min_requests: int, max_tokens: int
-                ) -> dict[str, Any]:
-    note(f"[{target.name}] starting: {' '.join(target.cmd[1:])}")
-    t0 = time.perf_counter()
-    server = ServerProcess(target)
-    started = time.perf_counter() - t0
+def _level_note(name: str, r: dict[str, Any]) -> None:
+    note(f"[{name}] {r['clients']:>2} clients: {r['throughput_tok_s']:7.1f} tok/s, "
+         f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, latency p50 "
+         f"{r['latency_p50_s']:.2f}s p99 {r['latency_p99_s']:.2f}s"
+         + (f", acceptance {r['draft_acceptance']:.0%}" if "draft_acceptance" in r else ""))
+
+
+def load_group(group: list[Target], levels: list[int], min_requests: int, max_tokens: int
+               ) -> list[dict[str, Any]]:
+    """Load the servers of ``group`` (one configuration with different ``--max-batch``) level
+    by level, one server after the other at each level: the servers wait idle while another
+    one is measured, and a machine whose load drifts during the run shifts every server's
+    figures of a level alike, so their ratios hold."""
+    servers: list[ServerProcess] = []
+    started: list[float] = []
+    results: list[list[dict[str, Any]]] = [[] for _ in group]
     try:
-        stream_once(server.url, {"model": target.model, "prompt": "warm up", "max_tokens": 4,
-                                 "temperature": 0, "stream": True, **target.extra})
-        results = []
+        for target in group:
+            note(f"[{target.name}] starting: {' '.join(target.cmd[1:])}")
+            t0 = time.perf_counter()
+            servers.append(ServerProcess(target))
+            started.append(time.perf_counter() - t0)
+            stream_once(servers[-1].url, {"model": target.model, "prompt": "warm up",
+                                          "max_tokens": 4, "temperature": 0, "stream": True,
+                                          **target.extra})
         for c in levels:
-            prompts = snippets(target.prompt_chars, max(min_requests, 2 * c))
-            r = run_level(server.url, target, prompts, c, max_tokens)
-            note(f"[{target.name}] {c:>2} clients: {r['throughput_tok_s']:7.1f} tok/s, "
-                  f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, latency p50 "
-                  f"{r['latency_p50_s']:.2f}s p99 {r['latency_p99_s']:.2f}s"
-                  + (f", acceptance {r['draft_acceptance']:.0%}" if "draft_acceptance" in r
-                     else ""))
-            results.append(r)
+            for target, server, out in zip(group, servers, results, strict=True):
+                prompts = snippets(target.prompt_chars, max(min_requests, 2 * c))
+                out.append(run_level(server.url, target, prompts, c, max_tokens))
+                _level_note(target.name, out[-1])
     finally:
-        server.stop()
-    return {"name": target.name, "command": target.cmd[1:], "startup_s": round(started, 2),
-            "levels": results}
+        for server in servers:
+            server.stop()
+    if len(group) == 2:  # the batched server's throughput over --max-batch 1's, per level
+        for batched, single in zip(*results, strict=True):
+            batched["throughput_vs_max_batch_1"] = round(
+                batched["throughput_tok_s"] / single["throughput_tok_s"], 2)
+    return [{"name": t.name, "command": t.cmd[1:], "startup_s": round(s, 2), "levels": r}
+            for t, s, r in zip(group, started, results, strict=True)]
 
 
 # ----- the run ------------------------------------------------------------------------------
 
-def targets(args: argparse.Namespace) -> list[Target]:
+def targets(args: argparse.Namespace) -> list[list[Target]]:
+    """The server groups to load: each configuration batched and with ``--max-batch 1``."""
     exitlm = [sys.executable, "-m", "exitlm", "serve"]
     common = ["--threads", "1", "--port", "0", "--log-level", "warning"]
     long_prompts = (60, 300, 1200)
-    out: list[Target] = []
+    out: list[list[Target]] = []
     # (label, model, strategy args, prompt lengths, extra body)
     configs: list[tuple[str, str, list[str], tuple[int, ...], dict[str, Any]]] = [
         ("default/ar", "default", [], long_prompts, {"ignore_eos": True})]
@@ -243,10 +262,9 @@ def targets(args: argparse.Namespace) -> list[Target]:
                      ["--strategy", "self-spec", *args.self_spec_args.split()], short,
                      {"ignore_eos": True})]
     for label, model, strat, lengths, extra in configs:
-        for batch in (args.max_batch, 1):
-            out.append(Target(f"{label} max-batch {batch}",
-                              [*exitlm, model, *strat, "--max-batch", str(batch), *common],
-                              model, lengths, extra))
+        out.append([Target(f"{label} max-batch {batch}",
+                           [*exitlm, model, *strat, "--max-batch", str(batch), *common],
+                           model, lengths, extra) for batch in (args.max_batch, 1)])
     if args.llama_cpp:
         from exitlm.io.default_model import default_gguf_path
         from exitlm.io.loader import load_model
@@ -254,14 +272,14 @@ def targets(args: argparse.Namespace) -> list[Target]:
         eos = load_model("default").tokenizer.eos_token_ids  # type: ignore[union-attr]
         port = _free_port()
         gguf = str(default_gguf_path())
-        out.append(Target(
+        out.append([Target(
             "llama.cpp (llama-cpp-python server)",
             [args.llama_cpp, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "1",
              "--n_threads_batch", "1", "--n_ctx", "2048", "--interrupt_requests", "False",
              "--host", "127.0.0.1",
              "--port", str(port)],
             gguf, long_prompts, {"logit_bias": {str(t): -100 for t in eos}},
-            ready=r"Uvicorn running on", port=port))
+            ready=r"Uvicorn running on", port=port)])
     return out
 
 
@@ -286,8 +304,11 @@ def main() -> None:
     if args.quick:
         args.concurrency, args.min_requests, args.max_tokens = "1,2", 2, 4
     levels = [int(x) for x in args.concurrency.split(",")]
-    runs = [load_target(t, levels, args.min_requests, args.max_tokens)
-            for t in targets(args) if args.only is None or args.only in t.name]
+    runs = []
+    for group in targets(args):
+        group = [t for t in group if args.only is None or args.only in t.name]
+        if group:
+            runs += load_group(group, levels, args.min_requests, args.max_tokens)
     print(json.dumps({
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
