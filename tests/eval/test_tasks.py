@@ -53,5 +53,9 @@ def test_bench_task_table(task: str, tmp_path: Path, capsys: pytest.CaptureFixtu
         assert row[metric] == rows["ar"][metric]
         assert row["decode_tokens_per_s"] > 0
     assert rows["ar"]["speedup_vs_ar"] == 1.0
-    assert (tmp_path / "out" / f"task_{task}.json").is_file()
+    saved = json.loads((tmp_path / "out" / f"task_{task}.json").read_text())
+    assert saved["results"] == rows and len(saved["completions"]) == 2
+    for item in saved["completions"]:  # every completion with its score, per strategy
+        assert item["ar"]["text"] == item["self-spec"]["text"]
+        assert item["ar"]["score"] == item["early-exit"]["score"]
     assert (tmp_path / "out" / f"task_{task}.png").is_file()

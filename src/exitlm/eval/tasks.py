@@ -118,8 +118,8 @@ TASKS = {"humaneval": humaneval_task, "docstrings": docstring_task}
 def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
              max_new_tokens: int | None = None) -> dict[str, Any]:
     """Every configured strategy of ``bench`` (:class:`~exitlm.infer.bench.Bench`) on task
-    ``name``: quality, tokens/s, speed-up over AR; writes ``task_<name>.json`` and a plot.
-    ``max_new_tokens`` replaces the task's own budget."""
+    ``name``: quality, tokens/s, speed-up over AR; writes ``task_<name>.json`` (with every
+    completion and its score) and a plot. ``max_new_tokens`` replaces the task's own budget."""
     from exitlm.infer.api import generate
     from exitlm.infer.bench import OURS, default_variants
 
@@ -129,23 +129,27 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     if max_new_tokens is not None:
         task.max_new_tokens = max_new_tokens
     variants = {k: v for k, v in default_variants(bench).items() if v[0] in OURS}
-    rows: dict[str, dict[str, Any]] = {}
-    outputs: dict[str, list[str]] = {}
-    for vname, (strategy, opts) in variants.items():
-        texts, dec_tokens, dec_s = [], 0, 0.0
-        for prompt in tqdm(task.prompts, desc=f"{name}: {vname}", unit="prompt",
-                           file=sys.stderr, leave=False):
+    outputs: dict[str, list[str]] = {v: [] for v in variants}
+    dec_tokens = dict.fromkeys(variants, 0)
+    dec_s = dict.fromkeys(variants, 0.0)
+    # every strategy on one prompt before the next prompt: a machine whose load drifts during
+    # the run slows every strategy alike, so the speed-ups hold
+    for prompt in tqdm(task.prompts, desc=name, unit="prompt", file=sys.stderr, leave=False):
+        for vname, (strategy, opts) in variants.items():
             res = generate(bench.model, bench.tokenizer, prompt, strategy=strategy,
                            max_new_tokens=task.max_new_tokens, stop_strings=task.stop,
                            **opts)
-            texts.append(res.text)
-            dec_tokens += res.timings.decode_tokens
-            dec_s += res.timings.decode_s
-        scores = task.score(texts)
-        outputs[vname] = texts
+            outputs[vname].append(res.text)
+            dec_tokens[vname] += res.timings.decode_tokens
+            dec_s[vname] += res.timings.decode_s
+    scores = {vname: task.score(texts) for vname, texts in outputs.items()}
+    rows: dict[str, dict[str, Any]] = {}
+    for vname, (strategy, opts) in variants.items():
         rows[vname] = {"strategy": strategy, "options": opts,
-                       task.metric: sum(scores) / len(scores),
-                       "decode_tokens_per_s": dec_tokens / dec_s if dec_s else 0.0}
+                       task.metric: sum(scores[vname]) / len(task.prompts),
+                       "decode_tokens_per_s": (dec_tokens[vname] / dec_s[vname]
+                                               if dec_s[vname] else 0.0),
+                       "decode_tokens": dec_tokens[vname]}
     base = rows["ar"]["decode_tokens_per_s"]
     for vname, row in rows.items():
         row["speedup_vs_ar"] = row["decode_tokens_per_s"] / base if base else 0.0
@@ -153,9 +157,14 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
                                                               strict=True)) / len(task.prompts)
     report = {"task": name, "metric": task.metric, "items": len(task.prompts),
               "max_new_tokens": task.max_new_tokens, "results": rows}
+    completions = [{"prompt": p, **{v: {"text": outputs[v][i], "score": scores[v][i]}
+                                    for v in variants}}
+                   for i, p in enumerate(task.prompts)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"task_{name}.json").write_text(json.dumps(report, indent=2) + "\n",
-                                               encoding="utf-8")
+    path = out_dir / f"task_{name}.json"
+    path.write_text(json.dumps({**report, "completions": completions}, indent=2) + "\n",
+                    encoding="utf-8")
+    report["completions_file"] = str(path)
     report["plot"] = _plot(out_dir / f"task_{name}.png", name, task.metric, rows)
     return report
 
