@@ -1,0 +1,148 @@
+"""PPD with branch worker processes vs thread PPD vs plain greedy decoding (one JSON).
+
+Predictive Pipelined Decoding (PPD Sec. 3) overlaps the next token's first ``d - d_bar``
+layers with the current token's last ones. This measures, in one run and interleaved prompt
+by prompt (so drift on a shared machine hits every strategy alike), the decode latency per
+token of:
+
+* ``ar``: plain greedy decoding (the baseline and the time unit: one layer = AR's time per
+  token / d);
+* ``ppd-thread``: PPD with its branch on a Python thread (serialised by the GIL on CPU);
+* ``ppd-process``: PPD with its branch in a spawned worker process, KV in shared memory
+  (:mod:`exitlm.infer.ppd_workers`);
+
+every process at one thread. It reports the measured ``p_correct``, PPD Theorem 4.1's
+predicted latency for it, exact match with AR, and the per-token hand-off cost (round trip of
+an empty message to the worker) and the time the main process spent waiting for the worker.
+
+    python benchmarks/ppd_processes.py /work/main/runs/scratch-layerskip/model
+    python benchmarks/ppd_processes.py default --ppd-layer 20 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def run_one(engine: Any, ids: list[int], new: int) -> tuple[list[int], float, int, Any]:
+    """One request to completion: tokens, decode seconds (after the first token), decoded
+    tokens, statistics."""
+    from exitlm.infer.options import SamplingOptions
+
+    req = engine.submit(ids, SamplingOptions(max_new_tokens=new, ignore_eos=True))
+    engine.run()
+    toks = req.token_ids
+    return toks, req.t_end - req.t_first, max(0, len(toks) - 1), req.seq.stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="/work/main/runs/scratch-layerskip/model",
+                    help="model name or checkpoint directory (skipped when absent)")
+    ap.add_argument("--ppd-layer", type=int, default=None, help="d_bar (default: d/2)")
+    ap.add_argument("--ppd-k", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128,
+                    help="keep the last N tokens of each prompt (byte-level models)")
+    ap.add_argument("--layerskip-exits", action="store_true",
+                    help="give a model without exits LayerSkip exits at every layer")
+    args = ap.parse_args(argv)
+
+    from exitlm.config import ExitConfig
+    from exitlm.infer.bench import builtin_prompts
+    from exitlm.infer.engine import Engine
+    from exitlm.infer.ppd import PPDOptions, PPDStats
+    from exitlm.io.loader import load_model
+    from exitlm.plan import ppd_theory
+
+    if "/" in args.model and not Path(args.model).exists():
+        print(json.dumps({"skipped": f"model {args.model} not found"}))
+        return 0
+    torch.set_num_threads(1)
+    exits = ExitConfig(every_layer=True) if args.layerskip_exits else None
+    loaded = load_model(args.model, exits=exits)
+    model, tok = loaded.model, loaded.tokenizer
+    d = model.num_layers
+    d_bar = args.ppd_layer or (d + 1) // 2
+    texts = builtin_prompts(args.num_prompts)
+    room = model.config.max_seq_len - args.max_new_tokens - 2
+    prompts = [(tok.encode(t) if tok is not None else list(t.encode()))[-min(
+        args.prompt_tokens, room):] for t in texts]
+
+    variants = {
+        "ar": ("ar", None),
+        "ppd-thread": ("ppd", PPDOptions(ppd_layer=d_bar, ppd_k=args.ppd_k)),
+        "ppd-process": ("ppd", PPDOptions(ppd_layer=d_bar, ppd_k=args.ppd_k,
+                                          ppd_workers="process")),
+    }
+    engines = {name: Engine(model, tok, strat, opts, max_batch=1, threads=1)
+               for name, (strat, opts) in variants.items()}
+    out: dict[str, Any] = {"model": args.model, "d": d, "d_bar": d_bar, "k": args.ppd_k,
+                           "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+                           "repeats": args.repeats, "threads_per_process": 1,
+                           "note": "2-core machine shared with other jobs"}
+    try:
+        t0 = time.perf_counter()  # warm-up: spawns the worker, first-call allocations
+        for e in engines.values():
+            run_one(e, prompts[0], 4)
+        out["warmup_s"] = time.perf_counter() - t0
+        worker = engines["ppd-process"].decoder.worker  # type: ignore[attr-defined]
+        out["handoff_round_trip_us"] = worker.ping(300) * 1e6
+        worker.waited_s, worker.joins = 0.0, 0
+        secs = {n: 0.0 for n in engines}
+        toks = {n: 0 for n in engines}
+        exact = {n: True for n in engines}
+        stats: dict[str, list[PPDStats]] = {n: [] for n in engines}
+        per_token: dict[str, list[float]] = {n: [] for n in engines}
+        for _ in range(args.repeats):
+            for ids in prompts:
+                ref: list[int] | None = None
+                for name, e in engines.items():
+                    got, s, n, st = run_one(e, ids, args.max_new_tokens)
+                    ref = got if ref is None else ref
+                    exact[name] &= got == ref
+                    secs[name] += s
+                    toks[name] += n
+                    per_token[name].append(s / max(n, 1))
+                    if isinstance(st, PPDStats):
+                        stats[name].append(st)
+        ar_tok = secs["ar"] / toks["ar"]
+        out["layer_ms"] = ar_tok / d * 1e3
+        for name in engines:
+            row: dict[str, Any] = {
+                "ms_per_token": secs[name] / toks[name] * 1e3,
+                "median_ms_per_token": statistics.median(per_token[name]) * 1e3,
+                "speedup_vs_ar": ar_tok / (secs[name] / toks[name]),
+                "exact_match_with_ar": exact[name],
+            }
+            if stats[name]:
+                p = PPDStats.total(stats[name]).p_correct
+                ell = toks[name] // len(stats[name])
+                theory = ppd_theory.predict(d, d_bar, args.ppd_k, ell, p)
+                pred = ar_tok * theory["latency_per_token_normalized"]
+                row.update({"p_correct": p,
+                            "theorem_4_1_ms_per_token": pred * 1e3,
+                            "theorem_4_1_speedup": theory["speedup"],
+                            "measured_over_predicted_latency": secs[name] / toks[name] / pred})
+            out[name] = row
+        out["ppd-process"]["main_wait_on_worker_ms_per_token"] = (
+            worker.waited_s / max(worker.joins, 1) * 1e3)
+    finally:
+        for e in engines.values():
+            e.close()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
