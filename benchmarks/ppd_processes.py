@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         out["warmup_s"] = time.perf_counter() - t0
         worker = engines["ppd-process"].decoder.worker  # type: ignore[attr-defined]
         out["handoff_round_trip_us"] = worker.ping(300) * 1e6
-        worker.waited_s, worker.joins = 0.0, 0
+        worker.waited_s, worker.branch_s, worker.joins = 0.0, 0.0, 0
+        out["load_average_before"] = os.getloadavg()[0]
         secs = {n: 0.0 for n in engines}
         toks = {n: 0 for n in engines}
         exact = {n: True for n in engines}
@@ -135,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                             "theorem_4_1_speedup": theory["speedup"],
                             "measured_over_predicted_latency": secs[name] / toks[name] / pred})
             out[name] = row
-        out["ppd-process"]["main_wait_on_worker_ms_per_token"] = (
+        out["ppd-process"]["main_wait_on_worker_ms_per_fork"] = (
             worker.waited_s / max(worker.joins, 1) * 1e3)
+        out["ppd-process"]["worker_compute_ms_per_fork"] = (
+            worker.branch_s / max(worker.joins, 1) * 1e3)
+        out["load_average_after"] = os.getloadavg()[0]
     finally:
         for e in engines.values():
             e.close()

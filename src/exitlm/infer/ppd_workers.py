@@ -140,9 +140,10 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                 elif msg[0] == "fork":
                     assert cache is not None and out is not None, "fork before attach"
                     p, tokens = msg[1], msg[2]
+                    t0 = time.perf_counter()
                     for j, tok in enumerate(tokens):
                         out[j] = branch_forward(model, cache.rows(j, j + 1), tok, p, m)[0, 0]
-                    conn.send(("done",))
+                    conn.send(("done", time.perf_counter() - t0))
                 else:
                     raise ValueError(f"unknown message {msg[0]!r}")
             except BaseException:
@@ -165,7 +166,8 @@ class BranchWorker:
         self.attached: BranchCache | None = None
         self.pending = False
         self.joins = 0
-        self.waited_s = 0.0  # time the main process spent blocked in join (diagnostics)
+        self.waited_s = 0.0  # diagnostics: time the main process spent blocked in join,
+        self.branch_s = 0.0  # and the worker's own compute time, over `joins` forks
 
     # ----- waiting ---------------------------------------------------------------------------
     def _recv(self, timeout: float, what: str) -> tuple[Any, ...]:
@@ -184,6 +186,14 @@ class BranchWorker:
             raise BranchWorkerError(f"PPD branch worker failed during {what}:\n{msg[1]}")
         return msg
 
+    def _send(self, msg: tuple[Any, ...], what: str) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError) as err:  # broken pipe: the worker is gone
+            self._kill()
+            raise BranchWorkerError(f"PPD branch worker is gone ({what}; exit code "
+                                    f"{self.proc.exitcode})") from err
+
     def wait_ready(self) -> None:
         """Block until the worker has built its model (spawning takes seconds)."""
         if not self.ready:
@@ -194,8 +204,8 @@ class BranchWorker:
         """Hand the worker the shared cache and output buffer it writes into."""
         self.wait_ready()
         if self.attached is not branches:
-            self.conn.send(("attach", branches.cache.keys, branches.cache.values,
-                            branches.out))
+            self._send(("attach", branches.cache.keys, branches.cache.values,
+                        branches.out), "attach")
             self._recv(STEP_TIMEOUT_S, "attach")
             self.attached = branches
 
@@ -203,7 +213,7 @@ class BranchWorker:
     def fork(self, p: int, tokens: list[int]) -> None:
         """Start the candidates ``tokens`` at position ``p`` (returns at once)."""
         self.join()  # a fork whose step raised before joining is collected first
-        self.conn.send(("fork", p, tokens))
+        self._send(("fork", p, tokens), "a fork")
         self.pending = True
 
     def join(self) -> None:
@@ -211,8 +221,9 @@ class BranchWorker:
         if self.pending:
             self.pending = False
             t0 = time.perf_counter()
-            self._recv(STEP_TIMEOUT_S, "a fork")
+            msg = self._recv(STEP_TIMEOUT_S, "a fork")
             self.waited_s += time.perf_counter() - t0
+            self.branch_s += msg[1]
             self.joins += 1
 
     def ping(self, n: int = 200) -> float:
@@ -221,16 +232,15 @@ class BranchWorker:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            self.conn.send(("ping",))
+            self._send(("ping",), "a ping")
             self._recv(STEP_TIMEOUT_S, "a ping")
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     # ----- shutdown --------------------------------------------------------------------------
     def _kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(STOP_TIMEOUT_S)
+        """End a worker that failed or does not answer (SIGKILL: it holds nothing to clean
+        up, the shared memory is the parent's) and close the pipe."""
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(STOP_TIMEOUT_S)
@@ -245,6 +255,9 @@ class BranchWorker:
             self.proc.join(STOP_TIMEOUT_S)
         except (OSError, ValueError):
             pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(STOP_TIMEOUT_S)
         self._kill()
 
     @property
