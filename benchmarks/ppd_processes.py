@@ -39,9 +39,91 @@ def run_one(engine: Any, ids: list[int], new: int) -> tuple[list[int], float, in
     from exitlm.infer.options import SamplingOptions
 
     req = engine.submit(ids, SamplingOptions(max_new_tokens=new, ignore_eos=True))
+    w0, c0 = time.perf_counter(), time.thread_time()
     engine.run()
+    CPU_SHARE[0] += time.thread_time() - c0
+    CPU_SHARE[1] += time.perf_counter() - w0
     toks = req.token_ids
     return toks, req.t_end - req.t_first, max(0, len(toks) - 1), req.seq.stats
+
+
+CPU_SHARE = [0.0, 0.0]
+"""CPU seconds and wall seconds of the main process over the requests run so far."""
+
+
+def _echo(kind: str, conn: Any, flags: torch.Tensor, port: int, n: int) -> None:
+    """The other end of :func:`handoff_latencies`: answer ``n`` round trips of one kind."""
+    torch.set_num_threads(1)
+    if kind == "pipe":
+        for _ in range(n):
+            conn.send(conn.recv())
+    elif kind == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1,
+                                world_size=2)
+        t = torch.zeros(4, dtype=torch.long)
+        for _ in range(n):
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        dist.destroy_process_group()
+    else:  # shared-memory flags, busy-waiting on both sides
+        f = flags.numpy()
+        for i in range(1, n + 1):
+            while f[0] != i:
+                pass
+            f[1] = i
+
+
+def handoff_latencies(n: int = 2000) -> dict[str, dict[str, float]]:
+    """Round trip of a tiny message between two processes (the per-token hand-off of process
+    PPD: one fork message and one answer), for a pipe (what exitlm uses), torch.distributed
+    gloo over 127.0.0.1, and busy-waiting on shared-memory flags; median and p90, in us."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("pipe", "gloo", "shm-spin"):
+        a, b = ctx.Pipe()
+        flags = torch.zeros(2, dtype=torch.long).share_memory_()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = ctx.Process(target=_echo, args=(kind, b, flags, port, n), daemon=True)
+        proc.start()
+        times = []
+        try:
+            if kind == "gloo":
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                        rank=0, world_size=2)
+                t = torch.zeros(4, dtype=torch.long)
+            f = flags.numpy()
+            for i in range(1, n + 1):
+                t0 = time.perf_counter()
+                if kind == "pipe":
+                    a.send(("fork", i, [1]))
+                    a.recv()
+                elif kind == "gloo":
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    f[0] = i
+                    while f[1] != i:
+                        pass
+                times.append(time.perf_counter() - t0)
+            if kind == "gloo":
+                dist.destroy_process_group()
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        times.sort()
+        out[kind] = {"median_us": times[len(times) // 2] * 1e6,
+                     "p90_us": times[int(len(times) * 0.9)] * 1e6}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128,
                     help="keep the last N tokens of each prompt (byte-level models)")
+    ap.add_argument("--handoff", action="store_true",
+                    help="also compare hand-off mechanisms (pipe, gloo, shared-memory spin)")
     ap.add_argument("--layerskip-exits", action="store_true",
                     help="give a model without exits LayerSkip exits at every layer")
     args = ap.parse_args(argv)
@@ -106,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         exact = {n: True for n in engines}
         stats: dict[str, list[PPDStats]] = {n: [] for n in engines}
         per_token: dict[str, list[float]] = {n: [] for n in engines}
+        cpu = {n: 0.0 for n in engines}
+        wall = {n: 0.0 for n in engines}
         for _ in range(args.repeats):
             for ids in prompts:
                 ref: list[int] | None = None
                 for name, e in engines.items():
+                    CPU_SHARE[:] = [0.0, 0.0]
                     got, s, n, st = run_one(e, ids, args.max_new_tokens)
+                    cpu[name] += CPU_SHARE[0]
+                    wall[name] += CPU_SHARE[1]
                     ref = got if ref is None else ref
                     exact[name] &= got == ref
                     secs[name] += s
@@ -126,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "median_ms_per_token": statistics.median(per_token[name]) * 1e3,
                 "speedup_vs_ar": ar_tok / (secs[name] / toks[name]),
                 "exact_match_with_ar": exact[name],
+                "main_process_core_share": cpu[name] / wall[name],
             }
             if stats[name]:
                 p = PPDStats.total(stats[name]).p_correct
@@ -139,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = row
         out["ppd-process"]["main_wait_on_worker_ms_per_fork"] = (
             worker.waited_s / max(worker.joins, 1) * 1e3)
-        out["ppd-process"]["worker_compute_ms_per_fork"] = (
-            worker.branch_s / max(worker.joins, 1) * 1e3)
+        out["ppd-process"]["worker_ms_per_fork"] = worker.branch_s / max(worker.joins, 1) * 1e3
+        out["ppd-process"]["worker_core_share"] = worker.branch_cpu_s / max(worker.branch_s, 1e-9)
         out["load_average_after"] = os.getloadavg()[0]
     finally:
         for e in engines.values():
             e.close()
+    if args.handoff:
+        out["handoff_round_trip"] = handoff_latencies()
     print(json.dumps(out, indent=2))
     return 0
 

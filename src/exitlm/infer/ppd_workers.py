@@ -140,10 +140,10 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                 elif msg[0] == "fork":
                     assert cache is not None and out is not None, "fork before attach"
                     p, tokens = msg[1], msg[2]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     for j, tok in enumerate(tokens):
                         out[j] = branch_forward(model, cache.rows(j, j + 1), tok, p, m)[0, 0]
-                    conn.send(("done", time.perf_counter() - t0))
+                    conn.send(("done", time.perf_counter() - t0, time.thread_time() - c0))
                 else:
                     raise ValueError(f"unknown message {msg[0]!r}")
             except BaseException:
@@ -167,7 +167,8 @@ class BranchWorker:
         self.pending = False
         self.joins = 0
         self.waited_s = 0.0  # diagnostics: time the main process spent blocked in join,
-        self.branch_s = 0.0  # and the worker's own compute time, over `joins` forks
+        self.branch_s = 0.0  # the worker's time per fork (wall clock and CPU: their ratio
+        self.branch_cpu_s = 0.0  # is the share of a core it got), over `joins` forks
 
     # ----- waiting ---------------------------------------------------------------------------
     def _recv(self, timeout: float, what: str) -> tuple[Any, ...]:
@@ -224,6 +225,7 @@ class BranchWorker:
             msg = self._recv(STEP_TIMEOUT_S, "a fork")
             self.waited_s += time.perf_counter() - t0
             self.branch_s += msg[1]
+            self.branch_cpu_s += msg[2]
             self.joins += 1
 
     def ping(self, n: int = 200) -> float:
