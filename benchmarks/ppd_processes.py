@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 "speedup_vs_ar": ar_tok / (secs[name] / toks[name]),
                 "exact_match_with_ar": exact[name],
                 "main_process_core_share": cpu[name] / wall[name],
+                # CPU time is what each process would take with a core of its own (it
+                # includes the prefills; contention shows in wall time, not here)
+                "main_cpu_ms_per_token": cpu[name] / toks[name] * 1e3,
             }
             if stats[name]:
                 p = PPDStats.total(stats[name]).p_correct
@@ -231,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
             worker.waited_s / max(worker.joins, 1) * 1e3)
         out["ppd-process"]["worker_ms_per_fork"] = worker.branch_s / max(worker.joins, 1) * 1e3
         out["ppd-process"]["worker_core_share"] = worker.branch_cpu_s / max(worker.branch_s, 1e-9)
+        out["ppd-process"]["worker_cpu_ms_per_fork"] = (
+            worker.branch_cpu_s / max(worker.joins, 1) * 1e3)
+        ar_cpu = out["ar"]["main_cpu_ms_per_token"]
+        for name in ("ppd-thread", "ppd-process"):
+            row = out[name]
+            row["cpu_speedup_vs_ar"] = ar_cpu / row["main_cpu_ms_per_token"]
         out["load_average_after"] = os.getloadavg()[0]
     finally:
         for e in engines.values():

@@ -42,18 +42,28 @@ def test_process_ppd_is_token_identical_to_greedy(head: str, every: bool, gpt2: 
         assert got.options["ppd_workers"] == "process"
 
 
-def test_engine_shares_weights_and_stops_its_worker() -> None:
+def test_engine_shares_weights_restarts_and_stops_its_worker() -> None:
     model = ee_model(every_layer=True)
+    prompt = random_prompts(sizes=(4,))[0]
+    ar = generate(model, None, prompt, max_new_tokens=8).token_ids[0]
     engine = Engine(model, None, "ppd", PPDOptions(ppd_layer=3, ppd_workers="process"),
                     max_batch=1, threads=1)
-    req = engine.submit(random_prompts(sizes=(4,))[0], SamplingOptions(max_new_tokens=6))
-    engine.run()
-    worker = engine.decoder.worker  # type: ignore[attr-defined]
-    assert req.finish_reason == "length" and worker.alive
-    # the worker built its model on the parent's parameter storage, moved to shared memory
-    assert all(p.is_shared() for p in model.parameters())
-    engine.close()
-    assert not worker.alive
+    try:
+        req = engine.submit(prompt, SamplingOptions(max_new_tokens=8))
+        engine.run()
+        first = engine.decoder.worker  # type: ignore[attr-defined]
+        assert req.token_ids == ar and first.alive
+        # the worker built its model on the parent's parameter storage, in shared memory
+        assert all(p.is_shared() for p in model.parameters())
+        first.proc.kill()  # a worker lost between requests is replaced at the next prefill
+        first.proc.join(10)
+        req = engine.submit(prompt, SamplingOptions(max_new_tokens=8))
+        engine.run()
+        second = engine.decoder.worker  # type: ignore[attr-defined]
+        assert req.token_ids == ar and second is not first and second.alive
+    finally:
+        engine.close()
+    assert not second.alive
 
 
 def test_cli_flag(capsys: pytest.CaptureFixture[str]) -> None:

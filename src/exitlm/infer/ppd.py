@@ -184,8 +184,10 @@ class PPDDecoder(Decoder):
             self.worker = None
 
     def prefill(self, batch: Batch) -> list[Emit]:
-        if self.process and self.worker is None:  # spawning overlaps the first prefill
-            self.worker = BranchWorker(self.model, self.m, threads=1)
+        if self.process and (self.worker is None or not self.worker.alive):
+            if self.worker is not None:  # it failed in an earlier step: start afresh
+                self.worker.close()
+            self.worker = BranchWorker(self.model, self.m, threads=1)  # overlaps the prefill
         h, lens = prefill_hidden(self.model, batch, exits=(self.d_bar,) if self.block else ())
         seq, main = batch.seqs[0], batch.cache
         cfg = self.model.config
