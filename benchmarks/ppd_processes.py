@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="model name or checkpoint directory (skipped when absent)")
     ap.add_argument("--ppd-layer", type=int, default=None, help="d_bar (default: d/2)")
     ap.add_argument("--ppd-k", type=int, default=1)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="guess among the first N token ids (a cheaper early projection)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
@@ -166,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = {
         "ar": ("ar", None),
-        "ppd-thread": ("ppd", PPDOptions(ppd_layer=d_bar, ppd_k=args.ppd_k)),
+        "ppd-thread": ("ppd", PPDOptions(ppd_layer=d_bar, ppd_k=args.ppd_k,
+                                         draft_vocab=args.draft_vocab)),
         "ppd-process": ("ppd", PPDOptions(ppd_layer=d_bar, ppd_k=args.ppd_k,
+                                          draft_vocab=args.draft_vocab,
                                           ppd_workers="process")),
     }
     engines = {name: Engine(model, tok, strat, opts, max_batch=1, threads=1)
                for name, (strat, opts) in variants.items()}
     out: dict[str, Any] = {"model": args.model, "d": d, "d_bar": d_bar, "k": args.ppd_k,
+                           "draft_vocab": args.draft_vocab,
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "repeats": args.repeats, "threads_per_process": 1,
                            "note": "2-core machine shared with other jobs"}
