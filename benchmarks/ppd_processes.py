@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from _bench import note, percentile
 
 
 def run_one(engine: Any, ids: list[int], new: int) -> tuple[list[int], float, int, Any]:
@@ -120,9 +121,8 @@ def handoff_latencies(n: int = 2000) -> dict[str, dict[str, float]]:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-        times.sort()
-        out[kind] = {"median_us": times[len(times) // 2] * 1e6,
-                     "p90_us": times[int(len(times) * 0.9)] * 1e6}
+        out[kind] = {"median_us": percentile(times, 0.5) * 1e6,
+                     "p90_us": percentile(times, 0.9) * 1e6}
     return out
 
 
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                            "repeats": args.repeats, "threads_per_process": 1,
                            "note": "2-core machine shared with other jobs"}
     try:
+        note("warm-up (spawns the branch worker)")
         t0 = time.perf_counter()  # warm-up: spawns the worker, first-call allocations
         for e in engines.values():
             run_one(e, prompts[0], 4)
@@ -197,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         per_token: dict[str, list[float]] = {n: [] for n in engines}
         cpu = {n: 0.0 for n in engines}
         wall = {n: 0.0 for n in engines}
-        for _ in range(args.repeats):
-            for ids in prompts:
+        for rep in range(args.repeats):
+            for i, ids in enumerate(prompts):
+                note(f"repeat {rep + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)}")
                 ref: list[int] | None = None
                 for name, e in engines.items():
                     CPU_SHARE[:] = [0.0, 0.0]
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in engines:
             row: dict[str, Any] = {
                 "ms_per_token": secs[name] / toks[name] * 1e3,
-                "median_ms_per_token": statistics.median(per_token[name]) * 1e3,
+                "median_ms_per_token": percentile(per_token[name], 0.5) * 1e3,
                 "speedup_vs_ar": ar_tok / (secs[name] / toks[name]),
                 "exact_match_with_ar": exact[name],
                 "main_process_core_share": cpu[name] / wall[name],
@@ -250,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines.values():
             e.close()
     if args.handoff:
+        note("hand-off round trips: pipe, gloo, shared-memory spin")
         out["handoff_round_trip"] = handoff_latencies()
     print(json.dumps(out, indent=2))
     return 0
