@@ -107,3 +107,15 @@ def test_failing_dead_and_hung_workers_raise(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         for w in (failing, dead, hung):
             w.close()
+
+
+def test_process_ppd_at_the_pool_and_context_edges() -> None:
+    """Every token a candidate (k = vocabulary): every fork is confirmed, each from another
+    shared row; prompts crossing the pool's 64-position unit and filling the whole context."""
+    model = ee_model(every_layer=True)
+    prompts = random_prompts(sizes=(60, 150))
+    ar = generate(model, None, prompts, max_new_tokens=10).token_ids
+    got = generate(model, None, prompts, strategy="ppd", ppd_layer=2, ppd_k=23,
+                   ppd_workers="process", max_new_tokens=10)
+    assert got.token_ids == ar
+    assert got.stats.matches == got.stats.forks == 2 * (10 - 2)
