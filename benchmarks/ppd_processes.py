@@ -126,6 +126,48 @@ def handoff_latencies(n: int = 2000) -> dict[str, dict[str, float]]:
     return out
 
 
+def _time_calls(obj: Any, attr: str, label: str, acc: dict[str, float]) -> None:
+    """Shadow method ``attr`` of ``obj`` by one that adds its thread CPU time to
+    ``acc[label]`` (``delattr`` restores the method)."""
+    fn = getattr(obj, attr)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[label] = acc.get(label, 0.0) + time.thread_time() - c0
+
+    setattr(obj, attr, timed)
+
+
+def profile_steps(engines: dict[str, Any], prompts: list[list[int]], new: int
+                  ) -> dict[str, dict[str, float]]:
+    """Main-process CPU time per decoded token, by part of the step, for ``ar`` and
+    ``ppd-process``: layers, final head, fork hand-off (send / receive) and the whole step
+    (the rest: draft head, top-k, bookkeeping). Thread CPU time, so contention shows less."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("ar", "ppd-process"):
+        engine = engines[name]
+        model, dec = engine.model, engine.decoder
+        acc: dict[str, float] = {}
+        targets = [(model, "run_layers", "layers"), (model, "final_logits", "final_head"),
+                   (dec, "step", "step")]
+        if name == "ppd-process":
+            targets += [(dec.worker, "fork", "fork_send"), (dec.worker, "join", "join")]
+        for obj, attr, label in targets:
+            _time_calls(obj, attr, label, acc)
+        try:
+            tokens = sum(run_one(engine, ids, new)[2] for ids in prompts)
+        finally:
+            for obj, attr, _ in targets:
+                delattr(obj, attr)  # the instance attribute shadowed the method
+        row = {k: v / max(tokens, 1) * 1e3 for k, v in acc.items()}
+        row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
+        out[name] = {f"{k}_cpu_ms_per_token": v for k, v in row.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="/work/main/runs/scratch-layerskip/model",
@@ -141,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the last N tokens of each prompt (byte-level models)")
     ap.add_argument("--handoff", action="store_true",
                     help="also compare hand-off mechanisms (pipe, gloo, shared-memory spin)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split the main process's CPU time per token by part of the step")
     ap.add_argument("--layerskip-exits", action="store_true",
                     help="give a model without exits LayerSkip exits at every layer")
     args = ap.parse_args(argv)
@@ -248,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         out["ppd-process"]["cpu_speedup_vs_ar"] = (
             ar_cpu / out["ppd-process"]["main_cpu_ms_per_token"])
         out["load_average_after"] = os.getloadavg()[0]
+        if args.profile:
+            note("profile of the main process's step (CPU time)")
+            out["profile"] = profile_steps(engines, prompts, args.max_new_tokens)
     finally:
         for e in engines.values():
             e.close()
