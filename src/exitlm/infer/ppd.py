@@ -8,7 +8,10 @@ d``). Per generated token ``x_t`` at position ``p`` (one :meth:`PPDDecoder.step`
   branch produced (Alg. 2 line 12) - and take the top-``k`` tokens of exit ``d_bar``.
 * **in parallel** (Alg. 2 lines 17-29): the main thread runs layers ``d_bar..d`` of ``x_t``
   while ``k`` worker threads each run one candidate ``x_hat_j`` at position ``p + 1`` through
-  layers ``1..d - d_bar``. On CUDA every branch runs on its own stream.
+  layers ``1..d - d_bar``. On CUDA every branch runs on its own stream. With
+  ``ppd_workers="process"`` (CPU) the candidates run in one spawned worker process instead,
+  on keys/values in shared memory (:mod:`exitlm.infer.ppd_workers`): threads share the GIL,
+  so on CPU only processes overlap the branch with the main token.
 * if the final layer's argmax equals a candidate, that branch's hidden state and its new
   keys/values are kept and the next token starts at layer ``d - d_bar``; otherwise every
   branch is discarded and the next token starts from layer 1.
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -45,6 +48,7 @@ from exitlm.infer.decoder import (
     prefill_hidden,
 )
 from exitlm.infer.options import option
+from exitlm.infer.ppd_workers import BranchCache, BranchWorker, branch_forward
 from exitlm.infer.result import DecodeStats
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
@@ -63,6 +67,10 @@ class PPDOptions:
     parallel: bool = option(
         True, "run branches concurrently with the main thread (threads / CUDA streams); "
         "--no-parallel runs them one after the other (same tokens)")
+    ppd_workers: Literal["thread", "process"] = option(
+        "thread", "where the branches run: 'thread' (worker threads; CUDA streams on a GPU) or "
+        "'process' (CPU: one spawned worker process, KV cache in shared memory, one thread "
+        "per process; overlaps where threads are serialised by the GIL)")
     draft_vocab: PositiveInt | None = option(
         None, "take the top-k among the first N token ids only (a cheaper early projection "
         "on the critical path); output unchanged")
@@ -71,6 +79,9 @@ class PPDOptions:
         check(self)
         if self.draft_vocab is not None and self.draft_vocab < self.ppd_k:
             raise ConfigError(f"draft_vocab must be >= ppd_k, got {self.draft_vocab}")
+        if self.ppd_workers == "process" and not self.parallel:
+            raise ConfigError("ppd_workers='process' runs the branches in parallel; drop "
+                              "--no-parallel (or use --ppd-workers thread)")
 
 
 @dataclass
@@ -136,10 +147,17 @@ class PPDDecoder(Decoder):
         self.head = DraftHead(model, self.d_bar, vocab if options.draft_vocab is None
                               else min(options.draft_vocab, vocab))
         self.block = model.exit_route(self.d_bar).has_block
-        self.pool = ThreadPoolExecutor(max_workers=self.k) if options.parallel else None
+        self.process = options.ppd_workers == "process"
+        if self.process and self.device.type != "cpu":
+            raise ConfigError("ppd_workers='process' is for CPU; on a GPU the branches run on "
+                              "CUDA streams (--ppd-workers thread)")
+        threaded = options.parallel and not self.process
+        self.pool = ThreadPoolExecutor(max_workers=self.k) if threaded else None
         self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.k)]
-                        if self.device.type == "cuda" and options.parallel else None)
+                        if self.device.type == "cuda" and threaded else None)
         self.branches: list[KVCache] = []
+        self.worker: BranchWorker | None = None  # process mode: started at the first prefill
+        self.shared: BranchCache | None = None  # process mode: layers < m, shared memory
         self.carried: torch.Tensor | None = None  # branch state after layer m, when matched
 
     def resolved_options(self) -> dict[str, Any]:
@@ -161,17 +179,30 @@ class PPDDecoder(Decoder):
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     def prefill(self, batch: Batch) -> list[Emit]:
+        if self.process and (self.worker is None or not self.worker.alive):
+            if self.worker is not None:  # it failed in an earlier step: start afresh
+                self.worker.close()
+            self.worker = BranchWorker(self.model, self.m, threads=1)  # overlaps the prefill
         h, lens = prefill_hidden(self.model, batch, exits=(self.d_bar,) if self.block else ())
         seq, main = batch.seqs[0], batch.cache
         cfg = self.model.config
-        capacity = len(seq.prompt) + seq.sampling.max_new_tokens + 1
-        self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
-                                 dtype=main.dtype, device=self.device)
-                         for _ in range(self.k)]
-        for c in self.branches:  # the prompt's prefix entries, once
-            c.copy_from(main, self.m, slice(0, int(lens[0])))
+        capacity = len(seq.prompt) + seq.sampling.max_new_tokens + 2
+        if self.worker is not None:
+            if self.shared is None or self.shared.capacity < capacity:
+                self.shared = BranchCache(self.m, self.k, max(capacity, 256), cfg, main.dtype)
+            self.shared.load_prefix(main, int(lens[0]))  # the prompt's entries, once
+            self.worker.attach(self.shared)
+        else:
+            self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
+                                     dtype=main.dtype, device=self.device)
+                             for _ in range(self.k)]
+            for c in self.branches:  # the prompt's prefix entries, once
+                c.copy_from(main, self.m, slice(0, int(lens[0])))
         self.carried = None
         x = batch.choose(self.model.final_logits(last_positions(h, lens)))[0]  # greedy
         return [Emit([x], [self.d], self.d)]
@@ -179,7 +210,9 @@ class PPDDecoder(Decoder):
     def step(self, batch: Batch) -> list[Emit]:
         """One token: main thread to ``d_bar``, fork ``k`` branches for the next token while
         the main thread finishes, keep the branch the final layer confirms (Alg. 2)."""
-        model, main, seq = self.model, batch.cache, batch.seqs[0]
+        model, seq = self.model, batch.seqs[0]
+        # process mode: layers < m live in the shared rows the worker reads
+        main = batch.cache if self.shared is None else self.shared.main_view(batch.cache)
         p = int(main.lengths[0])
         pos = torch.full((1, 1), p, dtype=torch.long, device=self.device)
         ctx = model.context(pos, main)
@@ -187,6 +220,8 @@ class PPDDecoder(Decoder):
             h0 = model.embed(batch.lasts(self.device), pos)
             hm = model.run_layers(h0, 0, self.d_bar, cache=main, ctx=ctx)
             evals = self.d_bar
+            if self.shared is not None:
+                self.shared.broadcast(0, p)
             for c in self.branches:
                 c.copy_from(main, self.m, p)
         else:  # line 12: continue the matching branch from layer d - d_bar
@@ -218,14 +253,23 @@ class PPDDecoder(Decoder):
         if x not in cands:
             return None
         st.matches += 1
-        win = self.branches[cands.index(x)]
+        j = cands.index(x)
+        if self.shared is not None:  # main's layers < m are row 0 of the shared rows
+            self.shared.broadcast(j, p)
+            return states[j].clone()
+        win = self.branches[j]
         for c in (main, *(c for c in self.branches if c is not win)):
             c.copy_from(win, self.m, p)
-        return states[cands.index(x)]
+        return states[j]
 
     def _start_branches(self, cands: list[int], p: int) -> list[Future[torch.Tensor] |
                                                                  torch.Tensor]:
-        """Launch one branch per candidate; with no pool they run here, one after another."""
+        """Launch one branch per candidate; with no pool they run here, one after another;
+        in process mode the worker gets them all in one message."""
+        if self.worker is not None:
+            if cands:
+                self.worker.fork(p, cands)
+            return []
         ready = None
         if self.streams is not None and cands:
             ready = torch.cuda.Event()
@@ -241,6 +285,10 @@ class PPDDecoder(Decoder):
     def _finish_branches(self, jobs: list[Future[torch.Tensor] | torch.Tensor]
                          ) -> list[torch.Tensor]:
         """Wait for every branch (and its CUDA stream) and return their states."""
+        if self.worker is not None:
+            self.worker.join()
+            assert self.shared is not None
+            return [self.shared.out[j].view(1, 1, -1) for j in range(self.k)]
         out = [j.result() if isinstance(j, Future) else j for j in jobs]
         if self.streams is not None:
             cur = torch.cuda.current_stream()
@@ -261,8 +309,4 @@ class PPDDecoder(Decoder):
             return self._branch_forward(cache, token, p)
 
     def _branch_forward(self, cache: KVCache, token: int, p: int) -> torch.Tensor:
-        model = self.model
-        pos = torch.full((1, 1), p, dtype=torch.long, device=self.device)
-        ctx = model.context(pos, cache)
-        h = model.embed(torch.tensor([[token]], device=self.device), pos)
-        return model.run_layers(h, 0, self.m, cache=cache, ctx=ctx)
+        return branch_forward(self.model, cache, token, p, self.m)

@@ -108,6 +108,23 @@ class KVCache:
         view._fill = self._fill[:, lo:hi]
         return view
 
+    def spliced(self, lower: KVCache, n: int) -> KVCache:
+        """A cache whose first ``n`` slots are ``lower``'s (same rows) and the others this
+        one's, sharing this cache's bookkeeping (``lengths``, ``fill``). PPD's process mode
+        keeps the layers its branches read in shared memory (:mod:`exitlm.infer.ppd_workers`)."""
+        if lower.batch_size != self.batch_size or not 0 <= n <= min(lower.num_slots,
+                                                                     self.num_slots):
+            raise ValueError(f"cannot splice {n} slots of a {lower.batch_size}-row cache into "
+                             f"a {self.batch_size}-row cache")
+        view = KVCache.__new__(KVCache)
+        view.keys = [*lower.keys[:n], *self.keys[n:]]
+        view.values = [*lower.values[:n], *self.values[n:]]
+        view.batch_size = self.batch_size
+        view.max_seq_len = min(self.max_seq_len, lower.max_seq_len)
+        view._lengths = self._lengths
+        view._fill = self._fill
+        return view
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy row ``src`` (its first ``max(fill)`` positions and bookkeeping) to ``dst``."""
         n = int(self._fill[:, src].max()) if self.num_slots else 0

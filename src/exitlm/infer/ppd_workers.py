@@ -1,0 +1,301 @@
+"""PPD's sub-processes as real operating-system processes (PPD Sec. 3, Alg. 2 lines 17-29).
+
+On CPU, PPD branches on Python threads do not overlap with the main token: a small model
+spends most of a layer in Python-level op dispatch, which the GIL serialises. Here the
+branches run in one **spawned worker process** holding its own copy of the model (the same
+parameter storage, shared with the parent), one thread each:
+
+* **Shared KV.** The keys/values of layers ``[0, m)`` (``m = d - d_bar``, the layers a branch
+  runs) live in a :class:`BranchCache` in shared memory (``share_memory_()``), one row per
+  candidate. The main process reads and writes row 0 of it as its own lower layers (a
+  :meth:`~exitlm.model.kv_cache.KVCache.spliced` view: layers ``< m`` from the shared rows,
+  the others from the engine's pool), so a confirmed branch's entry needs no copy at all
+  when ``k = 1``.
+* **Ownership.** During a fork (token ``x_t`` at position ``p``) the worker writes only
+  position ``p + 1`` of layers ``< m`` of the rows it evaluates, and reads positions
+  ``<= p`` of those layers, which the main process wrote before the fork and does not touch
+  during it (it runs layers ``>= d_bar >= m``). The branch's hidden state after layer ``m``
+  goes to a shared ``(k, D)`` buffer. After the fork the main process adopts the winning
+  entry (PPD Alg. 2 line 12) or simply overwrites it with its own computation of ``p + 1``.
+* **Protocol.** One duplex pipe: ``("fork", p, tokens)`` as soon as the early exit's top-k
+  is known, answered by ``("done", ...)`` when every candidate has run layers ``[0, m)``; the
+  main process finishes layers ``[d_bar, d)`` of ``x_t`` meanwhile and only then waits. The
+  per-token messages are packed with ``struct`` (no pickling); a round trip costs ~0.1 ms on
+  a busy 2-core machine, against ~4 ms for ``torch.distributed`` gloo send/recv over
+  127.0.0.1 (``benchmarks/ppd_processes.py --handoff``); busy-waiting on shared-memory flags
+  answers in ~2 us but keeps a core spinning, which a shared CPU cannot spare.
+  Candidates run one after another as batch-1 forwards, so every row's arithmetic is
+  exactly that of plain greedy decoding (token-identical output).
+* **Lifetime.** The worker is spawned (never forked: a forked copy of a process running
+  OpenMP / BLAS threads can deadlock), daemonic, stopped by :meth:`BranchWorker.close`; it
+  exits by itself when its parent's end of the pipe closes. Every wait has a timeout, and
+  a worker that fails, dies or does not answer is terminated and reported as
+  :class:`BranchWorkerError`, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import statistics
+import struct
+import time
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+from exitlm.config import ModelConfig
+from exitlm.model.kv_cache import KVCache
+from exitlm.model.transformer import EarlyExitLM
+
+READY_TIMEOUT_S = 180.0
+"""How long a spawned worker may take to import torch and build its model."""
+STEP_TIMEOUT_S = 60.0
+"""How long the main process waits for one fork's branches (a layer takes milliseconds)."""
+STOP_TIMEOUT_S = 5.0
+"""How long :meth:`BranchWorker.close` waits for a clean exit before terminating."""
+
+
+class BranchWorkerError(RuntimeError):
+    """The PPD branch worker process failed, died or did not answer in time."""
+
+
+_FORK, _DONE, _PING, _PONG = b"F", b"D", b"P", b"Q"
+
+
+def _pack(msg: tuple[Any, ...]) -> bytes:
+    """Per-token messages as raw bytes, anything else pickled (pickles start with 0x80)."""
+    kind = msg[0]
+    if kind == "fork":
+        return _FORK + struct.pack(f"<{1 + len(msg[2])}q", msg[1], *msg[2])
+    if kind == "done":
+        return _DONE + struct.pack("<2d", msg[1], msg[2])
+    if kind in ("ping", "pong"):
+        return _PING if kind == "ping" else _PONG
+    return bytes(ForkingPickler.dumps(msg))
+
+
+def _unpack(buf: bytes) -> tuple[Any, ...]:
+    tag = buf[:1]
+    if tag == _FORK:
+        p, *tokens = struct.unpack(f"<{(len(buf) - 1) // 8}q", buf[1:])
+        return ("fork", p, tokens)
+    if tag == _DONE:
+        return ("done", *struct.unpack("<2d", buf[1:]))
+    if tag in (_PING, _PONG):
+        return ("ping",) if tag == _PING else ("pong",)
+    return tuple(ForkingPickler.loads(buf))
+
+
+def branch_forward(model: EarlyExitLM, cache: KVCache, token: int, p: int, m: int
+                   ) -> torch.Tensor:
+    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` at position ``p`` through
+    layers ``[0, m)`` on a one-row ``cache``; returns the hidden state ``(1, 1, D)``."""
+    device = model.embed_tokens.weight.device
+    pos = torch.full((1, 1), p, dtype=torch.long, device=device)
+    ctx = model.context(pos, cache)
+    h = model.embed(torch.tensor([[token]], device=device), pos)
+    return model.run_layers(h, 0, m, cache=cache, ctx=ctx)
+
+
+class BranchCache:
+    """Keys/values of layers ``[0, m)`` for ``k`` candidate rows, in shared memory, and the
+    ``(k, D)`` buffer the branches' hidden states come back in."""
+
+    def __init__(self, m: int, k: int, capacity: int, cfg: ModelConfig,
+                 dtype: torch.dtype) -> None:
+        self.cache = KVCache(m, k, capacity, cfg.n_kv_heads, cfg.hdim, dtype=dtype)
+        for t in (*self.cache.keys, *self.cache.values):
+            t.share_memory_()
+        self.out = torch.zeros(k, cfg.dim, dtype=dtype).share_memory_()
+        self.m, self.k, self.capacity = m, k, capacity
+
+    def main_view(self, pool: KVCache) -> KVCache:
+        """The main process's cache for one step: layers ``< m`` from row 0 here, the others
+        (and the bookkeeping) from the engine's pool row ``pool``."""
+        return pool.spliced(self.cache.rows(0, 1), self.m)
+
+    def load_prefix(self, pool: KVCache, n: int) -> None:
+        """Copy positions ``[0, n)`` of layers ``< m`` from ``pool`` into every row."""
+        for i in range(self.m):
+            self.cache.keys[i][:, :, :n] = pool.keys[i][:, :, :n]
+            self.cache.values[i][:, :, :n] = pool.values[i][:, :, :n]
+
+    def broadcast(self, src: int, p: int) -> None:
+        """Copy position ``p`` of layers ``< m`` from row ``src`` into the other rows (after
+        the main process wrote row 0 there, or a candidate ``src`` was confirmed)."""
+        if self.k == 1:
+            return
+        others = [r for r in range(self.k) if r != src]
+        for t in (*self.cache.keys, *self.cache.values):
+            t[others, :, p] = t[src, :, p]
+
+
+def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], m: int,
+           threads: int) -> None:
+    """The worker process: build the model on the parent's parameters, then run forks."""
+    from exitlm.io.materialize import model_from_tensors
+    from exitlm.model.layout import optimize_layout
+
+    torch.set_num_threads(threads)
+    try:
+        dtype = next(iter(params.values())).dtype
+        model = model_from_tensors(cfg, params.items(), source="the PPD parent process",
+                                   dtype=dtype)
+        optimize_layout(model)
+        conn.send_bytes(_pack(("ready",)))
+    except BaseException:
+        conn.send_bytes(_pack(("error", traceback.format_exc())))
+        return
+    cache: KVCache | None = None
+    out: torch.Tensor | None = None
+    with torch.inference_mode():
+        while True:
+            try:
+                msg = _unpack(conn.recv_bytes())
+            except (EOFError, OSError):  # the parent is gone
+                return
+            try:
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "ping":
+                    conn.send_bytes(_PONG)
+                elif msg[0] == "attach":
+                    keys, values, out = msg[1], msg[2], msg[3]
+                    cache = KVCache.__new__(KVCache)
+                    cache.keys, cache.values = list(keys), list(values)
+                    cache.batch_size, cache.max_seq_len = keys[0].shape[0], keys[0].shape[2]
+                    cache._lengths = torch.zeros(cache.batch_size, dtype=torch.long)
+                    cache._fill = torch.zeros(len(keys), cache.batch_size, dtype=torch.long)
+                    conn.send_bytes(_pack(("attached",)))
+                elif msg[0] == "fork":
+                    assert cache is not None and out is not None, "fork before attach"
+                    p, tokens = msg[1], msg[2]
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    for j, tok in enumerate(tokens):
+                        out[j] = branch_forward(model, cache.rows(j, j + 1), tok, p, m)[0, 0]
+                    conn.send_bytes(_pack(("done", time.perf_counter() - t0,
+                                           time.thread_time() - c0)))
+                else:
+                    raise ValueError(f"unknown message {msg[0]!r}")
+            except BaseException:
+                conn.send_bytes(_pack(("error", traceback.format_exc())))
+                return
+
+
+class BranchWorker:
+    """The parent's handle to one branch worker process (see the module docstring)."""
+
+    def __init__(self, model: EarlyExitLM, m: int, threads: int = 1) -> None:
+        ctx = tmp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        self.proc = ctx.Process(target=_serve, args=(child, model.config, params, m, threads),
+                                daemon=True, name="exitlm-ppd-branch")
+        self.proc.start()
+        child.close()  # the worker's end: our copy closed, so its death reads as EOF here
+        self.ready = False
+        self.attached: BranchCache | None = None
+        self.pending = False
+        self.joins = 0
+        self.waited_s = 0.0  # diagnostics: time the main process spent blocked in join,
+        self.branch_s = 0.0  # the worker's time per fork (wall clock and CPU: their ratio
+        self.branch_cpu_s = 0.0  # is the share of a core it got), over `joins` forks
+
+    # ----- waiting ---------------------------------------------------------------------------
+    def _recv(self, timeout: float, what: str) -> tuple[Any, ...]:
+        try:
+            if not self.conn.poll(timeout):
+                self._kill()
+                raise BranchWorkerError(f"PPD branch worker did not answer {what} within "
+                                        f"{timeout:.0f} s; it was terminated")
+            msg = _unpack(self.conn.recv_bytes())
+        except (EOFError, OSError) as err:
+            self._kill()
+            raise BranchWorkerError(f"PPD branch worker exited during {what} (exit code "
+                                    f"{self.proc.exitcode})") from err
+        if msg[0] == "error":
+            self._kill()
+            raise BranchWorkerError(f"PPD branch worker failed during {what}:\n{msg[1]}")
+        return msg
+
+    def _send(self, msg: tuple[Any, ...], what: str) -> None:
+        try:
+            self.conn.send_bytes(_pack(msg))
+        except (OSError, ValueError) as err:  # broken pipe: the worker is gone
+            self._kill()
+            raise BranchWorkerError(f"PPD branch worker is gone ({what}; exit code "
+                                    f"{self.proc.exitcode})") from err
+
+    def wait_ready(self) -> None:
+        """Block until the worker has built its model (spawning takes seconds)."""
+        if not self.ready:
+            self._recv(READY_TIMEOUT_S, "start-up")
+            self.ready = True
+
+    def attach(self, branches: BranchCache) -> None:
+        """Hand the worker the shared cache and output buffer it writes into."""
+        self.wait_ready()
+        if self.attached is not branches:
+            self._send(("attach", branches.cache.keys, branches.cache.values,
+                        branches.out), "attach")
+            self._recv(STEP_TIMEOUT_S, "attach")
+            self.attached = branches
+
+    # ----- one fork --------------------------------------------------------------------------
+    def fork(self, p: int, tokens: list[int]) -> None:
+        """Start the candidates ``tokens`` at position ``p`` (returns at once)."""
+        self.join()  # a fork whose step raised before joining is collected first
+        self._send(("fork", p, tokens), "a fork")
+        self.pending = True
+
+    def join(self) -> None:
+        """Wait for the fork started last; its hidden states are in the output buffer."""
+        if self.pending:
+            self.pending = False
+            t0 = time.perf_counter()
+            msg = self._recv(STEP_TIMEOUT_S, "a fork")
+            self.waited_s += time.perf_counter() - t0
+            self.branch_s += msg[1]
+            self.branch_cpu_s += msg[2]
+            self.joins += 1
+
+    def ping(self, n: int = 200) -> float:
+        """Median round trip of an empty message (the per-token hand-off cost), seconds."""
+        self.wait_ready()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self._send(("ping",), "a ping")
+            self._recv(STEP_TIMEOUT_S, "a ping")
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    # ----- shutdown --------------------------------------------------------------------------
+    def _kill(self) -> None:
+        """End a worker that failed or does not answer (SIGKILL: it holds nothing to clean
+        up, the shared memory is the parent's) and close the pipe."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(STOP_TIMEOUT_S)
+        self.conn.close()
+
+    def close(self) -> None:
+        """Stop the worker: a clean exit if it answers, else terminate / kill."""
+        if self.conn.closed:
+            return
+        try:
+            self.conn.send_bytes(_pack(("stop",)))
+            self.proc.join(STOP_TIMEOUT_S)
+        except (OSError, ValueError):
+            pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(STOP_TIMEOUT_S)
+        self._kill()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
