@@ -56,7 +56,7 @@ from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, Workers, leave_group
 from exitlm.parallel.pipeline.p2p import P2P
 
 STOP, PREFILL, STEP = 0, 1, 2
-_HDR, _CHECKS, _HIDDEN, _REPLY, _LOGITS = 11, 12, 13, 14, 15
+_HDR, _CHECKS, _HIDDEN, _REPLY = 11, 12, 13, 14
 _HEADER = 6  # command, position or prompt length, decided, forced, threshold, number of checks
 
 
@@ -97,8 +97,11 @@ def _confident(model: EarlyExitLM, h: torch.Tensor, layer: int, cache: KVCache,
 
 
 class _Links:
-    """The transfers of one stage: headers and hidden states down the pipeline, replies to
-    stage 0."""
+    """The transfers of one stage. Each token costs one message down the pipeline (a float64
+    header - command, position, decided, forced, threshold, number of checks - followed by the
+    hidden state, exact in float64 for every model dtype) and, from each stage that receives it
+    undecided, one float32 reply to stage 0 (decided, layer, then the exit's logits). A
+    prefill's header is followed by the exit list and the prompt's hidden states."""
 
     def __init__(self, rank: int, world: int, timeout_s: float, model: EarlyExitLM) -> None:
         self.rank, self.world = rank, world
@@ -109,19 +112,26 @@ class _Links:
 
     def send_down(self, header: list[float], hidden: torch.Tensor,
                   checks: tuple[int, ...] | None = None) -> None:
+        """A step (``checks is None``: the one-token ``hidden`` rides in the message) or a
+        prefill (header, then ``checks``, then ``hidden`` ``(1, T, D)``)."""
         dst = self.rank + 1
-        self.p2p.send(torch.tensor(header, dtype=torch.float64), dst, _HDR, "a header")
+        msg = torch.zeros(_HEADER + self.dim, dtype=torch.float64)
+        msg[:_HEADER] = torch.tensor(header, dtype=torch.float64)
+        if checks is None:
+            msg[_HEADER:] = hidden.detach().reshape(-1)
+        self.p2p.send(msg, dst, _HDR, "a command")
         if checks is not None:
             self.p2p.send(torch.tensor(checks, dtype=torch.long), dst, _CHECKS, "exit list")
-        self.p2p.send(hidden.detach().cpu(), dst, _HIDDEN, "a hidden state")
+            self.p2p.send(hidden.detach().cpu(), dst, _HIDDEN, "hidden states")
 
     def send_stop(self) -> None:
-        header = [float(STOP)] + [0.0] * (_HEADER - 1)
-        self.p2p.send(torch.tensor(header, dtype=torch.float64), self.rank + 1, _HDR, "stop")
+        self.send_down([float(STOP)] + [0.0] * (_HEADER - 1), torch.zeros(self.dim))
 
-    def recv_header(self) -> list[float]:
-        return self.p2p.recv((_HEADER,), torch.float64, self.rank - 1, _HDR,
-                             "the next command").tolist()
+    def recv_command(self) -> tuple[list[float], torch.Tensor]:
+        """A header and the hidden state ``(1, 1, D)`` it carries (a step's)."""
+        msg = self.p2p.recv((_HEADER + self.dim,), torch.float64, self.rank - 1, _HDR,
+                            "the next command")
+        return msg[:_HEADER].tolist(), msg[_HEADER:].to(self.dtype).reshape(1, 1, self.dim)
 
     def recv_checks(self, n: int) -> tuple[int, ...]:
         t = self.p2p.recv((n,), torch.long, self.rank - 1, _CHECKS, "exit list")
@@ -129,23 +139,22 @@ class _Links:
 
     def recv_hidden(self, length: int) -> torch.Tensor:
         return self.p2p.recv((1, length, self.dim), self.dtype, self.rank - 1, _HIDDEN,
-                             "a hidden state")
+                             "hidden states")
 
     def reply(self, layer: int, logits: torch.Tensor | None) -> None:
         """Tell stage 0 whether this stage decided the token (at ``layer``)."""
-        decided = logits is not None
-        self.p2p.send(torch.tensor([float(decided), float(layer)], dtype=torch.float64), 0,
-                      _REPLY, "a decision")
+        msg = torch.zeros(2 + self.vocab, dtype=torch.float32)
         if logits is not None:
-            self.p2p.send(logits.reshape(1, -1).to(self.dtype).cpu(), 0, _LOGITS, "logits")
+            msg[0], msg[1] = 1.0, float(layer)
+            msg[2:] = logits.detach().reshape(-1)
+        self.p2p.send(msg, 0, _REPLY, "a decision")
 
     def recv_reply(self, stage: int) -> tuple[int, torch.Tensor] | None:
-        """Stage ``stage``'s reply: ``(layer, logits)`` if it decided, else ``None``."""
-        decided, layer = self.p2p.recv((2,), torch.float64, stage, _REPLY, "a decision").tolist()
-        if not decided:
+        """Stage ``stage``'s reply: ``(layer, logits (1, V))`` if it decided, else ``None``."""
+        msg = self.p2p.recv((2 + self.vocab,), torch.float32, stage, _REPLY, "a decision")
+        if not msg[0]:
             return None
-        logits = self.p2p.recv((1, self.vocab), self.dtype, stage, _LOGITS, "exit logits")
-        return int(layer), logits
+        return int(msg[1]), msg[2:].to(self.dtype).reshape(1, self.vocab)
 
 
 def serve_stage(model: EarlyExitLM, rank: int, world: int,
@@ -160,7 +169,7 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
     num_layers = model.num_layers
     with torch.inference_mode():
         while True:
-            cmd, pos, decided, force, threshold, n_checks = links.recv_header()
+            (cmd, pos, decided, force, threshold, n_checks), h = links.recv_command()
             if int(cmd) == STOP:
                 if not last:
                     links.send_stop()
@@ -170,6 +179,7 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
             if prefill:
                 checks = links.recv_checks(int(n_checks))
                 length = int(pos)
+                h = links.recv_hidden(length)
                 cache = _fresh_cache(model, cache, 2 * length + 16)
                 positions = torch.arange(length)[None]
             else:
@@ -178,7 +188,6 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
                 positions = torch.tensor([[int(pos)]])
                 if int(pos) >= cache.max_seq_len:
                     cache.resize(1, 2 * cache.max_seq_len)
-            h = links.recv_hidden(length)
             ctx = model.context(positions, cache)
             stops = _stage_checks(checks, a, b, num_layers)
             was_decided = bool(decided)
