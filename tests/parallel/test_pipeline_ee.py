@@ -78,3 +78,20 @@ def test_bad_stage_settings() -> None:
     model = ee_model("linear")
     with pytest.raises(ConfigError, match="--stages 9"):
         generate(model, None, [[1, 2]], strategy="early-exit", kv="pipeline", stages=9)
+
+
+def test_dead_stage_is_an_error_not_a_hang() -> None:
+    import time
+
+    from exitlm.parallel.health import ParallelError
+
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    start = time.monotonic()
+    with pytest.raises(ParallelError), pipeline(model, 2, timeout_s=30) as group:
+        assert group.workers is not None
+        group.workers.ctx.processes[0].kill()
+        generate(model, None, [[1, 2, 3]], strategy="early-exit", kv="pipeline",
+                 max_new_tokens=8, threads=1)
+    assert time.monotonic() - start < 30
+    assert not any(p.is_alive() for p in group.workers.ctx.processes)

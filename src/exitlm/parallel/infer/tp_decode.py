@@ -191,14 +191,47 @@ def check_strategy(strategy: str, options: dict[str, Any]) -> None:
 
 
 def _tp_main(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-             prompt_ids: list[list[int]], kwargs: dict[str, Any]) -> None:
-    """Entry of a self-started tensor-parallel rank: the same generate call as rank 0."""
+             calls: list[dict[str, Any]]) -> None:
+    """Entry of a self-started tensor-parallel rank: the same generate calls as rank 0."""
     from exitlm.infer.api import generate
 
     with torch.device("meta"):
         model = EarlyExitLM(cfg)
     _assign(model, tensors)
-    generate(shard_model(model, rank, world), None, prompt_ids, **kwargs)
+    shard = shard_model(model, rank, world)
+    for call in calls:
+        generate(shard, None, **call)
+
+
+def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads: int = 1,
+           timeout_s: float = DEFAULT_TIMEOUT_S, tokenizer: Any = None,
+           stream: Any = None) -> list[GenerationResult]:
+    """Run :func:`~exitlm.infer.api.generate` once per entry of ``calls`` (its keyword
+    arguments, ``prompts`` as token ids) on ``tp`` self-started processes holding shards of
+    ``model``; this process is rank 0 and returns the results (``tokenizer`` and ``stream``
+    are used here only). Every rank runs the same calls in order, so all take the same
+    decisions."""
+    check_tp(model.config, tp)
+    for call in calls:
+        check_strategy(call.get("strategy", "ar"), call)
+    calls = [{**c, "threads": threads} for c in calls]
+    workers = start_workers(_tp_main, (model.config, _tensors(model), calls), tp,
+                            timeout_s=timeout_s, threads=threads)
+    try:
+        shard = shard_model(model, 0, tp)
+        results = [generate_on(shard, tokenizer, stream, c) for c in calls]
+        workers.join(timeout_s)
+    finally:
+        workers.kill()
+        leave_group()
+    return results
+
+
+def generate_on(model: EarlyExitLM, tokenizer: Any, stream: Any,
+                call: dict[str, Any]) -> GenerationResult:
+    from exitlm.infer.api import generate
+
+    return generate(model, tokenizer, stream=stream, **call)
 
 
 def tp_generate(model: EarlyExitLM, tokenizer: Any, prompts: Any, *, tp: int,
@@ -208,19 +241,11 @@ def tp_generate(model: EarlyExitLM, tokenizer: Any, prompts: Any, *, tp: int,
     """:func:`~exitlm.infer.api.generate` over ``tp`` self-started processes, each holding
     a shard of ``model`` (this process is rank 0 and returns the result; ``kwargs`` are
     ``generate``'s). Greedy output equals one process's (module docstring)."""
-    from exitlm.infer.api import encode_prompts, generate
+    from exitlm.infer.api import encode_prompts
 
     check_tp(model.config, tp)
     check_strategy(strategy, kwargs)
     prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
-    kwargs = {**kwargs, "strategy": strategy, "threads": threads}
-    workers = start_workers(_tp_main, (model.config, _tensors(model), prompt_ids, kwargs), tp,
-                            timeout_s=timeout_s, threads=threads)
-    try:
-        result = generate(shard_model(model, 0, tp), tokenizer, prompt_ids, stream=stream,
-                          **kwargs)
-        workers.join(timeout_s)
-    finally:
-        workers.kill()
-        leave_group()
-    return result
+    call = {**kwargs, "prompts": prompt_ids, "strategy": strategy}
+    return tp_run(model, [call], tp=tp, threads=threads, timeout_s=timeout_s,
+                  tokenizer=tokenizer, stream=stream)[0]
