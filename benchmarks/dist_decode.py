@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--exit-layers", default=None,
+                    help="checked exits, e.g. 4 (default: the model's, or 1/4, 1/2, 3/4 depth)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny budgets")
     a = ap.parse_args()
     if a.quick:
@@ -78,18 +80,20 @@ def main() -> None:
     tok = tokenizer_for(loaded, a.model)
     keep = min(128, model.config.max_seq_len - a.max_new_tokens - 1)  # the prompts' ends
     prompts = [tok.encode(p)[-keep:] for p in builtin_prompts(a.prompts)]
-    base = {"max_new_tokens": a.max_new_tokens, "ignore_eos": True}
+    base: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "ignore_eos": True}
+    exits = {} if a.exit_layers is None else {
+        "exit_layers": tuple(int(x) for x in a.exit_layers.split(","))}
 
     def calls(thr: float, **kw: Any) -> list[dict[str, Any]]:
-        return [{"prompts": [p], "strategy": "early-exit", "threshold": thr, **base, **kw}
-                for p in prompts]
+        return [{"prompts": [p], "strategy": "early-exit", "threshold": thr, **base, **exits,
+                 **kw} for p in prompts]
 
     report: dict[str, Any] = {
         "torch": torch.__version__, "machine": platform.machine(), "model": a.model,
         "num_layers": model.num_layers, "config": vars(a), "results": [],
     }
     warm = {"prompts": [prompts[0]], "strategy": "early-exit", "threshold": 1.0,
-            "max_new_tokens": 8, "ignore_eos": True}
+            "max_new_tokens": 8, "ignore_eos": True, **exits}
     with torch.inference_mode():
         t0 = time.perf_counter()
         ar = [generate(model, None, [p], strategy="ar", threads=a.threads, **base)

@@ -18,6 +18,7 @@ from exitlm.config import ConfigError
 from exitlm.infer.api import generate
 from exitlm.infer.result import GenerationResult
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import join_torchrun, leave_group, torchrun_world
 from exitlm.parallel.infer.pipeline_ee import joined_pipeline, serve_stage, stage_bounds
 from exitlm.parallel.infer.tp_decode import (
@@ -75,9 +76,11 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
     try:
         broadcast_weights(model)
         if mode == "tp":
-            res = generate(shard_model(model, rank, world), tokenizer, prompts,
-                           strategy=strategy, stream=stream if rank == 0 else None,
-                           threads=threads, **kwargs)
+            with guard("tensor-parallel decoding", rank=rank, timeout_s=timeout_s,
+                       heartbeat=None):
+                res = generate(shard_model(model, rank, world), tokenizer, prompts,
+                               strategy=strategy, stream=stream if rank == 0 else None,
+                               threads=threads, **kwargs)
             return res if rank == 0 else None
         if rank > 0:
             serve_stage(model, rank, world, timeout_s)

@@ -43,6 +43,7 @@ from exitlm.infer.result import GenerationResult
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import MLP, Attention, Block, Linear, attention_dtype, linear
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
 from exitlm.parallel.infer.pipeline_ee import _assign, _tensors
 
@@ -219,7 +220,8 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
                             timeout_s=timeout_s, threads=threads)
     try:
         shard = shard_model(model, 0, tp)
-        results = [generate_on(shard, tokenizer, stream, c) for c in calls]
+        with guard("tensor-parallel decoding", rank=0, timeout_s=timeout_s, heartbeat=None):
+            results = [generate_on(shard, tokenizer, stream, c) for c in calls]
         workers.join(timeout_s)
     finally:
         workers.kill()
