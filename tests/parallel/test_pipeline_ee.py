@@ -95,3 +95,16 @@ def test_dead_stage_is_an_error_not_a_hang() -> None:
                  max_new_tokens=8, threads=1)
     assert time.monotonic() - start < 30
     assert not any(p.is_alive() for p in group.workers.ctx.processes)
+
+
+def test_several_prompts_queue_through_one_pipeline() -> None:
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    prompts = random_prompts()
+    kw = {"strategy": "early-exit", "threshold": 0.5, "max_new_tokens": 10, "ignore_eos": True,
+          "threads": 1}
+    with torch.inference_mode():
+        ref = generate(model, None, prompts, **kw)
+        got = generate(model, None, prompts, kv="pipeline", stages=3, **kw)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
+    assert got.options["stage_layers"] == [[1, 2], [3, 3], [4, 4]]
