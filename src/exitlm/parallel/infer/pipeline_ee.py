@@ -52,6 +52,7 @@ from exitlm.infer.decoder import Batch, Decoder, Emit, prefill_hidden
 from exitlm.infer.kv_recompute import EarlyExitStats
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM, StepContext
+from exitlm.parallel.health import ParallelError
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, Workers, leave_group, start_workers
 from exitlm.parallel.pipeline.p2p import P2P
 
@@ -244,6 +245,9 @@ class PipelineGroup:
             self.links.p2p.flush()
             if self.workers is not None:
                 self.workers.join(self.links.p2p.timeout.total_seconds())
+        except ParallelError:
+            if self.workers is None or self.workers.failed() is None:
+                raise  # else a stage died: the error that brought us here says so already
         finally:
             if self.workers is not None:
                 self.workers.kill()
