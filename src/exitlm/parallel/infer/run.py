@@ -20,7 +20,12 @@ from exitlm.infer.result import GenerationResult
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import join_torchrun, leave_group, torchrun_world
-from exitlm.parallel.infer.pipeline_ee import joined_pipeline, serve_stage, stage_bounds
+from exitlm.parallel.infer.pipeline_ee import (
+    joined_pipeline,
+    pipeline,
+    serve_stage,
+    stage_bounds,
+)
 from exitlm.parallel.infer.tp_decode import (
     broadcast_weights,
     check_strategy,
@@ -70,8 +75,9 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
         if mode == "tp":
             return tp_generate(model, tokenizer, prompts, tp=tp, strategy=strategy,
                                stream=stream, threads=threads, timeout_s=timeout_s, **kwargs)
-        return generate(model, tokenizer, prompts, strategy=strategy, stream=stream,
-                        threads=threads, **kwargs)
+        with pipeline(model, kwargs.get("stages") or 2, timeout_s=timeout_s, threads=threads):
+            return generate(model, tokenizer, prompts, strategy=strategy, stream=stream,
+                            threads=threads, **kwargs)
     rank, world = join_torchrun(timeout_s)
     try:
         broadcast_weights(model)
