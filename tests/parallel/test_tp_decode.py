@@ -91,3 +91,23 @@ def test_bad_tp_settings() -> None:
         check_strategy("ppd", {})
     with pytest.raises(ConfigError, match="--kv recompute"):
         check_strategy("early-exit", {"kv": "pipeline"})
+
+
+def test_tp4_self_spec_with_gqa() -> None:
+    from exitlm.config import ExitConfig, ModelConfig
+    from exitlm.model.transformer import EarlyExitLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=23, dim=32, num_layers=4, num_heads=8, num_kv_heads=4,
+                      hidden_dim=64, max_seq_len=96, exits=ExitConfig(layers=(2,), head="mlp"))
+    model = EarlyExitLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.4)
+    prompts = random_prompts()
+    kw = {"strategy": "self-spec", "exit_layer": 2, "max_new_tokens": 12, "ignore_eos": True}
+    ref = generate(model, None, prompts, threads=1, **kw)
+    got = tp_generate(model, None, prompts, tp=4, **kw)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
