@@ -5,6 +5,9 @@
     exitlm generate "a" "bb" --json            # several prompts run as one padded batch
     exitlm generate "def f(x):" --strategy self-spec --exit-layer 20 --num-speculations 4
     exitlm generate "def f(x):" --strategy early-exit --threshold 0.8 --show-exits
+    exitlm generate "def f(x):" --strategy early-exit --kv pipeline --stages 2   # 2 processes
+    exitlm generate "def f(x):" --tp 2                                           # 2 processes
+    torchrun --nproc-per-node 2 -m exitlm generate "def f(x):" --tp 2
 
 One prompt streams its text to stdout as it is produced (timings go to stderr); several
 prompts print each continuation when the batch is done. ``--json`` prints one JSON object
@@ -30,6 +33,7 @@ from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.infer.threads import set_threads
+from exitlm.parallel.infer.run import distributed_generate, distributed_mode
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,6 +73,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding: "
                         "more threads only while they are faster, see README 'Performance')")
+    p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
+                   help="tensor-parallel decoding over T processes (ar, early-exit, self-spec): "
+                        "started here, or the ones torchrun started")
+    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
+                   help="with --tp or --kv pipeline: seconds a process waits for another "
+                        "before giving up")
     add_strategy_flags(p)
     p.add_argument("--show-exits", action="store_true",
                    help="colour each token by the layer it exited at (ANSI colours on a "
@@ -131,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     overrides = strategy_overrides(args, args.strategy)
+    mode = distributed_mode(args.tp, args.strategy, overrides)
+    if mode is not None and args.threads is None:
+        args.threads = 1  # one thread per process: the processes share the cores
     if args.threads is not None:
         set_threads(args.threads)  # loading and prefill use them too
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
@@ -142,10 +155,19 @@ def run(args: argparse.Namespace) -> int:
     stream: Any = None
     if not args.json and len(prompts) == 1:
         stream = ExitColourStream(num_layers) if colour else _print_piece
-    result = generate(
-        loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
-        stream=stream, chat=args.chat, threads=args.threads, **overrides,
-    )
+    if mode is not None:
+        res = distributed_generate(
+            mode, loaded.model, tokenizer, prompts, tp=args.tp, strategy=args.strategy,
+            timeout_s=args.dist_timeout, threads=args.threads, sampling=sampling,
+            stream=stream, chat=args.chat, **overrides)
+        if res is None:
+            return 0  # a rank other than 0 of a torchrun job: rank 0 prints
+        result = res
+    else:
+        result = generate(
+            loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
+            stream=stream, chat=args.chat, threads=args.threads, **overrides,
+        )
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
                **result.to_dict()}

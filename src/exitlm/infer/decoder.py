@@ -266,5 +266,5 @@ class DraftHead:
         feats, weight = self.model.exit_features(
             h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
         if self.vocab >= weight.shape[0]:
-            return linear(feats, weight)
+            return self.model.project(feats, weight)
         return linear(feats, self._sliced(weight))

@@ -15,6 +15,10 @@ Three ways to emit a token before the last layer, chosen by :class:`EarlyExitOpt
   token's hidden state at its exit is copied up to every skipped layer and only that layer's
   key/value projections are computed from it. **Lossy**: later tokens attend to approximate
   keys/values, so even the full-depth predictions drift. Offered for comparison only.
+* ``kv="pipeline"`` (EE-LLM Sec. 4, pipeline-based inference): the model split into
+  ``stages`` processes by layer range; an exited token is decided at once and the later
+  stages keep running it, filling their KV caches (:mod:`exitlm.parallel.infer.pipeline_ee`).
+  Same tokens as ``recompute`` under the same exit decisions; one sequence at a time.
 
 Layer evaluations (``SequenceResult.layer_evaluations``) count token x layer passes through
 transformer layers, recomputation included; the copy mode's projections are not counted.
@@ -48,15 +52,24 @@ class EarlyExitOptions:
     max_pending: PositiveInt = option(
         8, "force a full-depth pass once this many tokens await KV recomputation (EE-LLM "
         "App. D.3)", per_request=True)
-    kv: Literal["recompute", "copy"] = option(
-        "recompute", "KV recomputation (exact keys/values, EE-LLM) or CALM state copying "
-        "(lossy)")
+    kv: Literal["recompute", "copy", "pipeline"] = option(
+        "recompute", "KV recomputation (exact keys/values, EE-LLM), CALM state copying "
+        "(lossy), or pipeline-based inference across --stages processes (EE-LLM Sec. 4; "
+        "no recomputation, same tokens as recompute)")
+    stages: PositiveInt | None = option(
+        None, "with --kv pipeline: pipeline stages, one process each (default 2)")
     exit_layer: PositiveInt | None = option(
         None, "fixed-layer exit at E for every token (LayerSkip Sec. 4.2, lossy); overrides "
         "the confidence rule")
 
     def __post_init__(self) -> None:
         check(self)
+        if self.stages is not None and self.kv != "pipeline":
+            raise ConfigError(f"--stages {self.stages} applies only to --kv pipeline "
+                              f"(got --kv {self.kv})")
+        if self.kv == "pipeline" and self.exit_layer is not None:
+            raise ConfigError("--exit-layer (a fixed exit) does not run as a pipeline; use "
+                              "--kv pipeline with confidence exits (--threshold)")
         if self.exit_layers is not None:
             layers = tuple(sorted(set(self.exit_layers)))
             object.__setattr__(self, "exit_layers", layers)
@@ -93,4 +106,8 @@ def early_exit_decoder(model: EarlyExitLM, options: EarlyExitOptions) -> Decoder
         if any(model.exit_route(e).has_block for e in checks):
             raise ConfigError("kv='copy' does not support block exit heads; use kv='recompute'")
         return CopyDecoder(model, options, checks)
+    if options.kv == "pipeline":
+        from exitlm.parallel.infer.pipeline_ee import PipelineDecoder
+
+        return PipelineDecoder(model, options, checks)
     return RecomputeDecoder(model, options, checks)

@@ -1,0 +1,132 @@
+"""Early exit across processes on this CPU (the shape of EE-LLM Fig. 10): per-token decoding
+latency of pipeline-based early-exit inference (``--stages`` processes, EE-LLM Sec. 4), KV
+recomputation (one process) and tensor-parallel KV recomputation (``--tp`` processes) over
+confidence thresholds, batch 1, one thread per process, greedy, on a LayerSkip-trained model.
+Plain autoregressive decoding (one process) is the baseline. Prints one JSON object; progress
+goes to stderr.
+
+    python benchmarks/dist_decode.py --model runs/scratch-layerskip/model
+    python benchmarks/dist_decode.py --quick          # 2 prompts, 16 tokens, 2 thresholds
+
+A model directory that does not exist is skipped (a JSON object saying so, exit status 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exitlm.infer import generate
+from exitlm.infer.bench import builtin_prompts
+from exitlm.infer.cli import load_for_strategy, tokenizer_for
+from exitlm.infer.result import GenerationResult
+from exitlm.parallel.infer.pipeline_ee import pipeline
+from exitlm.parallel.infer.tp_decode import tp_run
+
+
+def _note(msg: str) -> None:
+    print(f"[dist_decode] {msg}", file=sys.stderr, flush=True)
+
+
+def _summary(results: list[GenerationResult], ref: list[GenerationResult] | None
+             ) -> dict[str, Any]:
+    decode_s = sum(r.timings.decode_s for r in results)
+    tokens = sum(r.timings.decode_tokens for r in results)
+    layers = [x for r in results for s in r.sequences for x in s.exit_layers]
+    n = results[0].num_layers
+    out: dict[str, Any] = {
+        "ms_per_token": round(1e3 * decode_s / max(1, tokens), 3),
+        "tokens_per_s": round(tokens / decode_s, 1) if decode_s else None,
+        "early_exit_fraction": round(sum(x < n for x in layers) / max(1, len(layers)), 3),
+    }
+    if ref is not None:
+        same = [a.sequences[0].token_ids == b.sequences[0].token_ids
+                for a, b in zip(results, ref, strict=True)]
+        out["same_tokens_as_recompute"] = f"{sum(same)}/{len(same)}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="runs/scratch-layerskip/model")
+    ap.add_argument("--thresholds", default="0.6,0.8,0.9,1.0")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--exit-layers", default=None,
+                    help="checked exits, e.g. 4 (default: the model's, or 1/4, 1/2, 3/4 depth)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny budgets")
+    a = ap.parse_args()
+    if a.quick:
+        a.prompts, a.max_new_tokens, a.thresholds = 2, 16, "0.8,1.0"
+    if not Path(a.model).is_dir():
+        print(json.dumps({"skipped": f"no model directory at {a.model!r} (train one with "
+                                     "'exitlm train --config scratch-layerskip')"}))
+        return
+    torch.set_num_threads(a.threads)
+    thresholds = [float(x) for x in a.thresholds.split(",")]
+    loaded = load_for_strategy(a.model, torch.float32, "early-exit")
+    model = loaded.model.eval()
+    tok = tokenizer_for(loaded, a.model)
+    keep = min(128, model.config.max_seq_len - a.max_new_tokens - 1)  # the prompts' ends
+    prompts = [tok.encode(p)[-keep:] for p in builtin_prompts(a.prompts)]
+    base: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "ignore_eos": True}
+    exits = {} if a.exit_layers is None else {
+        "exit_layers": tuple(int(x) for x in a.exit_layers.split(","))}
+
+    def calls(thr: float, **kw: Any) -> list[dict[str, Any]]:
+        return [{"prompts": [p], "strategy": "early-exit", "threshold": thr, **base, **exits,
+                 **kw} for p in prompts]
+
+    report: dict[str, Any] = {
+        "torch": torch.__version__, "machine": platform.machine(), "model": a.model,
+        "num_layers": model.num_layers, "config": vars(a), "results": [],
+    }
+    warm = {"prompts": [prompts[0]], "strategy": "early-exit", "threshold": 1.0,
+            "max_new_tokens": 8, "ignore_eos": True, **exits}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        ar = [generate(model, None, [p], strategy="ar", threads=a.threads, **base)
+              for p in [prompts[0], *prompts]][1:]
+        report["ar"] = _summary(ar, None)
+        _note(f"ar: {report['ar']['ms_per_token']} ms/token ({time.perf_counter() - t0:.0f} s)")
+        ref: dict[float, list[GenerationResult]] = {}
+        generate(model, None, threads=a.threads, **warm)
+        for thr in thresholds:
+            ref[thr] = [generate(model, None, threads=a.threads, **c) for c in calls(thr)]
+            row = {"method": "recompute", "processes": 1, "threshold": thr,
+                   **_summary(ref[thr], None)}
+            report["results"].append(row)
+            _note(f"recompute @ {thr}: {row['ms_per_token']} ms/token")
+        with pipeline(model, a.stages, threads=a.threads):
+            generate(model, None, threads=a.threads, kv="pipeline", **warm)
+            for thr in thresholds:
+                got = [generate(model, None, threads=a.threads, **c)
+                       for c in calls(thr, kv="pipeline")]
+                row = {"method": "pipeline", "processes": a.stages, "threshold": thr,
+                       **_summary(got, ref[thr])}
+                report["results"].append(row)
+                _note(f"pipeline @ {thr}: {row['ms_per_token']} ms/token")
+        every = [warm] + [c for thr in thresholds for c in calls(thr)]
+        got_all = tp_run(model, every, tp=a.tp, threads=a.threads)[1:]
+        for i, thr in enumerate(thresholds):
+            got = got_all[i * len(prompts):(i + 1) * len(prompts)]
+            row = {"method": "tp", "processes": a.tp, "threshold": thr,
+                   **_summary(got, ref[thr])}
+            report["results"].append(row)
+            _note(f"tp @ {thr}: {row['ms_per_token']} ms/token")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

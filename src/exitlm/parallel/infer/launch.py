@@ -1,0 +1,152 @@
+"""Starting, joining and stopping the processes of a decoding job.
+
+Two ways in:
+
+* **self-started** (:func:`start_workers`): the calling process becomes rank 0 and spawns
+  ranks ``1..world-1`` with ``torch.multiprocessing`` (``spawn``); all join one gloo group
+  on 127.0.0.1 at a free port. :class:`Workers` kills the children when the job ends or
+  fails, so nothing outlives it.
+* **torchrun** (:func:`join_torchrun`): ``WORLD_SIZE``/``RANK`` come from the environment and
+  the default group is created with gloo (NCCL is not used for decoding: every transfer here
+  is a few kilobytes, latency-bound, and the decoders' tensors live on the CPU).
+
+Every group is created with ``timeout_s``; transfers wait with it too, so a peer that died or
+stalls ends the job with a :class:`~exitlm.parallel.health.ParallelError` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from exitlm.config import ConfigError
+from exitlm.parallel.health import ParallelError
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a transfer or the rendezvous may wait for a peer (seconds)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join (create) the default gloo group of ``world`` processes on 127.0.0.1:``port``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def torchrun_world() -> int:
+    """``WORLD_SIZE`` of a job ``torchrun`` started (1 outside one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join_torchrun(timeout_s: float) -> tuple[int, int]:
+    """Join the job ``torchrun`` started (gloo, ``timeout_s``); returns (rank, world)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _child(index: int, fn: Callable[..., None], world: int, port: int, timeout_s: float,
+           threads: int, args: tuple[Any, ...]) -> None:
+    """Entry of a spawned worker: rank ``index + 1`` joins the group and runs ``fn``."""
+    torch.set_num_threads(threads)
+    rank = index + 1
+    join_group(rank, world, port, timeout_s)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    """The spawned ranks ``1..world-1`` of a self-started job (see :func:`start_workers`)."""
+
+    def __init__(self, ctx: Any, world: int) -> None:
+        self.ctx = ctx
+        self.world = world
+
+    def failed(self) -> str | None:
+        """A description of a child that exited with an error, if one did."""
+        for i, p in enumerate(self.ctx.processes):
+            if not p.is_alive() and p.exitcode not in (0, None):
+                return f"decoding worker rank {i + 1} exited with status {p.exitcode}"
+        return None
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the children to finish; kill them after ``timeout_s`` or on a failure."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in self.ctx.processes):
+                if time.monotonic() > deadline:
+                    raise ParallelError(f"decoding workers did not stop within {timeout_s:g} s")
+                time.sleep(0.02)
+            msg = self.failed()
+            if msg:
+                raise ParallelError(msg)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill every child still running (idempotent)."""
+        for p in self.ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.ctx.processes:
+            p.join(5)
+
+
+def start_workers(fn: Callable[..., None], args: tuple[Any, ...], world: int, *,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> Workers:
+    """Become rank 0 of a ``world``-process gloo job and spawn ranks ``1..world-1``, each
+    running ``fn(rank, world, *args)`` with ``threads`` torch threads. Returns once every
+    rank has joined (the children are killed if that fails)."""
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError("a torch.distributed job is already running in this process; "
+                          "self-started decoding processes need a process without one "
+                          "(under torchrun, launch with --nproc-per-node instead)")
+    port = free_port()
+    ctx = mp.start_processes(_child, args=(fn, world, port, timeout_s, threads, args),
+                             nprocs=world - 1, join=False, start_method="spawn")
+    workers = Workers(ctx, world)
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            join_group(0, world, port, timeout_s)
+        except BaseException as err:  # handed to the caller below
+            errors.append(err)
+
+    joiner = threading.Thread(target=join, daemon=True, name="exitlm-rendezvous")
+    joiner.start()
+    try:  # a child that dies before joining must not leave rank 0 waiting for timeout_s
+        while joiner.is_alive():
+            msg = workers.failed()
+            if msg:
+                raise ParallelError(f"{msg} before joining the job (see its error above)")
+            joiner.join(0.05)
+        if errors:
+            raise ParallelError(f"decoding processes could not join: {errors[0]}")
+    except BaseException:
+        workers.kill()
+        raise
+    return workers
+
+
+def leave_group() -> None:
+    """Destroy the default group if this process has one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,253 @@
+"""Tensor-parallel decoding: Megatron-LM's layout (EE-LLM Sec. 3.1, "tensor parallelism ...
+directly applicable") on plain tensors with explicit gloo collectives.
+
+:func:`shard_model` turns a normally loaded model into rank ``r``'s shard of ``T``:
+
+* attention: the fused ``wqkv`` keeps rank ``r``'s ``H/T`` query heads and ``Hkv/T``
+  key/value heads (contiguous blocks, so every query head's GQA group stays on its rank), and
+  its cache holds only those key/value heads; ``wo`` keeps the matching input columns and
+  all-reduces its output (its bias is added once, after the sum);
+* MLP: the fused gate/up ``w_in`` keeps rank ``r``'s rows of each half, ``w_out`` the matching
+  columns with an all-reduce;
+* exit heads like layers (an MLP head like an MLP, a block head like a block);
+* every output embedding (the LM head, an exit's own matrix, the tied input embedding) is
+  vocabulary-parallel: each rank multiplies its ``ceil(V/T)`` rows and the logits are
+  all-gathered, so confidence checks and token choice see the full vocabulary on every rank
+  (as EE-LLM gathers logits for its exits at inference);
+* norms, embeddings and the residual stream are replicated.
+
+The ordinary decoders (autoregressive, early exit with KV recomputation, self-speculative)
+then run unchanged on every rank with identical inputs: the collectives give every rank the
+same bits, so every rank takes the same exit decisions and, with the same seed, samples the
+same tokens. Against one process the only difference is fp32 summation order (a sum of ``T``
+partial products instead of one product), ~1e-6 relative: greedy tokens are identical unless
+two logits (or a confidence and its threshold) lie that close.
+
+:func:`tp_generate` starts the processes itself; under ``torchrun`` every rank calls
+:func:`shard_model` and :func:`~exitlm.infer.api.generate` (``exitlm generate --tp T``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from exitlm.config import ConfigError, ModelConfig
+from exitlm.infer.result import GenerationResult
+from exitlm.model.kv_cache import KVCache
+from exitlm.model.layers import MLP, Attention, Block, Linear, attention_dtype, linear
+from exitlm.model.transformer import EarlyExitLM
+from exitlm.parallel.health import guard
+from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
+from exitlm.parallel.infer.pipeline_ee import _assign, _tensors
+
+TP_STRATEGIES = ("ar", "early-exit", "self-spec")
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise a :class:`ConfigError` naming ``--tp`` unless ``tp`` splits the model evenly."""
+    if tp < 1:
+        raise ConfigError(f"--tp {tp}: expected a positive number of processes")
+    sizes = {"attention heads": cfg.num_heads, "key/value heads": cfg.n_kv_heads,
+             "MLP width": cfg.hidden_dim}
+    for what, n in sizes.items():
+        if n % tp:
+            ok = [d for d in range(1, cfg.n_kv_heads + 1)
+                  if all(v % d == 0 for v in sizes.values())]
+            raise ConfigError(f"--tp {tp}: expected a divisor of the model's {what} ({n}); "
+                              f"this model splits into --tp {' / '.join(map(str, ok))}")
+
+
+class RowParallelLinear(Linear):
+    """Rank ``r``'s input columns of a linear layer; the outputs are summed over the group
+    (the bias, kept whole, is added once after the sum)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.full_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y if self.full_bias is None else y + self.full_bias
+
+
+def _rows(t: torch.Tensor | None, blocks: list[tuple[int, int]]) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return torch.cat([t.detach()[a:b] for a, b in blocks]).contiguous()
+
+
+def _column_split(lin: nn.Linear, blocks: list[tuple[int, int]]) -> None:
+    """Keep the output rows ``blocks`` of ``lin`` (a column-parallel layer)."""
+    lin.weight = nn.Parameter(_rows(lin.weight, blocks), requires_grad=False)  # type: ignore[arg-type]
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(_rows(lin.bias, blocks), requires_grad=False)  # type: ignore[arg-type]
+    lin.out_features = lin.weight.shape[0]
+
+
+def _row_split(lin: nn.Linear, a: int, b: int, group: Any) -> RowParallelLinear:
+    w = lin.weight.detach()[:, a:b].contiguous()
+    bias = None if lin.bias is None else lin.bias.detach().clone()
+    return RowParallelLinear(w, bias, group)
+
+
+def _shard_attention(attn: Attention, rank: int, tp: int, group: Any) -> None:
+    h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    hl, kl = h // tp, hkv // tp
+    q = (rank * hl * d, (rank + 1) * hl * d)
+    k = ((h + rank * kl) * d, (h + (rank + 1) * kl) * d)
+    v = ((h + hkv + rank * kl) * d, (h + hkv + (rank + 1) * kl) * d)
+    _column_split(attn.wqkv, [q, k, v])
+    attn.wo = _row_split(attn.wo, q[0], q[1], group)
+    attn.num_heads, attn.num_kv_heads = hl, kl
+
+
+def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any) -> None:
+    n = mlp.hidden // tp
+    own = (rank * n, (rank + 1) * n)
+    blocks = [own, (mlp.hidden + own[0], mlp.hidden + own[1])] if mlp.gated else [own]
+    _column_split(mlp.w_in, blocks)
+    mlp.w_out = _row_split(mlp.w_out, own[0], own[1], group)
+    mlp.hidden = n
+
+
+def _vocab_parallel_project(rank: int, tp: int, group: Any) -> Any:
+    """``project(h, weight)`` over rank ``rank``'s rows of ``weight`` with the logits
+    all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows)."""
+    shards: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def project(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        vocab = weight.shape[0]
+        entry = shards.get(id(weight))
+        if entry is None or entry[0]() is not weight:
+            n = math.ceil(vocab / tp)
+            part = weight.detach()[rank * n : min(vocab, (rank + 1) * n)]
+            if part.shape[0] < n:
+                part = torch.cat([part, part.new_zeros(n - part.shape[0], part.shape[1])])
+            entry = (weakref.ref(weight), part.contiguous())
+            shards[id(weight)] = entry
+        local = linear(h, entry[1]).contiguous()  # (..., ceil(V/T))
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts, dim=-1)[..., :vocab]
+
+    return project
+
+
+def _local_cache(model: EarlyExitLM, kv_heads: int, batch_size: int,
+                 max_seq_len: int | None = None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> KVCache:
+    """``model.new_cache`` for a shard: only this rank's key/value heads."""
+    ref = model.embed_tokens.weight
+    return KVCache(model.num_cache_slots, batch_size, max_seq_len or model.config.max_seq_len,
+                   kv_heads, model.config.hdim,
+                   dtype=dtype or attention_dtype(ref.dtype, ref.device),
+                   device=device or ref.device)
+
+
+def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None) -> EarlyExitLM:
+    """A copy of ``model`` holding rank ``rank``'s tensor-parallel shard of ``tp`` (see the
+    module docstring); ``model`` itself is left as it is (unsharded tensors are shared)."""
+    check_tp(model.config, tp)
+    with torch.device("meta"):  # every tensor is replaced by the model's own below
+        shard = EarlyExitLM(model.config)
+    _assign(shard, _tensors(model))
+    shard.eval().requires_grad_(False)
+    if tp == 1:
+        return shard
+    for mod in shard.modules():
+        if isinstance(mod, Block):
+            _shard_attention(mod.attn, rank, tp, group)
+        if isinstance(mod, MLP):
+            _shard_mlp(mod, rank, tp, group)
+    shard.project = _vocab_parallel_project(rank, tp, group)  # type: ignore[method-assign]
+    shard.new_cache = functools.partial(  # type: ignore[method-assign]
+        _local_cache, shard, model.config.n_kv_heads // tp)
+    return shard
+
+
+def broadcast_weights(model: EarlyExitLM, group: Any = None) -> None:
+    """Give every rank rank 0's parameters and buffers (a preset's random weights differ
+    per process; checkpoints are equal anyway, and this checks nothing else)."""
+    for t in _tensors(model).values():
+        dist.broadcast(t.data, src=0, group=group)
+
+
+def check_strategy(strategy: str, options: dict[str, Any]) -> None:
+    """``--tp`` decodes with ``ar``, ``early-exit`` (KV recomputation) and ``self-spec``."""
+    if strategy not in TP_STRATEGIES:
+        raise ConfigError(f"--tp runs --strategy {' / '.join(TP_STRATEGIES)}, not {strategy}")
+    if options.get("kv", "recompute") != "recompute":
+        raise ConfigError(f"--tp decodes early exits with --kv recompute, not --kv "
+                          f"{options['kv']}")
+
+
+def _tp_main(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+             calls: list[dict[str, Any]]) -> None:
+    """Entry of a self-started tensor-parallel rank: the same generate calls as rank 0."""
+    from exitlm.infer.api import generate
+
+    with torch.device("meta"):
+        model = EarlyExitLM(cfg)
+    _assign(model, tensors)
+    shard = shard_model(model, rank, world)
+    for call in calls:
+        generate(shard, None, **call)
+
+
+def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads: int = 1,
+           timeout_s: float = DEFAULT_TIMEOUT_S, tokenizer: Any = None,
+           stream: Any = None) -> list[GenerationResult]:
+    """Run :func:`~exitlm.infer.api.generate` once per entry of ``calls`` (its keyword
+    arguments, ``prompts`` as token ids) on ``tp`` self-started processes holding shards of
+    ``model``; this process is rank 0 and returns the results (``tokenizer`` and ``stream``
+    are used here only). Every rank runs the same calls in order, so all take the same
+    decisions."""
+    check_tp(model.config, tp)
+    for call in calls:
+        check_strategy(call.get("strategy", "ar"), call)
+    calls = [{**c, "threads": threads} for c in calls]
+    workers = start_workers(_tp_main, (model.config, _tensors(model), calls), tp,
+                            timeout_s=timeout_s, threads=threads)
+    try:
+        shard = shard_model(model, 0, tp)
+        with guard("tensor-parallel decoding", rank=0, timeout_s=timeout_s, heartbeat=None):
+            results = [generate_on(shard, tokenizer, stream, c) for c in calls]
+        workers.join(timeout_s)
+    finally:
+        workers.kill()
+        leave_group()
+    return results
+
+
+def generate_on(model: EarlyExitLM, tokenizer: Any, stream: Any,
+                call: dict[str, Any]) -> GenerationResult:
+    from exitlm.infer.api import generate
+
+    return generate(model, tokenizer, stream=stream, **call)
+
+
+def tp_generate(model: EarlyExitLM, tokenizer: Any, prompts: Any, *, tp: int,
+                strategy: str = "ar", chat: bool = False, stream: Any = None,
+                threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+                **kwargs: Any) -> GenerationResult:
+    """:func:`~exitlm.infer.api.generate` over ``tp`` self-started processes, each holding
+    a shard of ``model`` (this process is rank 0 and returns the result; ``kwargs`` are
+    ``generate``'s). Greedy output equals one process's (module docstring)."""
+    from exitlm.infer.api import encode_prompts
+
+    check_tp(model.config, tp)
+    check_strategy(strategy, kwargs)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
+    call = {**kwargs, "prompts": prompt_ids, "strategy": strategy}
+    return tp_run(model, [call], tp=tp, threads=threads, timeout_s=timeout_s,
+                  tokenizer=tokenizer, stream=stream)[0]

@@ -1,0 +1,110 @@
+"""Pipeline-based early-exit inference (EE-LLM Sec. 4) in real gloo processes: token for token
+the same as KV recomputation under the same threshold, and greedy decoding at 1.0."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
+from _ee_models import ee_model, random_prompts
+
+from exitlm.config import ConfigError
+from exitlm.infer import generate
+from exitlm.infer.early_exit import EarlyExitOptions
+from exitlm.parallel.infer.pipeline_ee import pipeline, stage_bounds
+
+STEPS = 24
+
+
+def _run(model: torch.nn.Module, prompt: list[int], **kw: object) -> tuple[list[int], list[int]]:
+    res = generate(model, None, [prompt], max_new_tokens=STEPS, ignore_eos=True, threads=1,
+                   **kw)
+    return res.sequences[0].token_ids, res.sequences[0].exit_layers
+
+
+@pytest.mark.parametrize(("kind", "stages"), [("linear", 2), ("block", 3), ("layerskip", 4),
+                                              ("gpt2-mlp", 2)])
+def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
+    torch.set_num_threads(1)
+    if kind == "layerskip":
+        model = ee_model(every_layer=True)
+        checks = {"exit_layers": (1, 2, 3)}
+    else:
+        model = ee_model("mlp" if kind == "gpt2-mlp" else kind, gpt2=kind == "gpt2-mlp")
+        checks = {}
+    torch.manual_seed(1)
+    prompts = random_prompts()
+    early = 0
+    with torch.inference_mode(), pipeline(model, stages):
+        for thr, pending in ((0.5, 8), (0.7, 2), (1.0, 8)):
+            for p in prompts:
+                ref = _run(model, p, strategy="early-exit", threshold=thr, max_pending=pending,
+                           **checks)
+                got = _run(model, p, strategy="early-exit", threshold=thr, max_pending=pending,
+                           kv="pipeline", **checks)
+                assert got == ref, (kind, stages, thr, p)
+                early += sum(layer < model.num_layers for layer in got[1])
+                if thr == 1.0:
+                    assert got[0] == _run(model, p, strategy="ar")[0]
+    assert early > 10  # the thresholds really exit early
+
+
+def test_sampling_and_logprobs_match() -> None:
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    p = random_prompts()[0]
+    kw = {"strategy": "early-exit", "threshold": 0.5, "temperature": 0.8, "seed": 3,
+          "max_new_tokens": STEPS, "ignore_eos": True, "logprobs": 2, "threads": 1}
+    with torch.inference_mode():
+        ref = generate(model, None, [p], **kw).sequences[0]
+        got = generate(model, None, [p], kv="pipeline", stages=2, **kw).sequences[0]
+    assert got.token_ids == ref.token_ids and got.exit_layers == ref.exit_layers
+    # fp32 summation order: recomputation runs deep layers of exited tokens batched with the
+    # next token, the pipeline one token at a time (module docstring)
+    assert [t.logprob for t in got.logprobs] == pytest.approx(
+        [t.logprob for t in ref.logprobs], abs=1e-5)
+
+
+def test_bad_stage_settings() -> None:
+    assert stage_bounds(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    with pytest.raises(ConfigError, match="--stages 5"):
+        stage_bounds(4, 5)
+    with pytest.raises(ConfigError, match="--stages 2 applies only to --kv pipeline"):
+        EarlyExitOptions(stages=2)
+    model = ee_model("linear")
+    with pytest.raises(ConfigError, match="--stages 9"):
+        generate(model, None, [[1, 2]], strategy="early-exit", kv="pipeline", stages=9)
+
+
+def test_dead_stage_is_an_error_not_a_hang() -> None:
+    import time
+
+    from exitlm.parallel.health import ParallelError
+
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    start = time.monotonic()
+    with pytest.raises(ParallelError), pipeline(model, 2, timeout_s=30) as group:
+        assert group.workers is not None
+        group.workers.ctx.processes[0].kill()
+        generate(model, None, [[1, 2, 3]], strategy="early-exit", kv="pipeline",
+                 max_new_tokens=8, threads=1)
+    assert time.monotonic() - start < 30
+    assert not any(p.is_alive() for p in group.workers.ctx.processes)
+
+
+def test_several_prompts_queue_through_one_pipeline() -> None:
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    prompts = random_prompts()
+    kw = {"strategy": "early-exit", "threshold": 0.5, "max_new_tokens": 10, "ignore_eos": True,
+          "threads": 1}
+    with torch.inference_mode():
+        ref = generate(model, None, prompts, **kw)
+        got = generate(model, None, prompts, kv="pipeline", stages=3, **kw)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
+    assert got.options["stage_layers"] == [[1, 2], [3, 3], [4, 4]]

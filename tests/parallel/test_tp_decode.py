@@ -1,0 +1,113 @@
+"""Tensor-parallel decoding in real gloo processes: every strategy it serves gives the tokens
+of one process (greedy and seeded sampling), on Llama- and GPT-2-style tiny models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
+from _ee_models import ee_model, random_prompts
+
+from _dist import free_port, run_processes
+from exitlm.config import ConfigError
+from exitlm.infer import generate
+from exitlm.parallel.infer.launch import join_group
+from exitlm.parallel.infer.tp_decode import check_strategy, check_tp, shard_model, tp_generate
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("ar", {}),
+    ("ar", {"temperature": 0.9, "seed": 5}),
+    ("early-exit", {"threshold": 0.6}),
+    ("early-exit", {"threshold": 1.0}),
+    ("self-spec", {"exit_layer": 2, "num_speculations": 3}),
+]
+MODELS = {"llama-block": {"head": "block"}, "gpt2-mlp": {"head": "mlp", "gpt2": True}}
+
+
+def _decode_all(model: torch.nn.Module, prompts: list[list[int]]) -> dict[str, Any]:
+    out = {}
+    for i, (strategy, kw) in enumerate(CASES):
+        res = generate(model, None, prompts, strategy=strategy, max_new_tokens=16,
+                       ignore_eos=True, threads=1, **kw)
+        out[str(i)] = [[s.token_ids, s.exit_layers] for s in res.sequences]
+    return out
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    torch.set_num_threads(1)
+    join_group(rank, world, port, 90.0)
+    try:
+        for name, kw in MODELS.items():
+            model = shard_model(ee_model(**kw), rank, world)
+            attn = model.layers[0].attn
+            assert attn.num_heads == 4 // world and attn.num_kv_heads == 2 // world
+            torch.manual_seed(1)
+            got = _decode_all(model, random_prompts())
+            if rank == 0:
+                (Path(root) / f"{name}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_equals_one_process(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    run_processes(_worker, (2, free_port(), str(tmp_path)), 2, what="tensor-parallel ranks")
+    for name, kw in MODELS.items():
+        model = ee_model(**kw)
+        torch.manual_seed(1)
+        ref = _decode_all(model, random_prompts())
+        got = json.loads((tmp_path / f"{name}.json").read_text())
+        for i in ref:
+            assert got[i] == ref[i], (name, CASES[int(i)])
+        early = sum(layer < 4 for seq in got["2"] for layer in seq[1])
+        assert early > 5  # the early-exit case really exits early
+
+
+def test_self_started_tp_generate() -> None:
+    torch.set_num_threads(1)
+    model = ee_model("linear", vocab=23)  # 23 is not divisible by 2: padded vocabulary shards
+    prompts = random_prompts()
+    ref = generate(model, None, prompts, strategy="early-exit", threshold=0.7,
+                   max_new_tokens=12, ignore_eos=True, threads=1)
+    got = tp_generate(model, None, prompts, tp=2, strategy="early-exit", threshold=0.7,
+                      max_new_tokens=12, ignore_eos=True)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
+    # the caller's model is left whole
+    assert model.layers[0].attn.num_heads == 4
+
+
+def test_bad_tp_settings() -> None:
+    cfg = ee_model("linear").config
+    with pytest.raises(ConfigError, match="--tp 3: expected a divisor"):
+        check_tp(cfg, 3)
+    with pytest.raises(ConfigError, match="--tp runs --strategy"):
+        check_strategy("ppd", {})
+    with pytest.raises(ConfigError, match="--kv recompute"):
+        check_strategy("early-exit", {"kv": "pipeline"})
+
+
+def test_tp4_self_spec_with_gqa() -> None:
+    from exitlm.config import ExitConfig, ModelConfig
+    from exitlm.model.transformer import EarlyExitLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=23, dim=32, num_layers=4, num_heads=8, num_kv_heads=4,
+                      hidden_dim=64, max_seq_len=96, exits=ExitConfig(layers=(2,), head="mlp"))
+    model = EarlyExitLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.4)
+    prompts = random_prompts()
+    kw = {"strategy": "self-spec", "exit_layer": 2, "max_new_tokens": 12, "ignore_eos": True}
+    ref = generate(model, None, prompts, threads=1, **kw)
+    got = tp_generate(model, None, prompts, tp=4, **kw)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
