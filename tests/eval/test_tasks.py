@@ -59,3 +59,31 @@ def test_bench_task_table(task: str, tmp_path: Path, capsys: pytest.CaptureFixtu
         assert item["ar"]["text"] == item["self-spec"]["text"]
         assert item["ar"]["score"] == item["early-exit"]["score"]
     assert (tmp_path / "out" / f"task_{task}.png").is_file()
+
+
+def test_task_table_on_a_small_context(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Budgets are clipped to the model's context and prompts that fill it are skipped (and
+    counted), so a small-context model still gets a table."""
+    from exitlm.cli import main
+    from exitlm.io import save_model
+
+    torch.manual_seed(0)
+    prompts = [p for p, _ in docstring_items(6)]
+    context = sorted(len(p.encode()) for p in prompts)[2] + 4  # some fit, some do not
+    cfg = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      hidden_dim=64, max_seq_len=context,
+                      exits=ExitConfig(every_layer=True, norm="final"))
+    model_dir = save_model(EarlyExitLM(cfg).eval(), tmp_path / "m")
+    before = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--model", str(model_dir), "--task", "docstrings", "--limit", "6",
+                   "--strategies", "ar,self-spec", "--exit-layer", "1", "--out-dir",
+                   str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)["task"]
+    fits = sum(len(p.encode()) < context for p in prompts)
+    assert rep["items"] == fits and rep["skipped_too_long"] == 6 - fits > 0
+    saved = json.loads((tmp_path / "out" / "task_docstrings.json").read_text())
+    assert [len(c["prompt"].encode()) < context for c in saved["completions"]] == [True] * fits

@@ -35,15 +35,16 @@ _DEF = re.compile(r"^(\s*)def \w+\(.*\).*:\s*$")
 
 @dataclass
 class Task:
-    """Prompts, how generation stops, and how the outputs are scored (one number per
-    output; the task's quality is their mean)."""
+    """Prompts, how generation stops, and how the outputs are scored: ``score(indices,
+    texts)`` gives one number per output, ``texts[j]`` answering ``prompts[indices[j]]``; the
+    task's quality is their mean."""
 
     name: str
     metric: str
     prompts: list[str]
     stop: tuple[str, ...]
     max_new_tokens: int
-    score: Callable[[list[str]], list[float]]
+    score: Callable[[list[int], list[str]], list[float]]
 
 
 def humaneval_task(limit: int | None) -> Task:
@@ -52,8 +53,9 @@ def humaneval_task(limit: int | None) -> Task:
 
     items = humaneval.problems(limit)
 
-    def score(texts: list[str]) -> list[float]:
-        res = humaneval.score([(it["task_id"], t) for it, t in zip(items, texts, strict=True)])
+    def score(indices: list[int], texts: list[str]) -> list[float]:
+        res = humaneval.score([(items[i]["task_id"], t)
+                               for i, t in zip(indices, texts, strict=True)])
         return [float(r["passed"]) for r in res.results]
 
     return Task("humaneval", "pass@1", [it["prompt"] for it in items], humaneval.STOP, 384,
@@ -106,8 +108,8 @@ def docstring_task(limit: int | None) -> Task:
     """Docstring continuation scored by ROUGE-L F1 against the real docstring."""
     items = docstring_items(limit or 40)
 
-    def score(texts: list[str]) -> list[float]:
-        return [rouge_l(t, ref).f for t, (_, ref) in zip(texts, items, strict=True)]
+    def score(indices: list[int], texts: list[str]) -> list[float]:
+        return [rouge_l(t, items[i][1]).f for i, t in zip(indices, texts, strict=True)]
 
     return Task("docstrings", "rouge_l", [p for p, _ in items], ('"""',), 96, score)
 
@@ -120,7 +122,7 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     """Every configured strategy of ``bench`` (:class:`~exitlm.infer.bench.Bench`) on task
     ``name``: quality, tokens/s, speed-up over AR; writes ``task_<name>.json`` (with every
     completion and its score) and a plot. ``max_new_tokens`` replaces the task's own budget."""
-    from exitlm.infer.api import generate
+    from exitlm.infer.api import encode_prompts, generate
     from exitlm.infer.bench import OURS, default_variants
 
     if name not in TASKS:
@@ -129,24 +131,31 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     if max_new_tokens is not None:
         task.max_new_tokens = max_new_tokens
     variants = {k: v for k, v in default_variants(bench).items() if v[0] in OURS}
+    # a prompt's budget is clipped to the model's context; prompts that leave no room are
+    # skipped (counted in the report): a small-context model still gets a table
+    context = bench.model.config.max_seq_len
+    lengths = [len(ids) for ids in encode_prompts(bench.tokenizer, task.prompts)]
+    kept = [i for i, n in enumerate(lengths) if n < context]
+    if not kept:
+        raise ConfigError(f"no {name} prompt fits the model's context of {context} tokens")
     outputs: dict[str, list[str]] = {v: [] for v in variants}
     dec_tokens = dict.fromkeys(variants, 0)
     dec_s = dict.fromkeys(variants, 0.0)
     # every strategy on one prompt before the next prompt: a machine whose load drifts during
     # the run slows every strategy alike, so the speed-ups hold
-    for prompt in tqdm(task.prompts, desc=name, unit="prompt", file=sys.stderr, leave=False):
+    for i in tqdm(kept, desc=name, unit="prompt", file=sys.stderr, leave=False):
+        budget = min(task.max_new_tokens, context - lengths[i])
         for vname, (strategy, opts) in variants.items():
-            res = generate(bench.model, bench.tokenizer, prompt, strategy=strategy,
-                           max_new_tokens=task.max_new_tokens, stop_strings=task.stop,
-                           **opts)
+            res = generate(bench.model, bench.tokenizer, task.prompts[i], strategy=strategy,
+                           max_new_tokens=budget, stop_strings=task.stop, **opts)
             outputs[vname].append(res.text)
             dec_tokens[vname] += res.timings.decode_tokens
             dec_s[vname] += res.timings.decode_s
-    scores = {vname: task.score(texts) for vname, texts in outputs.items()}
+    scores = {vname: task.score(kept, texts) for vname, texts in outputs.items()}
     rows: dict[str, dict[str, Any]] = {}
     for vname, (strategy, opts) in variants.items():
         rows[vname] = {"strategy": strategy, "options": opts,
-                       task.metric: sum(scores[vname]) / len(task.prompts),
+                       task.metric: sum(scores[vname]) / len(kept),
                        "decode_tokens_per_s": (dec_tokens[vname] / dec_s[vname]
                                                if dec_s[vname] else 0.0),
                        "decode_tokens": dec_tokens[vname]}
@@ -154,12 +163,13 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     for vname, row in rows.items():
         row["speedup_vs_ar"] = row["decode_tokens_per_s"] / base if base else 0.0
         row["same_output_as_ar"] = sum(a == b for a, b in zip(outputs[vname], outputs["ar"],
-                                                              strict=True)) / len(task.prompts)
-    report = {"task": name, "metric": task.metric, "items": len(task.prompts),
+                                                              strict=True)) / len(kept)
+    report = {"task": name, "metric": task.metric, "items": len(kept),
+              "skipped_too_long": len(task.prompts) - len(kept),
               "max_new_tokens": task.max_new_tokens, "results": rows}
-    completions = [{"prompt": p, **{v: {"text": outputs[v][i], "score": scores[v][i]}
-                                    for v in variants}}
-                   for i, p in enumerate(task.prompts)]
+    completions = [{"prompt": task.prompts[i], **{v: {"text": outputs[v][j],
+                                                      "score": scores[v][j]} for v in variants}}
+                   for j, i in enumerate(kept)]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"task_{name}.json"
     path.write_text(json.dumps({**report, "completions": completions}, indent=2) + "\n",
