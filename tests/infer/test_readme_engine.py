@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_default_model
+from _default_model import requires_default_model
 
 pytestmark = [pytest.mark.real_model, requires_default_model]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import requires_default_model
+from _default_model import requires_default_model
 
 pytestmark = [pytest.mark.real_model, requires_default_model]
 

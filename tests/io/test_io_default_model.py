@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import requires_default_model
+from _default_model import requires_default_model
 from exitlm.io import LoadedModel, load_model
 
 pytestmark = [pytest.mark.real_model, requires_default_model]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import requires_default_model
+from _default_model import requires_default_model
 from exitlm.infer import generate
 from exitlm.parallel.infer.tp_decode import tp_generate
 

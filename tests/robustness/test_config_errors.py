@@ -184,7 +184,7 @@ def test_eval_tokenizer_larger_than_the_model(tmp_path: Path,
 
 def test_eval_default_tokenizer_on_a_byte_model(capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's case: ``--tokenizer default`` (49152 tokens) on a 256-token model."""
-    from conftest import has_default_model
+    from _default_model import has_default_model
 
     if not has_default_model():
         pytest.skip("needs the embedded model")

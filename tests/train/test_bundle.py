@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import requires_default_model
+from _default_model import requires_default_model
 from exitlm.config import ExitConfig, preset
 from exitlm.eval.per_exit import evaluate_exits
 from exitlm.io import load_model, save_model
