@@ -297,13 +297,8 @@ def pipeline(model: EarlyExitLM, stages: int, *, timeout_s: float = DEFAULT_TIME
     stage_bounds(model.num_layers, stages)
     workers = start_workers(_stage_main, (model.config, _tensors(model), timeout_s), stages,
                             timeout_s=timeout_s, threads=threads)
-    group = PipelineGroup(model, stages, timeout_s, workers)
-    _ACTIVE.append(group)
-    try:
+    with _registered(PipelineGroup(model, stages, timeout_s, workers)) as group:
         yield group
-    finally:
-        _ACTIVE.remove(group)
-        group.close()
 
 
 @contextlib.contextmanager
@@ -313,7 +308,13 @@ def joined_pipeline(model: EarlyExitLM, *, timeout_s: float = DEFAULT_TIMEOUT_S
     ``exitlm generate``; ranks ``>= 1`` serve with :func:`serve_stage`)."""
     import torch.distributed as dist
 
-    group = PipelineGroup(model, dist.get_world_size(), timeout_s, None)
+    with _registered(PipelineGroup(model, dist.get_world_size(), timeout_s, None)) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def _registered(group: PipelineGroup) -> Iterator[PipelineGroup]:
+    """``group`` is the active pipeline while the block runs, and is closed after it."""
     _ACTIVE.append(group)
     try:
         yield group
