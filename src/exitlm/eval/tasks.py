@@ -191,9 +191,11 @@ def _plot(path: Path, name: str, metric: str, rows: dict[str, dict[str, Any]]) -
         ax.annotate(vname, (row["speedup_vs_ar"], row[metric]), fontsize=8,
                     textcoords="offset points", xytext=(4, 4))
     ax.axvline(1.0, color="grey", lw=0.5)
+    ax.margins(x=0.15, y=0.1)  # room for the labels of the outermost points
     ax.set_xlabel("decode speed-up over autoregressive")
     ax.set_ylabel(metric)
-    ax.set_title(f"{name}: quality vs speed per strategy (cf. LayerSkip Table 3)")
+    ax.set_title(f"{name}: quality vs speed-up per strategy\n(the shape of LayerSkip Table 3)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
