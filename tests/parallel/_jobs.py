@@ -10,6 +10,8 @@ exit) and the whole model's parameters.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -69,3 +71,23 @@ def same_params(result: dict[str, Any], model: torch.nn.Module, atol: float = 1e
     for name, p in model.named_parameters():
         torch.testing.assert_close(torch.tensor(result["params"][name]), p.detach(),
                                    rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def torchrun_train(root: Path, cfg: Any, overrides: list[str], timeout: float
+                   ) -> list[dict[str, Any]]:
+    """``torchrun --nproc-per-node 2 -m exitlm train --config <cfg> OVERRIDES`` as a user
+    starts it (two processes, one thread each); returns the run's log records."""
+    import yaml
+
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "exitlm", "train", "--config", str(path),
+         *overrides],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = Path(cfg.train.out_dir) / "log.jsonl"
+    return [json.loads(x) for x in log.read_text().splitlines()]

@@ -4,17 +4,13 @@ process, checkpoints that resume under another layout, the torchrun CLI, and cle
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _jobs import job_config, same_params, spawn_jobs
+from _jobs import job_config, same_params, spawn_jobs, torchrun_train
 from _train_util import tiny_config
 
-from _dist import free_port
 from exitlm.config import ConfigError
 from exitlm.train.trainer import Trainer
 
@@ -97,18 +93,7 @@ def test_single_process_token_slicing_trains_like_no_slicing(tmp_path: Path) -> 
 def test_torchrun_cli(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 2 -m exitlm train ... parallel.pp=2``."""
     cfg = job_config(tmp_path, "cli", train={"steps": 2, "checkpoint_every": 0})
-    import yaml
-
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg.to_dict()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "exitlm", "train", "--config", str(path),
-         "parallel.pp=2", "parallel.schedule=1f1b", "parallel.token_slices=2"],
-        capture_output=True, text=True, env=env, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = [json.loads(x) for x in (tmp_path / "cli" / "log.jsonl").read_text().splitlines()]
+    log = torchrun_train(tmp_path, cfg, ["parallel.pp=2", "parallel.schedule=1f1b",
+                                         "parallel.token_slices=2"], timeout=180)
     assert [r["step"] for r in log] == [1, 2]
     assert (tmp_path / "cli" / "model" / "model.safetensors").is_file()

@@ -6,16 +6,12 @@ per-exit losses and writes an ordinary exitlm model."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _jobs import job_config, spawn_jobs
+from _jobs import job_config, spawn_jobs, torchrun_train
 
-from _dist import free_port
 from exitlm.config import ConfigError
 from exitlm.io import load_model
 from exitlm.train.trainer import Trainer
@@ -65,20 +61,8 @@ def test_torchrun_tp2_logs_single_process_exit_losses(tmp_path: Path) -> None:
     loss of every step equals one process's within fp32 tolerance; OUT/model is an ordinary
     exitlm model with the single-process weights."""
     train = {"steps": 3, "checkpoint_every": 0}
-    cfg = job_config(tmp_path, "cli", train=train)
-    import yaml
-
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg.to_dict()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "exitlm", "train", "--config", str(path),
-         "parallel.tp=2"],
-        capture_output=True, text=True, env=env, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = [json.loads(x) for x in (tmp_path / "cli" / "log.jsonl").read_text().splitlines()]
+    log = torchrun_train(tmp_path, job_config(tmp_path, "cli", train=train), ["parallel.tp=2"],
+                         timeout=240)
     single = Trainer(job_config(tmp_path, "one", train=train))
     ref = single.train()
     assert [r["step"] for r in log] == [1, 2, 3]
