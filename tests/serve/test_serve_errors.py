@@ -80,15 +80,3 @@ def test_openai_client_sees_bad_request(ar: Server) -> None:
     assert "context" in info.value.message
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=USER)
-
-
-def test_serve_refuses_pipeline_inference(capsys: pytest.CaptureFixture) -> None:
-    """--kv pipeline needs stage processes the server does not start: one line, status 2,
-    before anything is loaded or bound."""
-    from exitlm.cli import main
-
-    rc = main(["serve", "default", "--strategy", "early-exit", "--kv", "pipeline",
-               "--port", "0"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "--kv pipeline" in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) <= 2

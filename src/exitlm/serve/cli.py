@@ -83,9 +83,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = strategy_overrides(args, args.strategy)
-    if overrides.get("kv") == "pipeline":
-        raise ConfigError("exitlm serve: --kv pipeline is not served yet (it needs its stage "
-                          "processes); use --kv recompute, or exitlm generate --kv pipeline")
     sock = _listen(args.host, args.port)  # fail before the model loads
     if args.threads is not None:
         set_threads(args.threads)
