@@ -5,6 +5,7 @@ their single-request output; the API key."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from _serve_util import API_KEY, Reference, Server
@@ -112,3 +113,22 @@ def test_api_key(servers: dict[str, Server]) -> None:
     res = ppd.client(api_key=API_KEY).completions.create(model="tiny", prompt="x",
                                                          max_tokens=2, temperature=0)
     assert res.usage.completion_tokens == 2
+
+
+def test_pipeline_inference_behind_the_server(checkpoint: Path, reference: Reference) -> None:
+    """``--kv pipeline``: the decoder starts its stage processes with the engine; greedy output
+    and exit layers equal KV recomputation's (EE-LLM Sec. 4: same exits, KV filled by the
+    later stages instead of recomputed)."""
+    server = Server([str(checkpoint), "--served-model-name", "tiny", "--strategy", "early-exit",
+                     "--threshold", "0.5", "--kv", "pipeline"]).wait_ready()
+    try:
+        for prompt in ("Hello", "import os\n"):
+            alone = reference.run(prompt, "early-exit", max_new_tokens=16, threshold=0.5)
+            res = server.client().completions.create(
+                model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                extra_body={"return_exit_layers": True})
+            assert res.choices[0].text == alone.text
+            assert res.model_dump()["choices"][0]["exit_layers"] == alone.exit_layers
+        assert alone.exits().early_exit_fraction > 0
+    finally:
+        assert server.stop() == 0
