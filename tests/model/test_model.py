@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from exitlm.config import ConfigError, ExitConfig, ModelConfig, preset
-from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
 
 
@@ -105,21 +104,6 @@ def test_cache_overflow_and_bad_positions() -> None:
         model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_optimize_layout_keeps_values(dtype: torch.dtype) -> None:
-    model = _model(layers=(1,), output="own").to(dtype)
-    tokens = torch.randint(0, 256, (1, 12))
-    with torch.no_grad():
-        before = model(tokens)
-        optimize_layout(model)
-        after = model(tokens)
-    wide, narrow = model.layers[0].attn.wqkv.weight, model.layers[0].attn.wo.weight
-    assert wide.is_contiguous() == (dtype != torch.float32)  # column-major only for fp32
-    assert narrow.is_contiguous()
-    torch.testing.assert_close(after.logits, before.logits)
-    torch.testing.assert_close(after.exit_logits[1], before.exit_logits[1])
-
-
 def test_fp16_prefill_matches_fp32_reference() -> None:
     model = _model()
     tokens = torch.randint(0, 256, (1, 40))
@@ -175,16 +159,3 @@ def test_layer_dropout_rows_skip_layers_and_get_gradients() -> None:
     out.sum().backward()
     assert model.layers[3].mlp.w_out.weight.grad is not None
     assert model.layers[2].mlp.w_out.weight.grad is None
-
-
-def test_packed_bf16_weights_follow_in_place_updates() -> None:
-    """A weight changed after packing (an optimizer step) must not use the stale copy."""
-    model = _model().to(torch.bfloat16)
-    optimize_layout(model)
-    x = torch.randn(1, 1, model.config.dim, dtype=torch.bfloat16)
-    lin = model.layers[0].mlp.w_in
-    with torch.no_grad():
-        before = lin(x)
-        torch.testing.assert_close(before, torch.nn.functional.linear(x, lin.weight))
-        lin.weight.mul_(2)
-        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight))

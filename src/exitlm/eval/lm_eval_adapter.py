@@ -32,6 +32,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, get_strategy
 from exitlm.model.transformer import EarlyExitLM
@@ -87,7 +88,7 @@ class ExitlmLM(TemplateLM):
             model = pretrained
         if tokenizer is None:
             raise ConfigError("the model has no tokenizer; pass tokenizer=")
-        self.model = model.eval()
+        self.model = prepare_for_decoding(model.eval())
         self.tok = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(**options)

@@ -157,6 +157,7 @@ class Bench:
     """Loads the models once and runs strategies on prompts."""
 
     def __init__(self, cfg: BenchConfig) -> None:
+        from exitlm.backend.cpu import prepare_for_decoding
         from exitlm.config import ExitConfig
         from exitlm.io import load_model
 
@@ -180,7 +181,7 @@ class Bench:
             loaded = load_model(name, dtype=dtype, exits=ExitConfig(every_layer=True, norm="final"))
         self.model_name = name
         self.loaded = loaded
-        self.model = loaded.model
+        self.model = prepare_for_decoding(loaded.model)
         if loaded.tokenizer is None:  # presets: one token per byte
             from exitlm.infer.cli import byte_level_tokenizer
 

@@ -103,8 +103,11 @@ def unescape(text: str) -> str:
 
 
 def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
-    """Load a model; strategies other than ``ar`` need exits, so a model without any gets
-    LayerSkip-style exits at every layer (through the final norm and head)."""
+    """Load a model for decoding (with the CPU backend applied,
+    :func:`~exitlm.backend.cpu.prepare_for_decoding`); strategies other than ``ar`` need
+    exits, so a model without any gets LayerSkip-style exits at every layer (through the
+    final norm and head)."""
+    from exitlm.backend.cpu import prepare_for_decoding
     from exitlm.config import ExitConfig
     from exitlm.io import load_model
 
@@ -114,6 +117,7 @@ def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
               "at every layer (LayerSkip style, untrained exits)", file=sys.stderr)
         loaded = load_model(source, dtype=dtype,
                             exits=ExitConfig(every_layer=True, norm="final"))
+    prepare_for_decoding(loaded.model)
     return loaded
 
 

@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from exitlm.backend.linear import FastLinear
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import DecodeStats, TokenLogprob
 from exitlm.infer.sampling import choose_rows, token_logprobs
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.layers import linear
 from exitlm.model.transformer import EarlyExitLM
 
 
@@ -236,35 +236,29 @@ def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 class DraftHead:
     """Exit ``E``'s logits over the first ``vocab`` token ids: the exit's features
     (:meth:`~exitlm.model.transformer.EarlyExitLM.exit_features`) times a copy of the first
-    ``vocab`` rows of its output embedding, laid out like the model's own weights
-    (:func:`~exitlm.model.layout.optimize_layout`). With the whole vocabulary it is exactly
-    ``exit_logits``."""
+    ``vocab`` rows of its output embedding, held by a layer prepared like the model's own
+    (:meth:`~exitlm.backend.linear.FastLinear.holding`). With the whole vocabulary it is
+    exactly ``exit_logits``."""
 
     def __init__(self, model: EarlyExitLM, layer: int, vocab: int) -> None:
         self.model = model
         self.layer = layer
         self.vocab = vocab
-        self._weight: torch.Tensor | None = None
+        self._lin: FastLinear | None = None
         self._source: tuple[int, int] | None = None
-        self._keep: torch.nn.Module | None = None
 
-    def _sliced(self, weight: torch.Tensor) -> torch.Tensor:
+    def _sliced(self, weight: torch.Tensor) -> FastLinear:
         key = (id(weight), weight._version)
-        if self._weight is None or self._source != key:
-            from exitlm.model.layout import optimize_layout
-
-            with torch.inference_mode(False):  # a normal tensor: layout code tracks versions
-                lin = torch.nn.Linear(weight.shape[1], self.vocab, bias=False,
-                                      dtype=weight.dtype, device=weight.device)
-                lin.weight.requires_grad_(False)
-                lin.weight.data = weight[: self.vocab].clone().contiguous()
-                optimize_layout(lin)
-            self._keep, self._weight, self._source = lin, lin.weight, key
-        return self._weight
+        if self._lin is None or self._source != key:
+            with torch.inference_mode(False):  # a normal tensor: packed copies track versions
+                part = weight.detach()[: self.vocab].clone().contiguous()
+                self._lin = FastLinear.holding(part)
+            self._source = key
+        return self._lin
 
     def __call__(self, h: torch.Tensor, ctx: object, cache: object) -> torch.Tensor:
         feats, weight = self.model.exit_features(
             h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
         if self.vocab >= weight.shape[0]:
             return self.model.project(feats, weight)
-        return linear(feats, self._sliced(weight))
+        return self._sliced(weight)(feats)

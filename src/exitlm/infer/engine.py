@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from exitlm.backend.cpu import gemv_bound, is_prepared, prepare_for_decoding
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Decoder, Emit, Seq
 from exitlm.infer.options import SamplingOptions
@@ -45,8 +46,6 @@ from exitlm.infer.sampling import make_generator
 from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
 from exitlm.infer.threads import ThreadPolicy
-from exitlm.model.layers import gemv_bound
-from exitlm.model.layout import optimize_layout
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -188,9 +187,12 @@ class Engine:
         self.options = self.strategy.options(options)
         self.decoder: Decoder = self.strategy.decoder(model, self.options)
         self.max_batch = min(max_batch, self.decoder.max_batch or max_batch)
-        # idempotent: re-strides weights for fast batch-1 GEMV once, and packs a copy for
-        # few-row products when steps multiply several rows (twice the weight memory)
-        optimize_layout(model, pack_fp32_rows=self.max_batch > 1 or self.decoder.multi_row)
+        # the CPU fast paths, once per model (the loaders that decode apply them already);
+        # a copy of fp32 weights packed for few-row products when steps multiply several
+        # rows (twice the weight memory)
+        pack_rows = self.max_batch > 1 or self.decoder.multi_row
+        if not is_prepared(model, pack_rows=pack_rows):
+            prepare_for_decoding(model, pack_rows=pack_rows)
         context = model.config.max_seq_len
         if max_seq_len is not None and not 1 <= max_seq_len <= context:
             raise ConfigError(f"max_seq_len must lie in [1, {context}] (the model's context), "

@@ -136,15 +136,15 @@ class BranchCache:
 def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], m: int,
            threads: int) -> None:
     """The worker process: build the model on the parent's parameters, then run forks."""
+    from exitlm.backend.cpu import prepare_for_decoding
     from exitlm.io.materialize import model_from_tensors
-    from exitlm.model.layout import optimize_layout
 
     torch.set_num_threads(threads)
     try:
         dtype = next(iter(params.values())).dtype
         model = model_from_tensors(cfg, params.items(), source="the PPD parent process",
                                    dtype=dtype)
-        optimize_layout(model)
+        prepare_for_decoding(model)
         conn.send_bytes(_pack(("ready",)))
     except BaseException:
         conn.send_bytes(_pack(("error", traceback.format_exc())))

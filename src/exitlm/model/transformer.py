@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from exitlm.config import ConfigError, ModelConfig
@@ -34,7 +35,6 @@ from exitlm.model.layers import (
     Linear,
     Norm,
     attention_dtype,
-    linear,
     rope_inv_freq,
     rope_tables,
 )
@@ -301,9 +301,10 @@ class EarlyExitLM(nn.Module):
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Logits ``h @ weight.T`` of an exit's features on an output embedding ``(V, D)``:
         the one product every exit's and the final head's logits go through. A parallel
-        layout may replace it on a model instance (the vocabulary-parallel output of
-        :mod:`exitlm.parallel.tensor`, whose weights are sharded by vocabulary rows)."""
-        return linear(h, weight)
+        layout or a backend may replace it on a model instance (the vocabulary-parallel
+        output of :mod:`exitlm.parallel.tensor`, whose weights are sharded by vocabulary rows;
+        the CPU kernels of :func:`exitlm.backend.cpu.prepare_for_decoding`)."""
+        return F.linear(h, weight)
 
     def exit_logits(
         self,

@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exitlm.backend.linear import FastLinear, linear
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.infer.result import GenerationResult
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.layers import MLP, Attention, Block, Linear, attention_dtype, linear
+from exitlm.model.layers import MLP, Attention, Block, attention_dtype
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
@@ -64,9 +65,11 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
                               f"this model splits into --tp {' / '.join(map(str, ok))}")
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(FastLinear):
     """Rank ``r``'s input columns of a linear layer; the outputs are summed over the group
-    (the bias, kept whole, is added once after the sum)."""
+    (the bias, kept whole, is added once after the sum). Its product runs on the CPU
+    backend's kernels (:func:`~exitlm.backend.linear.linear`, with the packed copy
+    :func:`~exitlm.backend.cpu.prepare_for_decoding` makes)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -75,7 +78,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight).contiguous()
+        y = linear(x, self.weight, None, self.pack).contiguous()
         dist.all_reduce(y, group=self.group)
         return y if self.full_bias is None else y + self.full_bias
 

@@ -1,0 +1,156 @@
+"""The lean per-layer decoding step for the stock Llama-family block: :class:`LeanBlock`.
+
+Each GEMV of a decoding step streams megabytes of weights and flushes the caches, so every
+small op after it runs cold: the non-GEMV part of a batch-1 fp32 step was ~14 ms of ~45 ms
+at 1 thread with the general modules, ~10 ms with this step (README "Performance"). It calls
+no sub-modules, spells RMSNorm out bit-identically with half the dispatches and sends its
+products straight to numpy's OpenBLAS; the same step runs the 2-16-token chunks of one
+sequence (self-speculative verification, KV recomputation), with their mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exitlm.backend.blas import BLAS, PLAIN_TENSORS
+from exitlm.backend.linear import FastLinear, linear
+from exitlm.model.kv_cache import KVCache, WritePlan
+from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
+
+LEAN_ROWS = 16
+"""The most tokens of one sequence that :meth:`LeanBlock.decode_step` runs (verification of
+up to 15 drafts); longer chunks (prefills) take the general path."""
+
+
+def lean_capable(block: Block) -> bool:
+    """Whether :class:`LeanBlock`'s step computes exactly what ``block``'s sub-modules would:
+    the stock Llama-family modules (RMSNorm, rotary attention, SwiGLU, no biases) with
+    :class:`~exitlm.backend.linear.FastLinear` layers holding plain fp32 CPU weights, and
+    numpy's OpenBLAS found."""
+    mods = block._modules
+    attn, mlp, n1, n2 = mods["attn"], mods["mlp"], mods["norm_attn"], mods["norm_mlp"]
+    if (
+        not BLAS.enabled
+        or type(attn) is not Attention or type(mlp) is not MLP
+        or type(n1) is not Norm or type(n2) is not Norm
+        or n1.kind != "rmsnorm" or n2.kind != "rmsnorm"
+        or not mlp.gated or mlp.act is not F.silu or not attn.use_rope
+    ):
+        return False
+    lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
+    return all(
+        type(lin) is FastLinear and lin.bias is None and type(lin.weight) in PLAIN_TENSORS
+        and lin.weight.dtype is torch.float32 and lin.weight.is_cpu
+        for lin in lins
+    )
+
+
+def _rms_norm_fp32(h: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """``F.rms_norm`` of fp32 ``h`` with ``norm``'s weight, spelled out: the same operations
+    in the same order as ATen's composite kernel (bit-identical results), with half of its
+    dispatches, which shows when a decoding step runs it from cold caches."""
+    var = torch.mean(h * h, -1, keepdim=True)
+    return h * torch.rsqrt(var + norm.eps) * norm._parameters["weight"]
+
+
+class LeanBlock(Block):
+    """A :class:`~exitlm.model.layers.Block` that decodes one sequence's next token(s)
+    through :meth:`decode_step`; everything else (batches, prefills, training, hooks on its
+    sub-modules) goes through the block's general code.
+
+    :func:`~exitlm.backend.cpu.prepare_for_decoding` gives blocks this class in place (their
+    ``__class__``: same module, same children and parameters) when :func:`lean_capable`
+    says so. Hooks registered on the block itself run as before; a block whose attention,
+    MLP, norms or linear layers carry forward hooks takes the general path, so those run too.
+    Hooks registered globally (``torch.nn.modules.module.register_module_forward_hook``) do
+    not see the sub-module calls the lean step leaves out: prepare_for_decoding is for
+    inference.
+    """
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None,
+        slot: int,
+        plan: WritePlan | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # one sequence, a cache write without row index, 1 row without mask or 2-16 with
+        # one, fp32 on the CPU, no gradient
+        if (
+            plan is not None and cache is not None and rope is not None and plan.index is None
+            and h.shape[0] == 1 and h.shape[1] <= LEAN_ROWS
+            and (mask is None) == (h.shape[1] == 1)
+            and h.dtype is torch.float32 and h.is_cpu
+            and not torch.is_grad_enabled() and not h.requires_grad
+        ):
+            parts = self._parts()
+            if parts is not None:
+                return self.decode_step(parts, h, rope, cache, slot, plan, mask)
+        return super().forward(h, rope, cache, slot, plan, mask)
+
+    def _parts(self) -> tuple | None:
+        """The sub-modules :meth:`decode_step` uses, or None when one was replaced since
+        :func:`lean_capable` (not a :class:`FastLinear` any more, a non-fp32 weight) or
+        carries forward hooks. Reads the modules' dicts directly: this runs for every layer
+        of every decoding step."""
+        mods = self._modules
+        attn, mlp, n1, n2 = mods["attn"], mods["mlp"], mods["norm_attn"], mods["norm_mlp"]
+        am, mm = attn._modules, mlp._modules
+        lins = (am["wqkv"], am["wo"], mm["w_in"], mm["w_out"])
+        for m in (attn, mlp, n1, n2, *lins):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
+        for lin in lins:
+            if type(lin) is not FastLinear or lin._parameters["weight"].dtype is not torch.float32:
+                return None
+        return (attn, mlp, n1, n2, *lins)
+
+    def decode_step(
+        self,
+        parts: tuple,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        slot: int,
+        plan: WritePlan,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One sequence's next token(s) (fp32, CPU): the same operations as the sub-modules,
+        with their products straight through numpy and none of their general-case code.
+
+        One row is a decoding step (no mask: it attends to every filled slot); 2 to
+        :data:`LEAN_ROWS` rows are a verification or KV-recomputation chunk (with its mask;
+        products through :func:`~exitlm.backend.linear.linear` with each layer's packed copy,
+        as the layers themselves would). Every layer of every step pays this code's cost,
+        from caches that the previous multi-megabyte product just flushed, so fewer calls
+        measurably matter (README "Performance")."""
+        attn, mlp, n1, n2, l_qkv, l_o, l_in, l_out = parts
+        nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        m = h.shape[1]
+        if m == 1:
+            vec = BLAS.vector
+
+            def mm(x: torch.Tensor, lin: FastLinear) -> torch.Tensor:
+                return vec(x, lin._parameters["weight"])
+        else:
+            def mm(x: torch.Tensor, lin: FastLinear) -> torch.Tensor:
+                return linear(x, lin._parameters["weight"], None, lin.pack)
+        BLAS.sync_threads()
+        x = _rms_norm_fp32(h, n1)
+        qkv = mm(x, l_qkv).view(1, m, nh + 2 * nkv, d)
+        qk = apply_rope(qkv[:, :, : nh + nkv], *rope)
+        q = qk[:, :, :nh].transpose(1, 2)
+        k, v = cache.write(
+            slot, qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + nkv :].transpose(1, 2), plan
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+        if m > 1:  # (1, H, m, D) -> (1, m, H*D); one row's layout is that already
+            out = out.transpose(1, 2).reshape(1, m, nh * d)
+        h = h + mm(out, l_o).view(h.shape)
+        x = _rms_norm_fp32(h, n2)
+        y = mm(x, l_in)
+        hidden = mlp.hidden
+        return h + mm(F.silu(y[..., :hidden]) * y[..., hidden:], l_out).view(h.shape)
