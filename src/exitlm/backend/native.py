@@ -162,100 +162,102 @@ def _bind_fast(lib: ctypes.CDLL) -> None:
         lib.exitlm_gemm_q4
 
 
-def _check_x(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    """Validate x (..., K) float32 contiguous CPU; return its (M, K) view."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32:
-        raise ValueError(f"{name}: x must be float32, got {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{name}: x must be on the CPU, got {x.device}")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"{name}: x must have shape (..., {k}), got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name}: x must be contiguous (call .contiguous())")
-    return x.view(-1, k)
+_F32, _F16, _I8, _U8 = torch.float32, torch.float16, torch.int8, torch.uint8
 
 
-def _check_w(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], name: str,
-             what: str) -> None:
+def _bad(name: str, what: str, t: object, dtype: torch.dtype, shape: str) -> ValueError:
+    """The error for a tensor argument that is not a contiguous CPU ``dtype`` of ``shape``."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        return ValueError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise ValueError(f"{name}: {what} must be {dtype}, got {t.dtype}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: {what} must be on the CPU, got {t.device}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: {what} must have shape {shape}, got {tuple(t.shape)}")
+        return ValueError(f"{name}: {what} must be {dtype}, got {t.dtype}")
+    if not t.is_cpu:
+        return ValueError(f"{name}: {what} must be on the CPU, got {t.device}")
     if not t.is_contiguous():
-        raise ValueError(f"{name}: {what} must be contiguous")
+        return ValueError(f"{name}: {what} must be contiguous (call .contiguous())")
+    return ValueError(f"{name}: {what} must have shape {shape}, got {tuple(t.shape)}")
 
 
-def _check_2d(t: torch.Tensor, name: str, what: str) -> tuple[int, int]:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name}: {what} must be a 2-D (N, K) tensor, got {shape}")
-    return int(t.shape[0]), int(t.shape[1])
+def _w2(t: torch.Tensor, dtype: torch.dtype, name: str, what: str) -> tuple[int, int]:
+    """(N, C) of a 2-D contiguous CPU weight tensor of ``dtype`` (ValueError otherwise)."""
+    if (type(t) is not torch.Tensor or t.dtype != dtype or t.dim() != 2 or not t.is_cpu
+            or not t.is_contiguous()):
+        raise _bad(name, what, t, dtype, "(N, K)")
+    n, c = t.shape
+    return n, c
 
 
-def _check_threads(threads: int, name: str) -> int:
-    if not isinstance(threads, int) or threads < 1:
+def _aux(t: torch.Tensor, n: int, g: int, name: str, what: str) -> None:
+    """Check a float32 (N, K/32) scales / mins tensor."""
+    if (type(t) is not torch.Tensor or t.dtype != _F32 or not t.is_cpu
+            or not t.is_contiguous() or t.shape != (n, g)):
+        raise _bad(name, what, t, _F32, f"({n}, {g})")
+
+
+def _rows(x: torch.Tensor, k: int, name: str) -> int:
+    """Rows M of a contiguous CPU float32 x (..., K) (ValueError otherwise)."""
+    if (type(x) is not torch.Tensor or x.dtype != _F32 or not x.is_cpu or not x.is_contiguous()
+            or x.dim() < 1 or x.shape[-1] != k):
+        raise _bad(name, "x", x, _F32, f"(..., {k})")
+    return x.numel() // k if k else 0
+
+
+def _groups(k: int, name: str) -> int:
+    if k % 32 != 0 or k == 0:
+        raise ValueError(f"{name}: K must be a positive multiple of 32, got {k}")
+    return k // 32
+
+
+def _threads(threads: int, name: str) -> None:
+    if type(threads) is not int or threads < 1:
         raise ValueError(f"{name}: threads must be a positive int, got {threads!r}")
-    return threads
 
 
-def _out(x: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+def _out(x: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    if x.dim() == 2:
+        return torch.empty(m, n)
+    return torch.empty((*x.shape[:-1], n))
 
 
 def gemm_f32(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor:
     """``x (..., K) float32 @ w.T`` for a float32 row-major ``w (N, K)`` -> ``(..., N)``."""
-    n, k = _check_2d(w, "gemm_f32", "w")
-    _check_w(w, torch.float32, (n, k), "gemm_f32", "w")
-    x2 = _check_x(x, k, "gemm_f32")
-    _check_threads(threads, "gemm_f32")
-    if _load() is None:
+    n, k = _w2(w, _F32, "gemm_f32", "w")
+    m = _rows(x, k, "gemm_f32")
+    _threads(threads, "gemm_f32")
+    if _f32 is None and _load() is None:
         return torch.nn.functional.linear(x, w)
-    y = _out(x, n)
-    _f32(x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], n, k, threads)
+    y = _out(x, m, n)
+    _f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y
 
 
 def gemm_f16(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor:
     """``x (..., K) float32 @ w.T`` for a float16 row-major ``w (N, K)`` (converted exactly to
     float32 in registers) -> float32 ``(..., N)``."""
-    n, k = _check_2d(w, "gemm_f16", "w")
-    _check_w(w, torch.float16, (n, k), "gemm_f16", "w")
-    x2 = _check_x(x, k, "gemm_f16")
-    _check_threads(threads, "gemm_f16")
-    if _load() is None:
+    n, k = _w2(w, _F16, "gemm_f16", "w")
+    m = _rows(x, k, "gemm_f16")
+    _threads(threads, "gemm_f16")
+    if _f16 is None and _load() is None:
         return torch.nn.functional.linear(x, w.float())
-    y = _out(x, n)
-    _f16(x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], n, k, threads)
+    y = _out(x, m, n)
+    _f16(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y
-
-
-def _check_groups(k: int, name: str) -> int:
-    if k % 32 != 0 or k == 0:
-        raise ValueError(f"{name}: K must be a positive multiple of 32, got {k}")
-    return k // 32
 
 
 def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
             threads: int = 1) -> torch.Tensor:
     """``x @ W.T`` with ``W[n, k] = q[n, k] * scales[n, k // 32]`` (int8 ``q (N, K)``, float32
     ``scales (N, K/32)``; Q8_0 groups, activations stay float32) -> float32 ``(..., N)``."""
-    n, k = _check_2d(q, "gemm_q8", "q")
-    g = _check_groups(k, "gemm_q8")
-    _check_w(q, torch.int8, (n, k), "gemm_q8", "q")
-    _check_w(scales, torch.float32, (n, g), "gemm_q8", "scales")
-    x2 = _check_x(x, k, "gemm_q8")
-    _check_threads(threads, "gemm_q8")
-    if _load() is None:
+    n, k = _w2(q, _I8, "gemm_q8", "q")
+    g = _groups(k, "gemm_q8")
+    _aux(scales, n, g, "gemm_q8", "scales")
+    m = _rows(x, k, "gemm_q8")
+    _threads(threads, "gemm_q8")
+    if _q8 is None and _load() is None:
         w = (q.float().view(n, g, 32) * scales.unsqueeze(-1)).view(n, k)
         return torch.nn.functional.linear(x, w)
-    y = _out(x, n)
-    _q8(x2.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), x2.shape[0], n, k, threads)
+    y = _out(x, m, n)
+    _q8(x.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y
 
 
@@ -267,19 +269,18 @@ def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.
     ``q`` is uint8 ``(N, K/2)``: group g of a row is bytes ``[16g, 16g + 16)``; byte j holds
     element j of the group in its low nibble and element j + 16 in its high nibble (GGUF order).
     """
-    n, kh = _check_2d(q, "gemm_q4", "q")
+    n, kh = _w2(q, _U8, "gemm_q4", "q")
     k = 2 * kh
-    g = _check_groups(k, "gemm_q4")
-    _check_w(q, torch.uint8, (n, kh), "gemm_q4", "q")
-    _check_w(scales, torch.float32, (n, g), "gemm_q4", "scales")
-    _check_w(mins, torch.float32, (n, g), "gemm_q4", "mins")
-    x2 = _check_x(x, k, "gemm_q4")
-    _check_threads(threads, "gemm_q4")
-    if _load() is None:
+    g = _groups(k, "gemm_q4")
+    _aux(scales, n, g, "gemm_q4", "scales")
+    _aux(mins, n, g, "gemm_q4", "mins")
+    m = _rows(x, k, "gemm_q4")
+    _threads(threads, "gemm_q4")
+    if _q4 is None and _load() is None:
         return torch.nn.functional.linear(x, unpack_q4(q, scales, mins))
-    y = _out(x, n)
-    _q4(x2.data_ptr(), q.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
-        x2.shape[0], n, k, threads)
+    y = _out(x, m, n)
+    _q4(x.data_ptr(), q.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), m, n, k,
+        threads)
     return y
 
 
