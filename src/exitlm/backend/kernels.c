@@ -45,7 +45,7 @@
 
 #define AI static inline __attribute__((always_inline))
 #define NBMAX 4
-#define MBMAX 4
+#define MBMAX 8
 
 enum { K_F32 = 0, K_F16 = 1, K_Q8 = 2, K_Q4 = 3 };
 
@@ -268,8 +268,12 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
                                        int64_t ldy) {                                           \
         q_tile(KIND, NB, MB, x, xs, q, sc, mn, y, K, ldy);                                      \
     }
-#define ALL_MB(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4)
-#define ALL_TILES(FN, KIND) ALL_MB(FN, KIND, 1) ALL_MB(FN, KIND, 2) ALL_MB(FN, KIND, 4)
+/* Instantiated tiles: nb = 4 or 2 with mb <= 3, nb = 1 with mb <= 8 (tile_cfg picks among them). */
+#define MB3(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3)
+#define MB8(FN, KIND, NB)                                                                   \
+    MB3(FN, KIND, NB) FN(KIND, NB, 4) FN(KIND, NB, 5) FN(KIND, NB, 6) FN(KIND, NB, 7)         \
+        FN(KIND, NB, 8)
+#define ALL_TILES(FN, KIND) MB8(FN, KIND, 1) MB3(FN, KIND, 2) MB3(FN, KIND, 4)
 ALL_TILES(DENSE_FN, 0)
 ALL_TILES(DENSE_FN, 1)
 ALL_TILES(Q_FN, 2)
@@ -278,20 +282,25 @@ ALL_TILES(Q_FN, 3)
 typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
 typedef void (*q_fn)(const float *, const float *, const void *, const float *, const float *,
                      float *, int64_t, int64_t);
-#define ROW_MB(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4}
-#define TABLE(P, KIND) {ROW_MB(P, KIND, 1), ROW_MB(P, KIND, 2), ROW_MB(P, KIND, 4)}
-static const dense_fn DENSE_TABLE[2][3][4] = {TABLE(dense_, 0), TABLE(dense_, 1)};
-static const q_fn Q_TABLE[2][3][4] = {TABLE(q_, 2), TABLE(q_, 3)};
+#define ROW3(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3}
+#define ROW8(P, KIND, NB)                                                                   \
+    {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
+     P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
+#define TABLE(P, KIND) {ROW8(P, KIND, 1), ROW3(P, KIND, 2), ROW3(P, KIND, 4)}
+static const dense_fn DENSE_TABLE[2][3][MBMAX] = {TABLE(dense_, 0), TABLE(dense_, 1)};
+static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
 
-/* Tile shape choice (speed only; the arithmetic of a pair is the same in every tile). */
-static int tile_nb(int kind, int64_t M) {
-    (void)kind;
-    return M == 1 ? 4 : 2;
-}
-static int tile_mb(int kind, int64_t M) {
-    (void)kind;
-    return M == 1 ? 1 : 3;
-}
+/* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
+ * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
+ * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC). */
+static int tile_cfg[4][2][2] = {
+    /* f32 */ {{4, 1}, {4, 3}},
+    /* f16 */ {{4, 1}, {1, 8}},
+    /* q8  */ {{4, 1}, {1, 8}},
+    /* q4  */ {{4, 1}, {1, 8}},
+};
+static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][M > 1][0]; }
+static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][M > 1][1]; }
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
@@ -335,7 +344,7 @@ static const job_t *pool_job = NULL;
 static int64_t pool_chunk = 0;
 static int pool_parts = 0;
 static int atfork_done = 0;
-static int spin_iters = 20000;
+static int spin_iters = 2000; /* ~50-100 us of PAUSE before a worker sleeps */
 static uint_fast64_t worker_gen0[MAX_WORKERS + 1];
 
 static inline void cpu_relax(void) {
@@ -456,6 +465,21 @@ int exitlm_has_avx2(void) {
 }
 
 int exitlm_pool_workers(void) { return n_workers; }
+
+/* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4), many = M > 1. */
+int exitlm_set_tile(int kind, int many, int nb, int mb) {
+#ifdef __AVX2__
+    if (kind < 0 || kind > 3 || (nb != 1 && nb != 2 && nb != 4) || mb < 1 || mb > MBMAX ||
+        (nb > 1 && mb > 3))
+        return -1;
+    tile_cfg[kind][many != 0][0] = nb;
+    tile_cfg[kind][many != 0][1] = mb;
+    return 0;
+#else
+    (void)kind, (void)many, (void)nb, (void)mb;
+    return -1;
+#endif
+}
 
 void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 
