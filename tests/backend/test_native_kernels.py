@@ -234,3 +234,34 @@ def test_scalar_build_gives_the_same_bits(tmp_path: Path) -> None:
     y = torch.empty(3, 4)
     scalar.exitlm_gemm_f32(xt.data_ptr(), wt.data_ptr(), y.data_ptr(), 3, 4, 13, 1)
     assert torch.equal(y, native.gemm_f32(xt, wt))
+
+
+def test_pool_is_safe_across_python_threads_and_fork() -> None:
+    """Concurrent callers (one runs on the pool, others inline) and a forked child (which has no
+    workers) all get the single-thread bits."""
+    import threading
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(512, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    want = native.gemm_f32(x, w)
+    assert torch.equal(native.gemm_f32(x, w, threads=2), want)  # pool started in the parent
+    bad: list[int] = []
+
+    def worker() -> None:
+        for _ in range(50):
+            if not torch.equal(native.gemm_f32(x, w, threads=2), want):
+                bad.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    pid = os.fork()
+    if pid == 0:  # child: exit status says whether the pooled call worked
+        ok = torch.equal(native.gemm_f32(x, w, threads=2), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
