@@ -6,7 +6,8 @@ and GB/s of weight streamed (bytes of the weight in that format, scales included
 fp32 W (OpenBLAS; the project's batch-1 path) and ``torch.nn.functional.linear`` fp32. Each
 method cycles through a stack of distinct weight copies (>= 48 MB per format) so every call
 streams its weight from memory, as in real decoding; methods are interleaved, medians of
-``--repeats`` passes. Also: ctypes call overhead (a 1 x 32 product), the effect of
+``--repeats`` passes (and the best pass, which on a shared machine says more about the kernel
+than about the neighbours). Also: ctypes call overhead (a 1 x 32 product), the effect of
 ``threads=2``, and the crossover between the exact per-row kernels and dequantize + matmul for
 many rows. Prints JSON on stdout.
 
@@ -100,11 +101,13 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
                 times[key].append(_time_pass(fn, c))
         row = {}
         for key, ts in times.items():
-            sec = statistics.median(ts)
-            gb = nbytes[key.removesuffix("_t2")] / sec / 1e9
-            row[key] = {"us": round(sec * 1e6, 1), "GBps": round(gb, 2)}
+            sec, best = statistics.median(ts), min(ts)
+            size = nbytes[key.removesuffix("_t2")]
+            row[key] = {"us": round(sec * 1e6, 1), "GBps": round(size / sec / 1e9, 2),
+                        "best_us": round(best * 1e6, 1), "best_GBps": round(size / best / 1e9, 2)}
         out[f"M={m}"] = row
-        note(f"{name} M={m}: " + ", ".join(f"{k_} {v['GBps']}" for k_, v in row.items()))
+        note(f"{name} M={m} GB/s median(best): "
+             + ", ".join(f"{k_} {v['GBps']}({v['best_GBps']})" for k_, v in row.items()))
     return out
 
 
