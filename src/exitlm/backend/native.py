@@ -54,12 +54,14 @@ _state: dict[str, object] = {}  # "lib", "path", "reason": set once by _load()
 
 
 def _cache_dir() -> Path:
+    """``$EXITLM_CACHE_DIR/kernels`` (default ``~/.cache/exitlm/kernels``)."""
     root = os.environ.get("EXITLM_CACHE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "exitlm"
     return base / "kernels"
 
 
 def _cc_version(cc: str) -> str:
+    """``cc --version`` output (part of the cache key: a new compiler means a new build)."""
     out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
     return out.stdout
 
@@ -85,7 +87,8 @@ def _build(cc: str) -> Path:
         if proc.returncode != 0:
             msg = (proc.stderr or proc.stdout).strip().splitlines()
             raise RuntimeError(f"{cc} failed: {msg[0] if msg else proc.returncode}")
-        os.replace(tmp, target)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -93,6 +96,7 @@ def _build(cc: str) -> Path:
 
 
 def _bind(lib: ctypes.CDLL) -> None:
+    """Declare the C signatures once (ctypes then converts ints without guessing)."""
     lib.exitlm_gemm_f32.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
     lib.exitlm_gemm_f16.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
     lib.exitlm_gemm_q8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
@@ -157,6 +161,7 @@ _f32 = _f16 = _q8 = _q4 = None
 
 
 def _bind_fast(lib: ctypes.CDLL) -> None:
+    """Publish the bound functions as module globals (one global lookup per call)."""
     global _f32, _f16, _q8, _q4
     _f32, _f16, _q8, _q4 = lib.exitlm_gemm_f32, lib.exitlm_gemm_f16, lib.exitlm_gemm_q8, \
         lib.exitlm_gemm_q4
@@ -203,17 +208,20 @@ def _rows(x: torch.Tensor, k: int, name: str) -> int:
 
 
 def _groups(k: int, name: str) -> int:
+    """Number of 32-element groups along K (ValueError unless K is a positive multiple of 32)."""
     if k % 32 != 0 or k == 0:
         raise ValueError(f"{name}: K must be a positive multiple of 32, got {k}")
     return k // 32
 
 
 def _threads(threads: int, name: str) -> None:
+    """ValueError unless ``threads`` is a positive int."""
     if type(threads) is not int or threads < 1:
         raise ValueError(f"{name}: threads must be a positive int, got {threads!r}")
 
 
 def _out(x: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Uninitialised float32 output ``(..., N)`` for ``x (..., K)`` with ``m`` rows."""
     if x.dim() == 2:
         return torch.empty(m, n)
     return torch.empty((*x.shape[:-1], n))

@@ -53,6 +53,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None  # float32 (N, K // 32) for int4, None for int8
 
     def __post_init__(self) -> None:
+        """Check kind, dtypes and shapes (K a multiple of 32) once, at construction."""
         if self.kind not in QUANT_KINDS:
             raise ValueError(f"QuantizedWeight: kind must be one of {QUANT_KINDS}, got "
                              f"{self.kind!r}")
@@ -87,6 +88,7 @@ class QuantizedWeight:
 
     @property
     def device(self) -> torch.device:
+        """Where ``q`` (and the scales) live."""
         return self.q.device
 
     def __getitem__(self, rows: slice) -> QuantizedWeight:
@@ -146,14 +148,15 @@ def quantize(w: torch.Tensor, kind: str) -> QuantizedWeight:
 
 
 def _rows(x: torch.Tensor) -> int:
+    """Rows of ``x (..., K)``: the product of the leading dimensions."""
     return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1) -> torch.Tensor:
     """``x (..., K) float32 @ W.T -> (..., N) float32`` for a quantized ``W``.
 
-    Fewer than :data:`ROW_THRESHOLD` rows: the native per-row kernel (row-invariant, exact per
-    (row, output) arithmetic). Otherwise, or without the native library: dequantize +
+    Fewer than :data:`ROW_THRESHOLD` rows on the CPU: the native per-row kernel (row-invariant,
+    exact per (row, output) arithmetic). Otherwise, or without the native library: dequantize +
     ``F.linear`` (not row-invariant).
     """
     if not isinstance(w, QuantizedWeight):
@@ -161,7 +164,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1) -> torch.Tens
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise ValueError(f"qlinear: x must be a float32 tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
-    if _rows(x) < ROW_THRESHOLD and native.available():
+    if _rows(x) < ROW_THRESHOLD and x.is_cpu and w.q.is_cpu and native.available():
         x = x.contiguous()
         if w.kind == "int8":
             return native.gemm_q8(x, w.q, w.scales, threads)
@@ -184,7 +187,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Te
     if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dense_linear: w must be a float32 or float16 tensor, got "
                          f"{getattr(w, 'dtype', type(w).__name__)}")
-    if _rows(x) < ROW_THRESHOLD and native.available():
+    if _rows(x) < ROW_THRESHOLD and x.is_cpu and w.is_cpu and native.available():
         x = x.contiguous()
         if w.dtype == torch.float32:
             return native.gemm_f32(x, w, threads)
