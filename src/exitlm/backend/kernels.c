@@ -1,0 +1,524 @@
+/* exitlm CPU kernels for batch-small products y[m, n] = sum_k x[m, k] * W[n, k].
+ *
+ * Plain C11, no Python API.  Compiled by exitlm/backend/native.py with
+ *     cc -O3 -march=native -fPIC -shared -std=c11 -pthread
+ * and never with -ffast-math: the summation order written here is the one executed.
+ * (-std=c11 also turns off GCC's implicit FMA contraction; every FMA below is explicit.)
+ *
+ * The fixed arithmetic (the property the decoders rely on)
+ * ---------------------------------------------------------
+ * The value of y[m, n] is a fixed function of row x[m] and row W[n] only: it does not depend on
+ * M, on which other rows share the call, on the tile a pair lands in, nor on the thread count.
+ * Every (m, n) pair owns its accumulators and performs, in the same order, the same operations:
+ *
+ *   f32 / f16 : acc (8 lanes) = 0;  for each 8-wide chunk c of K: acc = fma(w_c, x_c, acc);
+ *               y = hsum8(acc);  then for each tail element k (K % 8): y = fma(x_k, w_k, y).
+ *   q8        : acc = 0;  for each group g of 32: gs = 0; for c in 0..3: gs = fma(q_c, x_c, gs);
+ *               acc = fma(gs, scale_g, acc);   y = hsum8(acc).
+ *   q4        : as q8 with the nibbles in place of q, and after the scale step
+ *               acc = fma(xs_g, min_g, acc), where xs_g (8 lanes) = ((x_0 + x_8) + x_16) + x_24
+ *               lane-wise over the group (computed once per x row), so that
+ *               sum_k (nib*scale + min) x = scale * sum(nib x) + min * sum(x).
+ *   hsum8(a)  = ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
+ *
+ * Tiles (several W rows x several x rows sharing loads and conversions) only change which
+ * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
+ * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
+ * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
+ *
+ * Threads: N is split into contiguous chunks; each output element is computed by exactly one
+ * thread with the arithmetic above, so results do not depend on the thread count.  A small
+ * persistent pool (created lazily, workers spin briefly then sleep on a condition variable)
+ * runs the chunks; the calling thread does the first one.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define AI static inline __attribute__((always_inline))
+#define NBMAX 4
+#define MBMAX 8
+
+enum { K_F32 = 0, K_F16 = 1, K_Q8 = 2, K_Q4 = 3 };
+
+typedef struct {
+    int kind;
+    const float *x;      /* (M, K) */
+    const void *w;       /* f32 (N, K) | f16 (N, K) | int8 (N, K) | uint8 (N, K/2) */
+    const float *scales; /* (N, K/32) */
+    const float *mins;   /* (N, K/32) */
+    const float *xs;     /* q4: (M, K/32, 8) lane-wise group sums of x */
+    float *y;            /* (M, N) */
+    int64_t M, N, K;
+} job_t;
+
+/* ------------------------------------------------------------------ scalar helpers */
+
+__attribute__((unused)) static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while ((man & 0x400) == 0) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+__attribute__((unused)) static inline float hsum8_scalar(const float a[8]) {
+    float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+    float t0 = s0 + s2, t1 = s1 + s3;
+    return t0 + t1;
+}
+
+/* xs[g][l] = ((x[32g+l] + x[32g+8+l]) + x[32g+16+l]) + x[32g+24+l]  (both builds) */
+static void group_sums(const float *x, int64_t K, float *xs) {
+    int64_t G = K / 32;
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = x + 32 * g;
+        for (int l = 0; l < 8; l++) xs[8 * g + l] = ((p[l] + p[8 + l]) + p[16 + l]) + p[24 + l];
+    }
+}
+
+#ifndef __AVX2__
+/* ------------------------------------------------------------------ scalar fallback */
+
+static float pair_dense(int kind, const float *x, const void *wrow, int64_t K) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t K8 = K & ~(int64_t)7;
+    const float *wf = (const float *)wrow;
+    const uint16_t *wh = (const uint16_t *)wrow;
+    for (int64_t k = 0; k < K8; k += 8)
+        for (int l = 0; l < 8; l++) {
+            float w = kind == K_F32 ? wf[k + l] : half_to_float(wh[k + l]);
+            acc[l] = fmaf(w, x[k + l], acc[l]);
+        }
+    float s = hsum8_scalar(acc);
+    for (int64_t k = K8; k < K; k++) {
+        float w = kind == K_F32 ? wf[k] : half_to_float(wh[k]);
+        s = fmaf(x[k], w, s);
+    }
+    return s;
+}
+
+static float pair_q(int kind, const float *x, const float *xs, const void *qrow, const float *sc,
+                    const float *mn, int64_t K) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t G = K / 32;
+    for (int64_t g = 0; g < G; g++) {
+        float gs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 8; l++) {
+                int e = 8 * c + l;
+                float w;
+                if (kind == K_Q8) {
+                    w = (float)((const int8_t *)qrow)[32 * g + e];
+                } else {
+                    uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
+                    w = (float)(e < 16 ? (b & 15) : (b >> 4));
+                }
+                gs[l] = fmaf(w, x[32 * g + e], gs[l]);
+            }
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(gs[l], sc[g], acc[l]);
+        if (kind == K_Q4)
+            for (int l = 0; l < 8; l++) acc[l] = fmaf(xs[8 * g + l], mn[g], acc[l]);
+    }
+    return hsum8_scalar(acc);
+}
+
+static void run_range(const job_t *j, int64_t n0, int64_t n1) {
+    int64_t K = j->K, G = K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < j->M; m++) {
+            const float *x = j->x + m * K;
+            float v;
+            if (j->kind == K_F32)
+                v = pair_dense(K_F32, x, (const float *)j->w + n * K, K);
+            else if (j->kind == K_F16)
+                v = pair_dense(K_F16, x, (const uint16_t *)j->w + n * K, K);
+            else if (j->kind == K_Q8)
+                v = pair_q(K_Q8, x, NULL, (const int8_t *)j->w + n * K, j->scales + n * G, NULL, K);
+            else
+                v = pair_q(K_Q4, x, j->xs + m * G * 8, (const uint8_t *)j->w + n * (K / 2),
+                           j->scales + n * G, j->mins + n * G, K);
+            j->y[m * j->N + n] = v;
+        }
+}
+
+#else
+/* ------------------------------------------------------------------ AVX2 + FMA + F16C */
+
+AI float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                     /* s_i = a_i + a_{i+4} */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));     /* t0 = s0+s2, t1 = s1+s3 */
+    __m128 u = _mm_add_ss(t, _mm_movehdup_ps(t));      /* t0 + t1 */
+    return _mm_cvtss_f32(u);
+}
+
+AI __m256 load_w(int kind, const void *w, int64_t off) {
+    if (kind == K_F32) return _mm256_loadu_ps((const float *)w + off);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + off)));
+}
+
+AI float scalar_w(int kind, const void *w, int64_t off) {
+    if (kind == K_F32) return ((const float *)w)[off];
+    return _cvtsh_ss(((const uint16_t *)w)[off]);
+}
+
+/* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0. */
+AI void dense_tile(const int kind, const int nb, const int mb, const float *x, const void *w,
+                   float *y, int64_t K, int64_t ldy) {
+    __m256 acc[NBMAX][MBMAX];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 wv[NBMAX];
+        for (int i = 0; i < nb; i++) wv[i] = load_w(kind, w, i * K + k);
+        for (int j = 0; j < mb; j++) {
+            __m256 xv = _mm256_loadu_ps(x + j * K + k);
+            for (int i = 0; i < nb; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t k = K8; k < K; k++) s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
+            y[j * ldy + i] = s;
+        }
+}
+
+AI __m256 load_q(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
+    if (kind == K_Q8) {
+        const int8_t *p = (const int8_t *)q + rowoff + 32 * g + 8 * c;
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    }
+    /* q4: chunk c covers elements 8c..8c+7 of the group: bytes 8(c&1).. low (c<2) or high nibble */
+    const uint8_t *p = (const uint8_t *)q + rowoff + 16 * g + 8 * (c & 1);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    b = c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+    return _mm256_cvtepi32_ps(b);
+}
+
+/* nb W rows x mb x rows, grouped (q8 / q4). */
+AI void q_tile(const int kind, const int nb, const int mb, const float *x, const float *xs,
+               const void *q, const float *sc, const float *mn, float *y, int64_t K,
+               int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    __m256 acc[NBMAX][MBMAX];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 gs[NBMAX][MBMAX];
+        for (int i = 0; i < nb; i++)
+            for (int j = 0; j < mb; j++) gs[i][j] = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            __m256 wv[NBMAX];
+            for (int i = 0; i < nb; i++) wv[i] = load_q(kind, q, i * rowlen, g, c);
+            for (int j = 0; j < mb; j++) {
+                __m256 xv = _mm256_loadu_ps(x + j * K + 32 * g + 8 * c);
+                for (int i = 0; i < nb; i++) gs[i][j] = _mm256_fmadd_ps(wv[i], xv, gs[i][j]);
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            __m256 s = _mm256_set1_ps(sc[i * G + g]);
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm256_fmadd_ps(gs[i][j], s, acc[i][j]);
+            if (kind == K_Q4) {
+                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
+                for (int j = 0; j < mb; j++)
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
+                                                acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
+}
+
+#define DENSE_FN(KIND, NB, MB)                                                                  \
+    static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
+                                           int64_t ldy) {                                       \
+        dense_tile(KIND, NB, MB, x, w, y, K, ldy);                                              \
+    }
+#define Q_FN(KIND, NB, MB)                                                                      \
+    static void q_##KIND##_##NB##_##MB(const float *x, const float *xs, const void *q,          \
+                                       const float *sc, const float *mn, float *y, int64_t K,   \
+                                       int64_t ldy) {                                           \
+        q_tile(KIND, NB, MB, x, xs, q, sc, mn, y, K, ldy);                                      \
+    }
+/* Instantiated tiles: nb = 4 or 2 with mb <= 3, nb = 1 with mb <= 8 (tile_cfg picks among them). */
+#define MB3(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3)
+#define MB8(FN, KIND, NB)                                                                   \
+    MB3(FN, KIND, NB) FN(KIND, NB, 4) FN(KIND, NB, 5) FN(KIND, NB, 6) FN(KIND, NB, 7)         \
+        FN(KIND, NB, 8)
+#define ALL_TILES(FN, KIND) MB8(FN, KIND, 1) MB3(FN, KIND, 2) MB3(FN, KIND, 4)
+ALL_TILES(DENSE_FN, 0)
+ALL_TILES(DENSE_FN, 1)
+ALL_TILES(Q_FN, 2)
+ALL_TILES(Q_FN, 3)
+
+typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
+typedef void (*q_fn)(const float *, const float *, const void *, const float *, const float *,
+                     float *, int64_t, int64_t);
+#define ROW3(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3}
+#define ROW8(P, KIND, NB)                                                                   \
+    {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
+     P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
+#define TABLE(P, KIND) {ROW8(P, KIND, 1), ROW3(P, KIND, 2), ROW3(P, KIND, 4)}
+static const dense_fn DENSE_TABLE[2][3][MBMAX] = {TABLE(dense_, 0), TABLE(dense_, 1)};
+static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
+
+/* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
+ * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
+ * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC). */
+static int tile_cfg[4][2][2] = {
+    /* f32 */ {{4, 1}, {4, 3}},
+    /* f16 */ {{4, 1}, {1, 8}},
+    /* q8  */ {{4, 1}, {1, 8}},
+    /* q4  */ {{4, 1}, {1, 8}},
+};
+static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][M > 1][0]; }
+static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][M > 1][1]; }
+
+static void run_range(const job_t *j, int64_t n0, int64_t n1) {
+    const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
+    const int kind = j->kind;
+    const int nbt = tile_nb(kind, M), mbt = tile_mb(kind, M);
+    int64_t n = n0;
+    while (n < n1) {
+        int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
+        int nbi = nb == 4 ? 2 : nb - 1;
+        for (int64_t m = 0; m < M;) {
+            int mb = M - m >= mbt ? mbt : (int)(M - m);
+            float *y = j->y + m * N + n;
+            const float *x = j->x + m * K;
+            if (kind == K_F32 || kind == K_F16) {
+                int64_t esz = kind == K_F32 ? 4 : 2;
+                DENSE_TABLE[kind][nbi][mb - 1](x, (const char *)j->w + n * K * esz, y, K, N);
+            } else {
+                int64_t rowlen = kind == K_Q8 ? K : K / 2;
+                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
+                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+                Q_TABLE[kind - 2][nbi][mb - 1](x, xs, (const char *)j->w + n * rowlen,
+                                               j->scales + n * G, mn, y, K, N);
+            }
+            m += mb;
+        }
+        n += nb;
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------ thread pool */
+
+#define MAX_WORKERS 63
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one pooled call at a time */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static int n_workers = 0;
+static atomic_uint_fast64_t pool_gen = 0;
+static atomic_int pool_pending = 0;
+static const job_t *pool_job = NULL;
+static int64_t pool_chunk = 0;
+static int pool_parts = 0;
+static int atfork_done = 0;
+static int spin_iters = 2000; /* ~50-100 us of PAUSE before a worker sleeps */
+static uint_fast64_t worker_gen0[MAX_WORKERS + 1];
+
+static inline void cpu_relax(void) {
+#ifdef __AVX2__
+    _mm_pause();
+#endif
+}
+
+static void run_part(const job_t *j, int64_t chunk, int part) {
+    int64_t n0 = part * chunk, n1 = n0 + chunk;
+    if (n1 > j->N) n1 = j->N;
+    if (n0 < n1) run_range(j, n0, n1);
+}
+
+static void *worker_main(void *arg) {
+    int idx = (int)(intptr_t)arg;
+    /* the generation current when this worker was created (under call_mu, before the
+     * dispatch that needed it), not the one when it starts running */
+    uint_fast64_t seen = worker_gen0[idx];
+    for (;;) {
+        uint_fast64_t g = seen;
+        for (int it = 0; it < spin_iters; it++) {
+            g = atomic_load_explicit(&pool_gen, memory_order_acquire);
+            if (g != seen) break;
+            cpu_relax();
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&wake_mu);
+            while ((g = atomic_load_explicit(&pool_gen, memory_order_acquire)) == seen)
+                pthread_cond_wait(&wake_cv, &wake_mu);
+            pthread_mutex_unlock(&wake_mu);
+        }
+        seen = g;
+        if (idx < pool_parts) run_part(pool_job, pool_chunk, idx);
+        atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static void pool_after_fork_child(void) {
+    /* The workers do not exist in a forked child: start from an empty pool. */
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER, w = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    call_mu = m;
+    wake_mu = w;
+    wake_cv = c;
+    n_workers = 0;
+    atomic_store(&pool_pending, 0);
+}
+
+/* Called with call_mu held.  Returns the number of workers available (>= 0). */
+static int pool_ensure(int want) {
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, pool_after_fork_child);
+        atfork_done = 1;
+    }
+    if (want > MAX_WORKERS) want = MAX_WORKERS;
+    while (n_workers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        worker_gen0[n_workers + 1] = atomic_load(&pool_gen);
+        int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(n_workers + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        n_workers++;
+    }
+    return n_workers;
+}
+
+static void run_job(const job_t *j, int nthreads) {
+    /* Below ~32 output rows per thread the hand-off costs more than it saves. */
+    int64_t maxparts = j->N / 32;
+    int parts = nthreads;
+    if (parts > maxparts) parts = (int)maxparts;
+    if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
+    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
+        /* single thread, or another thread holds the pool: same arithmetic, run here */
+        run_range(j, 0, j->N);
+        return;
+    }
+    int have = pool_ensure(parts - 1);
+    if (parts > have + 1) parts = have + 1;
+    int64_t chunk = (j->N + parts - 1) / parts;
+    chunk = (chunk + 3) & ~(int64_t)3;
+    if (parts <= 1) {
+        pthread_mutex_unlock(&call_mu);
+        run_range(j, 0, j->N);
+        return;
+    }
+    pool_job = j;
+    pool_chunk = chunk;
+    pool_parts = parts;
+    atomic_store_explicit(&pool_pending, n_workers, memory_order_release);
+    pthread_mutex_lock(&wake_mu);
+    atomic_fetch_add_explicit(&pool_gen, 1, memory_order_acq_rel);
+    pthread_cond_broadcast(&wake_cv);
+    pthread_mutex_unlock(&wake_mu);
+    run_part(j, chunk, 0);
+    for (long it = 0; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; it++) {
+        if (it < spin_iters)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&call_mu);
+}
+
+/* ------------------------------------------------------------------ exported API */
+
+int exitlm_has_avx2(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int exitlm_pool_workers(void) { return n_workers; }
+
+/* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4), many = M > 1. */
+int exitlm_set_tile(int kind, int many, int nb, int mb) {
+#ifdef __AVX2__
+    if (kind < 0 || kind > 3 || (nb != 1 && nb != 2 && nb != 4) || mb < 1 || mb > MBMAX ||
+        (nb > 1 && mb > 3))
+        return -1;
+    tile_cfg[kind][many != 0][0] = nb;
+    tile_cfg[kind][many != 0][1] = mb;
+    return 0;
+#else
+    (void)kind, (void)many, (void)nb, (void)mb;
+    return -1;
+#endif
+}
+
+void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
+
+int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K};
+    run_job(&j, nthreads);
+    return 0;
+}
+
+int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K};
+    run_job(&j, nthreads);
+    return 0;
+}
+
+int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                   int64_t N, int64_t K, int nthreads) {
+    if (K % 32 != 0) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K};
+    run_job(&j, nthreads);
+    return 0;
+}
+
+int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
+                   float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % 32 != 0) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    float stack_xs[4096];
+    size_t need = (size_t)M * (size_t)(K / 4);
+    float *xs = need <= 4096 ? stack_xs : (float *)malloc(need * sizeof(float));
+    if (xs == NULL) return -1;
+    for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K};
+    run_job(&j, nthreads);
+    if (xs != stack_xs) free(xs);
+    return 0;
+}

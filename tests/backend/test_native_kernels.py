@@ -1,0 +1,267 @@
+"""Native batch-small kernels (exitlm.backend.native): values against a float64 reference,
+bit-exact row invariance (rows and threads), argument checking, the build cache and the
+fallbacks when the library is disabled or cannot be built.
+
+Tolerance: every kernel output is within ``2e-5 * sum_k |x_k W_nk|`` of the float64 product of
+the same (dequantized) weight - fp32 accumulation over at most K/8 + 4 terms per lane.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from exitlm.backend import native
+from exitlm.errors import ExitlmWarning
+
+TOL = 2e-5
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"native kernels: {native.unavailable_reason()}")
+
+
+def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[tuple, torch.Tensor]:
+    """(kernel args after x, the float64 (N, K) weight they stand for)."""
+    if kind == "f32":
+        w = torch.randn(n, k, generator=gen)
+        return (w,), w.double()
+    if kind == "f16":
+        w = torch.randn(n, k, generator=gen).half()
+        return (w,), w.double()
+    g = k // 32
+    scales = torch.rand(n, g, generator=gen) * 0.1
+    if kind == "q8":
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w = q.double().view(n, g, 32) * scales.double().unsqueeze(-1)
+        return (q, scales), w.view(n, k)
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    mins = torch.randn(n, g, generator=gen) * 0.1
+    b = q.view(n, g, 16)
+    nib = torch.cat((b & 15, b >> 4), dim=-1).double()
+    w = nib * scales.double().unsqueeze(-1) + mins.double().unsqueeze(-1)
+    return (q, scales, mins), w.view(n, k)
+
+
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "f32": native.gemm_f32, "f16": native.gemm_f16, "q8": native.gemm_q8, "q4": native.gemm_q4,
+}
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("k", [32, 64, 576, 1536])
+@pytest.mark.parametrize("n", [1, 7, 33, 1000])
+def test_kernel_values_and_row_invariance(kind: str, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(k * 7919 + n)
+    args, w64 = _weights(kind, n, k, gen)
+    fn = KERNELS[kind]
+    x = torch.randn(7, k, generator=gen)
+    y = fn(x, *args)
+    assert y.shape == (7, n) and y.dtype == torch.float32
+    ref = x.double() @ w64.T
+    bound = TOL * (x.double().abs() @ w64.abs().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+    # bit-exact: one row alone, any subset of rows, any thread count
+    for i in range(7):
+        assert torch.equal(fn(x[i:i + 1], *args)[0], y[i])
+    assert torch.equal(fn(x[2:5].contiguous(), *args), y[2:5])
+    assert torch.equal(fn(x, *args, threads=2), y)
+    assert torch.equal(fn(x[3:4], *args, threads=3)[0], y[3])
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("k", [1, 5, 37, 581])
+def test_dense_tail_is_order_fixed(kind: str, k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    args, w64 = _weights(kind, 65, k, gen)
+    fn = KERNELS[kind]
+    x = torch.randn(16, k, generator=gen)
+    y = fn(x, *args)
+    ref = x.double() @ w64.T
+    assert ((y.double() - ref).abs() <= TOL * (x.double().abs() @ w64.abs().T) + 1e-30).all()
+    for i in (0, 9, 15):
+        assert torch.equal(fn(x[i:i + 1], *args)[0], y[i])
+    assert torch.equal(fn(x, *args, threads=2), y)
+
+
+def test_many_rows_and_leading_dims() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for kind, fn in KERNELS.items():
+        args, _ = _weights(kind, 70, 96, gen)
+        x = torch.randn(2, 9, 96, generator=gen)
+        y = fn(x, *args)
+        assert y.shape == (2, 9, 70)
+        assert torch.equal(y.view(18, 70), fn(x.view(18, 96), *args))
+        assert torch.equal(y[1, 4], fn(x[1, 4:5], *args)[0])
+        assert fn(torch.randn(96), *args).shape == (70,)
+
+
+def test_q4_zero_style_mins() -> None:
+    """Q4_0 weights: W = (nibble - 8) * scale, i.e. mins = -8 * scale."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 40, 128
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=gen)
+    b = q.view(n, k // 32, 16)
+    nib = torch.cat((b & 15, b >> 4), dim=-1).double() - 8.0
+    w64 = (nib * scales.double().unsqueeze(-1)).view(n, k)
+    x = torch.randn(3, k, generator=gen)
+    y = native.gemm_q4(x, q, scales, -8.0 * scales)
+    assert ((y.double() - x.double() @ w64.T).abs()
+            <= TOL * (x.double().abs() @ w64.abs().T)).all()
+
+
+def test_argument_errors() -> None:
+    x = torch.randn(2, 64)
+    w = torch.randn(5, 64)
+    q8 = torch.zeros(5, 64, dtype=torch.int8)
+    s = torch.ones(5, 2)
+    with pytest.raises(ValueError, match=r"x must be torch\.float32"):
+        native.gemm_f32(x.double(), w)
+    with pytest.raises(ValueError, match=r"w must be torch\.float32"):
+        native.gemm_f32(x, w.half())
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., 64\)"):
+        native.gemm_f32(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.gemm_f32(torch.randn(64, 2).T, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.gemm_f32(x, torch.randn(64, 5).T)
+    with pytest.raises(ValueError, match=r"must be a torch\.Tensor"):
+        native.gemm_f16(x, [[1.0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.gemm_q8(torch.randn(1, 48), torch.zeros(5, 48, dtype=torch.int8), s)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.gemm_q4(torch.randn(1, 48), torch.zeros(5, 24, dtype=torch.uint8), s, s)
+    with pytest.raises(ValueError, match="scales"):
+        native.gemm_q8(x, q8, torch.ones(5, 3))
+    with pytest.raises(ValueError, match=r"q must be torch\.int8"):
+        native.gemm_q8(x, q8.to(torch.uint8), s)
+    with pytest.raises(ValueError, match="mins"):
+        native.gemm_q4(x, torch.zeros(5, 32, dtype=torch.uint8), s, torch.ones(5, 2).double())
+    with pytest.raises(ValueError, match="threads"):
+        native.gemm_f32(x, w, threads=0)
+
+
+def test_second_load_does_not_recompile(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = native.library_path()
+    assert path is not None and path.exists()
+    compiles: list[list[str]] = []
+    real_run = subprocess.run
+
+    def spy(cmd: list[str], *a: object, **kw: object) -> subprocess.CompletedProcess:
+        if "-shared" in cmd:
+            compiles.append(cmd)
+        return real_run(cmd, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native.subprocess, "run", spy)
+    monkeypatch.setenv("EXITLM_CACHE_DIR", str(path.parent.parent))
+    assert native._build(os.environ.get("EXITLM_CC", "cc")) == path
+    assert compiles == []
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".build-")]
+
+
+@pytest.fixture
+def fresh_state() -> Iterator[None]:
+    """Let a test re-run the one-time load (with its own env), then restore the real library."""
+    saved = dict(native._state)
+    fast = (native._f32, native._f16, native._q8, native._q4)
+    native._state.clear()
+    native._f32 = native._f16 = native._q8 = native._q4 = None
+    try:
+        yield
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+        native._f32, native._f16, native._q8, native._q4 = fast
+
+
+def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
+    monkeypatch.setenv("EXITLM_NATIVE", "0")
+    assert not native.available()
+    assert "EXITLM_NATIVE" in native.unavailable_reason()
+    gen = torch.Generator().manual_seed(5)
+    for kind, fn in KERNELS.items():
+        args, w64 = _weights(kind, 9, 64, gen)
+        x = torch.randn(3, 64, generator=gen)
+        y = fn(x, *args)
+        assert y.dtype == torch.float32 and y.shape == (3, 9)
+        assert torch.allclose(y.double(), x.double() @ w64.T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of 32"):  # checks still apply
+        native.gemm_q8(torch.randn(1, 48), torch.zeros(5, 48, dtype=torch.int8),
+                       torch.ones(5, 1))
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                           fresh_state: None) -> None:
+    monkeypatch.setenv("EXITLM_CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("EXITLM_CACHE_DIR", str(tmp_path))
+    with pytest.warns(ExitlmWarning, match="native kernels unavailable"):
+        assert not native.available()
+    assert "unavailable" in native.unavailable_reason()
+    x, w = torch.randn(2, 32), torch.randn(3, 32)
+    assert torch.allclose(native.gemm_f32(x, w), x @ w.T)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_scalar_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """The portable build (no -march=native: no AVX2) follows the same order as the AVX2 one."""
+    lib = native._load()
+    assert lib is not None
+    if not lib.exitlm_has_avx2():
+        pytest.skip("the loaded library is already the scalar build")
+    so = tmp_path / "scalar.so"
+    flags = [f for f in native.CFLAGS if f != "-march=native"]
+    subprocess.run(["cc", *flags, "-o", str(so), str(native._SOURCE), "-lm"], check=True)
+    scalar = ctypes.CDLL(str(so))
+    native._bind(scalar)
+    assert scalar.exitlm_has_avx2() == 0
+    gen = torch.Generator().manual_seed(6)
+    m, n, k = 5, 37, 96
+    x = torch.randn(m, k, generator=gen)
+    for kind in KERNELS:
+        args, _ = _weights(kind, n, k, gen)
+        y = torch.empty(m, n)
+        ptrs = [a.data_ptr() for a in args]
+        getattr(scalar, f"exitlm_gemm_{kind}")(x.data_ptr(), *ptrs, y.data_ptr(), m, n, k, 1)
+        assert torch.equal(y, KERNELS[kind](x, *args)), kind
+    xt, wt = torch.randn(3, 13, generator=gen), torch.randn(4, 13, generator=gen)
+    y = torch.empty(3, 4)
+    scalar.exitlm_gemm_f32(xt.data_ptr(), wt.data_ptr(), y.data_ptr(), 3, 4, 13, 1)
+    assert torch.equal(y, native.gemm_f32(xt, wt))
+
+
+def test_pool_is_safe_across_python_threads_and_fork() -> None:
+    """Concurrent callers (one runs on the pool, others inline) and a forked child (which has no
+    workers) all get the single-thread bits."""
+    import threading
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(512, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    want = native.gemm_f32(x, w)
+    assert torch.equal(native.gemm_f32(x, w, threads=2), want)  # pool started in the parent
+    bad: list[int] = []
+
+    def worker() -> None:
+        for _ in range(50):
+            if not torch.equal(native.gemm_f32(x, w, threads=2), want):
+                bad.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    pid = os.fork()
+    if pid == 0:  # child: exit status says whether the pooled call worked
+        ok = torch.equal(native.gemm_f32(x, w, threads=2), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
