@@ -38,7 +38,9 @@ from exitlm.infer import Engine, SamplingOptions, get_strategy
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int8": "int8", "int4": "int4"}
 
 
 @register_model("exitlm")

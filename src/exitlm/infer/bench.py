@@ -163,9 +163,10 @@ class Bench:
 
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        dtype = {"float32": torch.float32, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16}[cfg.dtype]
-        self.dtype = dtype
+        dtype: torch.dtype | str = {"float32": torch.float32, "float16": torch.float16,
+                                    "bfloat16": torch.bfloat16}.get(cfg.dtype, cfg.dtype)
+        # transformers runs quantized models' weights in fp32 (it has no CPU int8/int4 path)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         name = cfg.model
         try:
             loaded = load_model(name, dtype=dtype)
@@ -211,9 +212,14 @@ class Bench:
             else:
                 from exitlm.io.save import export_hf
 
+                model = self.model
+                if isinstance(self.cfg.dtype, str) and self.cfg.dtype.startswith("int"):
+                    from exitlm.io import load_model
+
+                    model = load_model(self.model_name).model  # the unquantized weights
                 with tempfile.TemporaryDirectory() as tmp:
                     _note("bench: exporting the model for transformers ...")
-                    path = export_hf(self.model, Path(tmp) / "hf")
+                    path = export_hf(model, Path(tmp) / "hf")
                     self._hf = AutoModelForCausalLM.from_pretrained(
                         str(path), dtype=self.dtype).eval()
         return self._hf

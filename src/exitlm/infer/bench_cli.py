@@ -54,7 +54,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default="default-ee",
                    help="model to benchmark (falls back to 'default' if default-ee is missing)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "int8", "int4"),
+                   default="float32",
+                   help="weights of the benchmarked model; int8/int4 are weight-only quantized "
+                        "(the transformers baseline then runs the fp32 weights)")
     p.add_argument("--strategies", default=",".join(OURS + THEIRS),
                    help=f"comma-separated subset of {list(OURS + THEIRS)} (hf = transformers "
                         "generate, hf-ee = transformers assistant_early_exit)")

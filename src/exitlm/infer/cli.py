@@ -36,7 +36,10 @@ from exitlm.infer.threads import set_threads
 from exitlm.parallel.infer.run import distributed_generate, distributed_mode
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int8": "int8", "int4": "int4",  # weight-only quantized (exitlm.backend.quantized)
+}
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +55,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct), a checkpoint directory, "
                         "a .gguf file, or a preset name (random weights, byte tokenizer)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights: float32/float16/bfloat16, or int8/int4 weight-only "
+                        "quantized (GGUF Q8_0/Q4_0/Q4_1 blocks are used as they are)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -102,7 +107,7 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(n|t|r|0|\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4})", one, text)
 
 
-def load_for_strategy(source: str, dtype: torch.dtype, strategy: str) -> Any:
+def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
     """Load a model for decoding (with the CPU backend applied,
     :func:`~exitlm.backend.cpu.prepare_for_decoding`); strategies other than ``ar`` need
     exits, so a model without any gets LayerSkip-style exits at every layer (through the

@@ -261,4 +261,6 @@ class DraftHead:
             h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
         if self.vocab >= weight.shape[0]:
             return self.model.project(feats, weight)
+        if not isinstance(weight, torch.Tensor):  # quantized: a slice of rows is a view
+            return self.model.project(feats, weight[: self.vocab])
         return self._sliced(weight)(feats)

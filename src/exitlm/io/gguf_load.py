@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ConfigError, ModelConfig, RopeScaling
+from exitlm.io.gguf_quant import block_kind, blocks_to_weight
 from exitlm.io.gguf_tokenizer import GGUFTokenizerError, build_bpe_tokenizer
 from exitlm.io.hf_map import CheckpointError
 from exitlm.tokenizer import Tokenizer
@@ -168,8 +170,15 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(x.swapaxes(1, 2)).reshape(w.shape)  # (H, 2, d/2, ...)
 
 
-def gguf_hf_tensors(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, fp32 tensor)`` for every tensor of the file, dequantized lazily."""
+def gguf_hf_tensors(
+    g: GGUFFile, cfg: ModelConfig, *, keep_quantized: str | None = None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield ``(hf_name, fp32 tensor)`` for every tensor of the file, dequantized lazily.
+
+    With ``keep_quantized="int8"``, 2-D Q8_0 tensors are yielded as
+    :class:`~exitlm.backend.quant.QuantizedWeight` made from their blocks instead
+    (:mod:`exitlm.io.gguf_quant`); with ``"int4"``, Q4_0/Q4_1 and Q8_0 tensors (a finer
+    format is never made coarser: llama.cpp's own Q4 files keep the embedding in Q8_0)."""
     from gguf import quants
 
     permute = g.arch in _PERMUTED_ARCHS
@@ -182,13 +191,22 @@ def gguf_hf_tensors(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
                 raise CheckpointError(f"{g.path}: unexpected GGUF tensor {name!r} for {g.arch}")
             hf = f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        expect = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
+        kind = block_kind(t.tensor_type.name)
+        if keep_quantized and len(expect) == 2 and kind in (keep_quantized, "int8"):
+            raw = np.asarray(t.data).reshape(expect[0], -1)
+            if permute and ".attn_q." in name:
+                raw = unpermute_rotary_rows(raw, cfg.num_heads)
+            elif permute and ".attn_k." in name:
+                raw = unpermute_rotary_rows(raw, cfg.n_kv_heads)
+            yield hf, blocks_to_weight(raw, t.tensor_type.name, (expect[0], expect[1]))
+            continue
         try:
             arr = quants.dequantize(t.data, t.tensor_type)
         except Exception as err:
             raise CheckpointError(
                 f"{g.path}: cannot dequantize tensor {name!r} ({t.tensor_type.name}): {err}"
             ) from err
-        expect = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
         if tuple(arr.shape) != expect:
             arr = arr.reshape(expect)
         if permute and ".attn_q." in name:

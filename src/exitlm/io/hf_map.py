@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from exitlm.backend.quantized import cat_rows
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.errors import ExitlmError
 from exitlm.schema import convert, field_hints
@@ -253,7 +254,7 @@ def _llama_to_exitlm(
             got[rest] = t
             if len(got) == len(_LLAMA_FUSED[fused]):
                 del pending[(layer, fused)]
-                yield f"layers.{layer}.{fused}", torch.cat([got[p] for p in _LLAMA_FUSED[fused]])
+                yield f"layers.{layer}.{fused}", cat_rows([got[p] for p in _LLAMA_FUSED[fused]])
         else:
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a Llama-family model")
     for (layer, fused), got in pending.items():

@@ -9,6 +9,11 @@ Accepted sources, tried in this order:
 * a directory written by :func:`save_model` (``config.json`` carries ``exitlm_format_version``);
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not);
 * a preset name from :data:`exitlm.config.PRESETS` (random initialisation, no tokenizer).
+
+``dtype`` is a torch floating dtype or a weight-only quantization, ``"int8"`` / ``"int4"``
+(:mod:`exitlm.backend.quantized`): GGUF tensors stored as Q8_0/Q4_0/Q4_1 blocks (the embedded
+model's, among them) are kept as they are, and every other linear weight is quantized to the
+requested kind. A checkpoint saved quantized (``exitlm convert --quantize``) loads quantized.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,20 +62,26 @@ class LoadedModel:
 def load_model(
     name_or_path: str,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     exits: ExitConfig | None = None,
 ) -> LoadedModel:
     """Load a model by name or path (see the module docstring for what is accepted).
 
     Args:
-        dtype: parameter dtype (rotary frequencies stay fp32).
+        dtype: parameter dtype (rotary frequencies stay fp32), or ``"int8"`` / ``"int4"``
+            for weight-only quantized linear layers and embedding (fp32 elsewhere).
         device: where the parameters end up.
         exits: replaces the checkpoint's exit configuration; heads the checkpoint lacks are
             freshly initialised, heads it has for layers/structures not requested are dropped.
     """
     src = str(name_or_path)
     path = Path(src).expanduser()
+    quant = None
+    if isinstance(dtype, str):
+        from exitlm.backend.quantized import check_kind
+
+        quant, dtype = check_kind(dtype), torch.float32
     # Exit-head bundles ("default-ee", OUT/exits of exit tuning): see exitlm.train.default_ee.
     from exitlm.train.default_ee import find_bundle, load_bundle
 
@@ -77,10 +89,10 @@ def load_model(
     if bundle is not None:
         loaded = load_bundle(bundle, dtype=dtype, exits=exits)
     elif src == "default":
-        loaded = _load_default(dtype, exits)
+        loaded = _load_default(dtype, exits, quant)
     elif path.is_file():
         if path.suffix == ".gguf":
-            loaded = load_gguf(path, dtype=dtype, exits=exits)
+            loaded = load_gguf(path, dtype=dtype, exits=exits, keep_quantized=quant)
         elif path.suffix in PICKLE_SUFFIXES:
             raise refuse_pickle(path)
         else:
@@ -102,6 +114,10 @@ def load_model(
             f"{src!r} is neither 'default', an existing .gguf file or checkpoint directory, "
             f"nor a preset ({sorted(PRESETS)})"
         )
+    if quant is not None:
+        from exitlm.backend.quantized import quantize_model
+
+        quantize_model(loaded.model, quant)
     if torch.device(device) != torch.device("cpu"):
         loaded.model.to(device)
     return loaded
@@ -141,8 +157,11 @@ def load_gguf(
     exits: ExitConfig | None = None,
     name: str | None = None,
     progress: bool = False,
+    keep_quantized: str | None = None,
 ) -> LoadedModel:
-    """Load a GGUF file: dequantized weights and the tokenizer from its metadata."""
+    """Load a GGUF file: dequantized weights (with ``keep_quantized="int8"|"int4"``: blocks
+    of that precision or finer as quantized modules, see
+    :func:`~exitlm.io.gguf_load.gguf_hf_tensors`) and the tokenizer from its metadata."""
     from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
 
     g = open_gguf(path)
@@ -151,7 +170,7 @@ def load_gguf(
     check_config_against_tensors(cfg, shapes, str(path), "the GGUF metadata")
     if exits is not None:
         cfg = cfg.replace(exits=exits)
-    stream: Iterable[tuple[str, torch.Tensor]] = gguf_hf_tensors(g, cfg)
+    stream: Iterable[tuple[str, Any]] = gguf_hf_tensors(g, cfg, keep_quantized=keep_quantized)
     if progress:
         from tqdm import tqdm
 
@@ -164,9 +183,14 @@ def load_gguf(
     return LoadedModel(model, gguf_tokenizer(g), cfg, str(path))
 
 
-def _load_default(dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
+def _load_default(dtype: torch.dtype, exits: ExitConfig | None,
+                  quant: str | None = None) -> LoadedModel:
+    """The embedded model from its cache, converting the GGUF once. A quantized request
+    (``quant``) has a cache of its own, made straight from the GGUF's blocks."""
     gguf = default_gguf_path()
     cache = cache_dir_for(gguf)
+    if quant is not None:
+        cache = cache.with_name(f"{cache.name}-{quant}")
     if cache.is_dir() and is_native_dir(cache) and (cache / "tokenizer.json").is_file():
         try:
             loaded = load_native(cache, dtype=dtype, exits=exits)
@@ -176,7 +200,12 @@ def _load_default(dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
             progress_note(f"discarding unreadable cache {cache} ({err}); converting again")
             shutil.rmtree(cache, ignore_errors=True)
     progress_note(f"converting {gguf.name} once into {cache} (later loads are fast)")
-    loaded = load_gguf(gguf, dtype=torch.float32, name=DEFAULT_NAME, progress=True)
+    loaded = load_gguf(gguf, dtype=torch.float32, name=DEFAULT_NAME, progress=True,
+                       keep_quantized=quant)
+    if quant is not None:
+        from exitlm.backend.quantized import quantize_model
+
+        quantize_model(loaded.model, quant)
     try:
         save_native(loaded.model, cache, loaded.tokenizer)
     except OSError as err:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ModelConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
@@ -22,7 +23,7 @@ from exitlm.model.transformer import EarlyExitLM
 
 def model_from_tensors(
     cfg: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
     *,
     source: str,
     dtype: torch.dtype = torch.float32,
@@ -31,7 +32,11 @@ def model_from_tensors(
     """Create an :class:`EarlyExitLM` for ``cfg`` whose parameters come from ``tensors``.
 
     Args:
-        tensors: ``(exitlm_name, tensor)`` pairs, consumed lazily.
+        tensors: ``(exitlm_name, tensor)`` pairs, consumed lazily. A linear or embedding
+            weight may come quantized: as a :class:`~exitlm.backend.quant.QuantizedWeight`
+            under the weight's name (GGUF blocks) or as the buffers ``<module>.q``,
+            ``.scales`` (and ``.mins``) of a saved quantized model; its module is replaced by
+            the quantized one (:func:`exitlm.backend.quantized.install`).
         source: file or directory named in error messages.
         allow_missing_exits: exit-head parameters absent from the stream are freshly
             initialised (a backbone checkpoint loaded with new exits) instead of an error.
@@ -41,7 +46,17 @@ def model_from_tensors(
     params = dict(model.named_parameters())
     seen: set[str] = set()
     non_finite: list[str] = []
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
+        owner, _, leaf = name.rpartition(".")
+        if leaf in _QUANT_BUFFERS and f"{owner}.weight" in params:
+            got = parts.setdefault(owner, {})
+            got[leaf] = tensor
+            qw = _assembled(got, f"{source}: {owner}")
+            if qw is None:
+                continue
+            del parts[owner]
+            name, tensor = f"{owner}.weight", qw
         if name not in params:
             raise CheckpointError(
                 f"{source}: tensor {name!r} does not belong to this model configuration "
@@ -53,6 +68,10 @@ def model_from_tensors(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the configuration "
                 f"expects {expected}"
             )
+        if isinstance(tensor, QuantizedWeight):
+            _install_quantized(model, name, tensor)
+            seen.add(name)
+            continue
         if not tensor.dtype.is_floating_point:
             raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {tensor.dtype}")
         if not all_finite(tensor):
@@ -63,6 +82,10 @@ def model_from_tensors(
         shown = ", ".join(non_finite[:5]) + (" ..." if len(non_finite) > 5 else "")
         warn(f"{source}: tensor(s) {shown} hold NaN or infinite values ({len(non_finite)} "
              "tensor(s)); the model's outputs will not be finite")
+    if parts:
+        owner, got = next(iter(parts.items()))
+        raise CheckpointError(f"{source}: quantized weight {owner!r} is incomplete (has "
+                              f"{sorted(got)}, needs q, scales and, for int4, mins)")
     missing = [n for n in params if n not in seen]
     exit_missing = [n for n in missing if n.startswith("exits.")]
     if allow_missing_exits and exit_missing:
@@ -74,6 +97,37 @@ def model_from_tensors(
     if model.rope_inv_freq is not None:
         model.rope_inv_freq = rope_inv_freq(cfg.hdim, cfg.rope_theta, cfg.rope_scaling)
     return model.eval()
+
+
+_QUANT_BUFFERS = ("q", "scales", "mins")
+
+
+def _assembled(got: dict[str, torch.Tensor], what: str) -> QuantizedWeight | None:
+    """The quantized weight made of a saved module's buffers once they are all there."""
+    q, scales = got.get("q"), got.get("scales")
+    if q is None or scales is None:
+        return None
+    if q.dtype == torch.int8:
+        kind = "int8"
+    elif q.dtype == torch.uint8:
+        kind = "int4"
+        if "mins" not in got:
+            return None
+    else:
+        raise CheckpointError(f"{what}.q has dtype {q.dtype}; expected int8 or uint8")
+    if scales.dtype != torch.float32 or scales.dim() != 2 or q.dim() != 2:
+        raise CheckpointError(f"{what}: quantized buffers of unexpected dtype/shape")
+    return QuantizedWeight(kind, q, scales, got.get("mins"))
+
+
+def _install_quantized(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
+    from exitlm.backend.quantized import install
+
+    owner = name.rpartition(".")[0]
+    module = model.get_submodule(owner)
+    bias = getattr(module, "bias", None)
+    keep = None if bias is None or bias.device.type == "meta" else bias
+    install(model, owner, weight, keep)
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

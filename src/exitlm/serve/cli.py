@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
                         "/detokenize (default: $EXITLM_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: MODEL as given)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights: float32/float16/bfloat16, or int8/int4 weight-only quantized")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding)")
     p.add_argument("--drain-timeout", type=_non_negative, default=30.0,

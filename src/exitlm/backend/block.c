@@ -1,0 +1,173 @@
+/* One Llama-family transformer block for a few consecutive positions of one sequence, in a
+ * single call (issue 16, "fewer, fused kernels per layer").
+ *
+ * Decoding one token runs ~15 small operations per layer besides the four weight products;
+ * through torch each costs a dispatch from caches that the previous multi-megabyte product
+ * flushed (measured: ~0.6 ms per layer on the embedded 30-layer model, as much as the
+ * products themselves). This file runs the whole block - RMSNorm, fused q/k/v product,
+ * rotary embedding (half-split convention), the key/value cache write, grouped-query
+ * attention over the cache, output product and residual, RMSNorm, SwiGLU MLP and residual -
+ * on plain float arrays, calling the weight products of kernels.c.
+ *
+ * Exactness: every row's arithmetic depends on that row, its own position and the cache
+ * only, in a fixed order (the products are row-invariant, see kernels.c; norms, rotary,
+ * softmax and the attention sums are computed row by row with fixed summation orders). So a
+ * block over M rows gives each row bit-for-bit what M calls of one row give: plain decoding
+ * and the verification of M drafts agree exactly. No -ffast-math: the order written is the
+ * order computed.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int nthreads);
+int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int nthreads);
+int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                   int64_t N, int64_t K, int nthreads);
+int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
+                   float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+
+/* A weight of any format (the layout is mirrored by a ctypes.Structure in native.py). */
+typedef struct {
+    int64_t fmt; /* 0 f32, 1 f16, 2 q8, 3 q4 */
+    int64_t n, k;
+    const void *w; /* f32/f16 weight (n, k) or the quantized values */
+    const float *scales;
+    const float *mins;
+} exitlm_weight;
+
+/* The shapes and scalars of a block (mirrored in native.py). */
+typedef struct {
+    int64_t dim, heads, kv_heads, head_dim, hidden;
+    float eps;
+    float attn_scale;
+} exitlm_block_dims;
+
+static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, int nthreads) {
+    switch (w->fmt) {
+    case 0: return exitlm_gemm_f32(x, (const float *)w->w, y, M, w->n, w->k, nthreads);
+    case 1: return exitlm_gemm_f16(x, (const uint16_t *)w->w, y, M, w->n, w->k, nthreads);
+    case 2: return exitlm_gemm_q8(x, (const int8_t *)w->w, w->scales, y, M, w->n, w->k, nthreads);
+    case 3:
+        return exitlm_gemm_q4(x, (const uint8_t *)w->w, w->scales, w->mins, y, M, w->n, w->k,
+                              nthreads);
+    default: return -3;
+    }
+}
+
+/* sum_i a[i] * b[i] with eight partial sums combined in a fixed tree. */
+static float dot(const float *a, const float *b, int64_t n) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) s[i & 7] += a[i] * b[i];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+/* RMSNorm of one row: x * rsqrt(mean(x^2) + eps) * g. */
+static void rms_norm(const float *x, const float *g, float eps, float *out, int64_t n) {
+    float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * g[i];
+}
+
+/* Rotate one head vector v (d) in place by its position's cos / signed sin tables:
+ * v * cos + [v2, v1] * [-sin, sin] (the half-split convention of exitlm.model.layers). */
+static void rope(float *v, const float *cos_t, const float *ssin, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos_t[i] + b * ssin[i];
+        v[i + half] = b * cos_t[i + half] + a * ssin[i + half];
+    }
+}
+
+/* Bytes of scratch a block over M rows attending to at most `positions` positions needs. */
+int64_t exitlm_block_scratch(const exitlm_block_dims *d, int64_t M, int64_t positions) {
+    int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    int64_t floats = M * d->dim            /* normed input */
+                     + M * qkv             /* q, k, v */
+                     + M * d->heads * d->head_dim /* attention output */
+                     + M * d->dim          /* product output */
+                     + M * 2 * d->hidden   /* gate and up */
+                     + M * d->hidden       /* silu(gate) * up */
+                     + positions;          /* scores of one head */
+    return floats * (int64_t)sizeof(float);
+}
+
+/* h (M, dim) <- block(h) for positions start .. start+M-1 of one sequence.
+ * cos_t, ssin: (M, head_dim) rotary tables of those positions. kc, vc: this sequence's cache
+ * for this layer, (kv_heads, positions_capacity, head_dim) with `head_stride` floats between
+ * kv heads; the block writes positions start .. start+M-1 and reads 0 .. start+M-1. */
+int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const float *norm1,
+                       const float *norm2, const exitlm_weight *wqkv, const exitlm_weight *wo,
+                       const exitlm_weight *w_in, const exitlm_weight *w_out,
+                       const float *cos_t, const float *ssin, float *kc, float *vc,
+                       int64_t head_stride, int64_t start, float *scratch, int nthreads) {
+    const int64_t D = d->dim, H = d->heads, Hkv = d->kv_heads, hd = d->head_dim;
+    const int64_t F = d->hidden, QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
+    float *xn = scratch;
+    float *qkv = xn + M * D;
+    float *att = qkv + M * QKV;
+    float *tmp = att + M * H * hd;
+    float *gu = tmp + M * D;
+    float *act = gu + M * 2 * F;
+    float *scores = act + M * F;
+    int rc;
+
+    for (int64_t m = 0; m < M; m++) rms_norm(h + m * D, norm1, d->eps, xn + m * D, D);
+    if ((rc = product(wqkv, xn, qkv, M, nthreads)) != 0) return rc;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = qkv + m * QKV;
+        const int64_t pos = start + m;
+        for (int64_t j = 0; j < H + Hkv; j++) rope(row + j * hd, cos_t + m * hd, ssin + m * hd, hd);
+        for (int64_t j = 0; j < Hkv; j++) {
+            memcpy(kc + j * head_stride + pos * hd, row + (H + j) * hd, hd * sizeof(float));
+            memcpy(vc + j * head_stride + pos * hd, row + (H + Hkv + j) * hd, hd * sizeof(float));
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t n_pos = start + m + 1; /* attends to positions 0 .. start+m */
+        const float *row = qkv + m * QKV;
+        for (int64_t hh = 0; hh < H; hh++) {
+            const float *q = row + hh * hd;
+            const float *kh = kc + (hh / group) * head_stride;
+            const float *vh = vc + (hh / group) * head_stride;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < n_pos; t++) {
+                scores[t] = dot(q, kh + t * hd, hd) * d->attn_scale;
+                if (scores[t] > mx) mx = scores[t];
+            }
+            float total = 0.0f;
+            for (int64_t t = 0; t < n_pos; t++) {
+                scores[t] = expf(scores[t] - mx);
+                total += scores[t];
+            }
+            float *o = att + m * H * hd + hh * hd;
+            memset(o, 0, hd * sizeof(float));
+            for (int64_t t = 0; t < n_pos; t++) {
+                const float p = scores[t];
+                const float *v = vh + t * hd;
+                for (int64_t i = 0; i < hd; i++) o[i] += p * v[i];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t i = 0; i < hd; i++) o[i] *= inv;
+        }
+    }
+    if ((rc = product(wo, att, tmp, M, nthreads)) != 0) return rc;
+    for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
+    for (int64_t m = 0; m < M; m++) rms_norm(h + m * D, norm2, d->eps, xn + m * D, D);
+    if ((rc = product(w_in, xn, gu, M, nthreads)) != 0) return rc;
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * F, *u = g + F;
+        float *a = act + m * F;
+        for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    if ((rc = product(w_out, act, tmp, M, nthreads)) != 0) return rc;
+    for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
+    return 0;
+}

@@ -1,0 +1,159 @@
+"""A whole Llama-family block in one native call (``block.c``), for decoding steps.
+
+Decoding one token through torch runs ~15 small operations per layer besides the weight
+products, each a dispatch from caches that the previous product flushed: on the embedded
+30-layer model that overhead measured ~19 ms of a ~54 ms token (0.6 ms per layer, as much as
+the fp32 products themselves). :class:`NativeBlock` hands a block's RMSNorms, q/k/v product,
+rotary embedding, cache write, grouped-query attention, output product, SwiGLU MLP and both
+residuals to ``exitlm_llama_block`` in one call.
+
+It takes one sequence (batch 1) and ``1..MAX_ROWS`` consecutive positions written to a
+contiguous float32 cache range, i.e. decoding steps and the verification / recomputation
+chunks of the early-exit decoders; prefills and padded batches keep the torch path. Each
+row's arithmetic is fixed whatever the number of rows (see ``block.c``), so plain decoding and
+verification agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from exitlm.backend.quant import QuantizedWeight
+
+MAX_ROWS = 16
+"""The most positions one native block call takes (verification of up to 15 drafts)."""
+
+_FORMATS = {"int8": 2, "int4": 3}
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("dim", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("hidden", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("attn_scale", ctypes.c_float)]
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the block entry points of the native library."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.exitlm_llama_block.argtypes = [p, i64, p, p, p, p, p, p, p, p, p, p, p, i64, i64, p,
+                                       ctypes.c_int]
+    lib.exitlm_llama_block.restype = ctypes.c_int
+    lib.exitlm_block_scratch.argtypes = [p, i64, i64]
+    lib.exitlm_block_scratch.restype = i64
+
+
+def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
+    """The native description of a linear weight (and the tensors it points into), or None
+    for a layout the kernels do not take."""
+    if isinstance(w, QuantizedWeight):
+        parts = (w.q, w.scales) + (() if w.mins is None else (w.mins,))
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
+            return None
+        n, k = w.shape
+        mins = 0 if w.mins is None else w.mins.data_ptr()
+        return _Weight(_FORMATS[w.kind], n, k, w.q.data_ptr(), w.scales.data_ptr(),
+                       mins), parts
+    if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    fmt = {torch.float32: 0, torch.float16: 1}.get(w.dtype)
+    if fmt is None:
+        return None
+    w = w.detach()
+    return _Weight(fmt, w.shape[0], w.shape[1], w.data_ptr(), 0, 0), (w,)
+
+
+class Scratch:
+    """Working memory shared by the blocks of one model (grown on demand)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def pointer(self, nbytes: int) -> int:
+        if self.buf.numel() * 4 < nbytes:
+            self.buf = torch.empty((nbytes + 3) // 4 + 1024, dtype=torch.float32)
+        return self.buf.data_ptr()
+
+
+class NativeBlock:
+    """One block's native call: its weights' descriptions, built once, checked cheaply."""
+
+    def __init__(self, lib: ctypes.CDLL, dims: _Dims, norms: tuple[torch.Tensor, torch.Tensor],
+                 weights: list[tuple[_Weight, tuple[torch.Tensor, ...]]], scratch: Scratch
+                 ) -> None:
+        self.lib = lib
+        self.dims = dims
+        self.norms = norms
+        self.structs = [w for w, _ in weights]
+        self.keep = [t for _, ts in weights for t in ts]
+        self.ptrs = [t.data_ptr() for t in self.keep]
+        self.scratch = scratch
+        self._args = (ctypes.byref(dims), norms[0].data_ptr(), norms[1].data_ptr(),
+                      *(ctypes.byref(s) for s in self.structs))
+
+    def current(self, sources: list[Any]) -> bool:
+        """Whether the weights in ``sources`` still live where this call points."""
+        now = []
+        for w in sources:
+            if isinstance(w, QuantizedWeight):
+                now += [w.q, w.scales] + ([] if w.mins is None else [w.mins])
+            else:
+                now.append(w)
+        return len(now) == len(self.ptrs) and all(
+            t.data_ptr() == p for t, p in zip(now, self.ptrs, strict=True))
+
+    def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 keys: torch.Tensor, values: torch.Tensor, start: int, threads: int
+                 ) -> torch.Tensor:
+        """The block's output for ``h`` ``(1, M, D)`` at positions ``start..start+M-1``,
+        writing keys/values into ``keys``/``values`` ``(Hkv, S, hd)`` (one cache row)."""
+        m = h.shape[1]
+        out = h.clone()
+        cos, ssin = rope
+        need = self.lib.exitlm_block_scratch(ctypes.byref(self.dims), m, start + m)
+        rc = self.lib.exitlm_llama_block(
+            out.data_ptr(), m, *self._args, cos.data_ptr(), ssin.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), keys.stride(0), start,
+            self.scratch.pointer(need), threads)
+        if rc != 0:
+            raise RuntimeError(f"native block failed with code {rc}")
+        return out
+
+
+def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratch
+                       ) -> NativeBlock | None:
+    """The native call for ``block`` (an :class:`exitlm.model.layers.Block`), or None unless
+    it is the stock Llama-family block (RMSNorm, rotary attention, SwiGLU with SiLU, no
+    biases) with weights the kernels take."""
+    from exitlm.model.layers import MLP, Attention, Norm
+
+    attn, mlp = block.attn, block.mlp
+    n1, n2 = block.norm_attn, block.norm_mlp
+    if not (isinstance(attn, Attention) and isinstance(mlp, MLP) and isinstance(n1, Norm)
+            and isinstance(n2, Norm) and n1.kind == n2.kind == "rmsnorm" and attn.use_rope
+            and mlp.gated and mlp.act is F.silu and n1.eps == n2.eps):
+        return None
+    lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
+    if any(getattr(lin, "bias", None) is not None for lin in lins):
+        return None
+    norms = (n1.weight.detach(), n2.weight.detach())
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
+        return None
+    weights = [weight_struct(lin.weight) for lin in lins]
+    if any(w is None for w in weights):
+        return None
+    dims = _Dims(attn.wo.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                 mlp.hidden, n1.eps, 1.0 / math.sqrt(attn.head_dim))
+    return NativeBlock(lib, dims, norms, weights, scratch)  # type: ignore[arg-type]
