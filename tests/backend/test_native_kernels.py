@@ -160,7 +160,7 @@ def test_second_load_does_not_recompile(monkeypatch: pytest.MonkeyPatch) -> None
         return real_run(cmd, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(native.subprocess, "run", spy)
-    monkeypatch.setenv("EXITLM_CACHE_DIR", str(path.parent.parent))
+    monkeypatch.setenv("EXITLM_CACHE", str(path.parent.parent))
     assert native._build(os.environ.get("EXITLM_CC", "cc")) == path
     assert compiles == []
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".build-")]
@@ -200,7 +200,7 @@ def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh_sta
 def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                            fresh_state: None) -> None:
     monkeypatch.setenv("EXITLM_CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("EXITLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EXITLM_CACHE", str(tmp_path))
     with pytest.warns(ExitlmWarning, match="native kernels unavailable"):
         assert not native.available()
     assert "unavailable" in native.unavailable_reason()

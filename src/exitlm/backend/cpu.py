@@ -36,10 +36,14 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from exitlm.backend import native
 from exitlm.backend.blas import BLAS, gemv_bound, thread_split
 from exitlm.backend.decode_block import LeanBlock, lean_capable
 from exitlm.backend.layout import Packed, pack, restride
 from exitlm.backend.linear import FastLinear, linear
+from exitlm.backend.native_block import Scratch, build_native_block
+from exitlm.backend.quant import QuantizedWeight
+from exitlm.backend.quantized import quantized_project
 from exitlm.model.layers import Block, Linear
 from exitlm.model.transformer import EarlyExitLM
 
@@ -83,6 +87,8 @@ class DecodingBackend:
     dtype: torch.dtype
     device: torch.device
     heads: list[FastLinear | _Embedding] = field(default_factory=list)
+    scratch: Scratch = field(default_factory=Scratch)
+    """Working memory of the native blocks (:mod:`exitlm.backend.native_block`)."""
 
     def covers(self, model: nn.Module, pack_rows: bool) -> bool:
         """Whether ``model`` needs nothing more for ``pack_rows``."""
@@ -94,6 +100,8 @@ class DecodingBackend:
         """:meth:`~exitlm.model.transformer.EarlyExitLM.project` through
         :func:`~exitlm.backend.linear.linear`, with the packed copy of ``weight`` when it is
         one of the model's output embeddings."""
+        if isinstance(weight, QuantizedWeight):
+            return quantized_project(h, weight)
         for head in self.heads:
             if head.weight is weight:
                 return linear(h, weight, None, head.pack)
@@ -134,24 +142,34 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
     if state is not None and state.covers(model, pack_rows):
         return model
     pack_rows = pack_rows or (state is not None and state.pack_rows)
+    lib = native.library()
+    in_blocks = {id(m) for b in model.modules() if type(b) in (Block, LeanBlock)
+                 for m in b.modules()} if lib is not None else set()
     for module in model.modules():
         if type(module) is Linear:
             module.__class__ = FastLinear
         if isinstance(module, FastLinear):  # also a parallel layout's FastLinear subclasses
-            module.prepare(pack_rows=pack_rows)
+            # the native block reads its weights by rows
+            module.prepare(pack_rows=pack_rows, row_major=id(module) in in_blocks)
         elif isinstance(module, nn.Linear | nn.Embedding):
             restride(module.weight)
+    scratch = state.scratch if state is not None else Scratch()
     for module in model.modules():
         if type(module) in (Block, LeanBlock):
-            module.__class__ = LeanBlock if lean_capable(module) else Block
+            nb = None if lib is None else build_native_block(lib, module, scratch)
+            module.__class__ = LeanBlock if nb is not None or lean_capable(module) else Block
+            if isinstance(module, LeanBlock):
+                module.native = nb
     ref = _reference_weight(model)
     backend = DecodingBackend(pack_rows,
                               ref.dtype if ref is not None else torch.float32,
-                              ref.device if ref is not None else torch.device("cpu"))
+                              ref.device if ref is not None else torch.device("cpu"),
+                              scratch=scratch)
     if isinstance(model, EarlyExitLM):
         backend.heads = _output_embeddings(model, state, pack_rows)
         current = model.__dict__.get("project")
-        if current is None or isinstance(getattr(current, "__self__", None), DecodingBackend):
+        if current is None or current is quantized_project or isinstance(
+                getattr(current, "__self__", None), DecodingBackend):
             model.project = backend.project  # type: ignore[method-assign]
     model._decoding_backend = backend  # type: ignore[assignment]
     return model
@@ -166,7 +184,8 @@ def _output_embeddings(model: EarlyExitLM, old: DecodingBackend | None,
     for lin in (model.lm_head, *(e.proj for e in model.exits.values())):
         if isinstance(lin, FastLinear):
             heads.append(lin)
-    if model.lm_head is None or model.config.exits.output == "tied_embedding":
+    if isinstance(model.embed_tokens.weight, torch.Tensor) and (
+            model.lm_head is None or model.config.exits.output == "tied_embedding"):
         w = model.embed_tokens.weight
         before = next((h.pack for h in old.heads if isinstance(h, _Embedding)), None) \
             if old is not None else None

@@ -1,5 +1,9 @@
 """The lean per-layer decoding step for the stock Llama-family block: :class:`LeanBlock`.
 
+With the native library (:mod:`exitlm.backend.native`) the whole block runs in one call of
+``block.c`` (:mod:`exitlm.backend.native_block`) for fp32, fp16-stored, int8 and int4
+weights; the torch step below is the fallback for fp32 weights without it.
+
 Each GEMV of a decoding step streams megabytes of weights and flushes the caches, so every
 small op after it runs cold: the non-GEMV part of a batch-1 fp32 step was ~14 ms of ~45 ms
 at 1 thread with the general modules, ~10 ms with this step (README "Performance"). It calls
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS
 from exitlm.backend.linear import FastLinear, linear
+from exitlm.backend.native_block import NativeBlock
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
 
@@ -68,6 +73,9 @@ class LeanBlock(Block):
     inference.
     """
 
+    native: NativeBlock | None = None
+    """This block's native call (set by :func:`~exitlm.backend.cpu.prepare_for_decoding`)."""
+
     def forward(
         self,
         h: torch.Tensor,
@@ -78,7 +86,8 @@ class LeanBlock(Block):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         # one sequence, a cache write without row index, 1 row without mask or 2-16 with
-        # one, fp32 on the CPU, no gradient
+        # one (always causal over the cache slots: EarlyExitLM.context), fp32 on the CPU, no
+        # gradient
         if (
             plan is not None and cache is not None and rope is not None and plan.index is None
             and h.shape[0] == 1 and h.shape[1] <= LEAN_ROWS
@@ -86,6 +95,13 @@ class LeanBlock(Block):
             and h.dtype is torch.float32 and h.is_cpu
             and not torch.is_grad_enabled() and not h.requires_grad
         ):
+            nb = self.native
+            if nb is not None and nb.serves(self, cache, slot):
+                out = nb(h, rope, cache.keys[slot][0], cache.values[slot][0], plan.start,
+                         BLAS.threads_override or 1)
+                fill = cache.fill[slot]
+                torch.maximum(fill, plan.new_fill, out=fill)
+                return out
             parts = self._parts()
             if parts is not None:
                 return self.decode_step(parts, h, rope, cache, slot, plan, mask)

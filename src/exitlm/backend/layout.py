@@ -85,14 +85,15 @@ def _plain_2d(weight: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def restride(weight: torch.Tensor) -> None:
+def restride(weight: torch.Tensor, *, row_major: bool = False) -> None:
     """Store ``weight`` in its fastest decoding layout (in place, values unchanged):
-    column-major for fp32 CPU weights with ``out > in``, row-major otherwise (a column-major
-    fp32 weight cast to fp16 must become row-major again - this does that)."""
+    column-major for fp32 CPU weights with ``out > in`` (OpenBLAS' GEMV), row-major otherwise
+    or when ``row_major`` (the native kernels of :mod:`exitlm.backend.native` read rows; a
+    column-major fp32 weight cast to fp16 must become row-major again - this does that)."""
     if not _plain_2d(weight):
         return
     is_cm = weight.shape[0] > 1 and weight.stride() == (1, weight.shape[0])
-    if wants_column_major(weight):
+    if wants_column_major(weight) and not row_major:
         if not is_cm:
             weight.data = column_major(weight.data)
     elif not weight.is_contiguous():

@@ -84,10 +84,11 @@ class FastLinear(nn.Linear):
     pack: Packed | None = None
     """oneDNN-packed copy of :attr:`weight` (inference only; see :func:`linear`)."""
 
-    def prepare(self, *, pack_rows: bool = False) -> None:
-        """Re-stride the weight for decoding and (re)pack it for oneDNN where that pays:
-        bf16 always, fp32 for few-row products when ``pack_rows`` (twice the weight memory)."""
-        restride(self.weight)
+    def prepare(self, *, pack_rows: bool = False, row_major: bool = False) -> None:
+        """Re-stride the weight for decoding (``row_major`` for the native kernels) and
+        (re)pack it for oneDNN where that pays: bf16 always, fp32 for few-row products when
+        ``pack_rows`` (twice the weight memory)."""
+        restride(self.weight, row_major=row_major)
         self.pack = pack(self.weight, self.pack, rows=pack_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

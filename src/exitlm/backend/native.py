@@ -9,7 +9,7 @@ identical tokens.
 
 The library is compiled with ``cc -O3 -march=native -fPIC -shared -std=c11 -pthread`` (never
 ``-ffast-math``, which would let the compiler reorder the sums) into
-``$EXITLM_CACHE_DIR/kernels/`` (default ``~/.cache/exitlm/kernels/``), named by the SHA-256 of
+``$EXITLM_CACHE/kernels/`` (default ``~/.cache/exitlm/kernels/``), named by the SHA-256 of
 the source, the flags, ``cc --version`` and the platform, and written atomically (compile to a
 temporary name in the same directory, then ``os.replace``), so concurrent first uses are safe.
 ``EXITLM_NATIVE=0`` disables it; a missing compiler or a failed build warns once and every
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread")
-_SOURCE = Path(__file__).with_name("kernels.c")
+_SOURCES = (Path(__file__).with_name("kernels.c"), Path(__file__).with_name("block.c"))
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -54,8 +54,8 @@ _state: dict[str, object] = {}  # "lib", "path", "reason": set once by _load()
 
 
 def _cache_dir() -> Path:
-    """``$EXITLM_CACHE_DIR/kernels`` (default ``~/.cache/exitlm/kernels``)."""
-    root = os.environ.get("EXITLM_CACHE_DIR")
+    """``$EXITLM_CACHE/kernels`` (default ``~/.cache/exitlm/kernels``, exitlm's cache)."""
+    root = os.environ.get("EXITLM_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "exitlm"
     return base / "kernels"
 
@@ -67,10 +67,11 @@ def _cc_version(cc: str) -> str:
 
 
 def _build(cc: str) -> Path:
-    """Compile ``kernels.c`` unless a library for this source/flags/compiler/platform exists."""
-    source = _SOURCE.read_bytes()
+    """Compile ``kernels.c`` and ``block.c`` unless a library for these sources, flags,
+    compiler and platform exists."""
     key = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS).encode(), _cc_version(cc).encode(),
+    parts = [src.read_bytes() for src in _SOURCES]
+    for part in (*parts, " ".join(CFLAGS).encode(), _cc_version(cc).encode(),
                  platform.platform().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
@@ -82,7 +83,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             msg = (proc.stderr or proc.stdout).strip().splitlines()
@@ -109,6 +110,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_pool_workers.restype = _INT
     lib.exitlm_set_spin.argtypes = [_INT]
     lib.exitlm_set_spin.restype = None
+    from exitlm.backend.native_block import bind
+
+    bind(lib)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -148,6 +152,11 @@ def unavailable_reason() -> str:
     """Why :func:`available` is False ('' when it is True)."""
     _load()
     return str(_state["reason"])
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (None without one): for :mod:`exitlm.backend.native_block`."""
+    return _load()
 
 
 def library_path() -> Path | None:

@@ -88,31 +88,53 @@ class Scratch:
 
 
 class NativeBlock:
-    """One block's native call: its weights' descriptions, built once, checked cheaply."""
+    """One block's native call: its weights' descriptions, built once and checked cheaply on
+    every call (:meth:`serves`)."""
 
-    def __init__(self, lib: ctypes.CDLL, dims: _Dims, norms: tuple[torch.Tensor, torch.Tensor],
+    def __init__(self, lib: ctypes.CDLL, dims: _Dims, block: torch.nn.Module,
                  weights: list[tuple[_Weight, tuple[torch.Tensor, ...]]], scratch: Scratch
                  ) -> None:
         self.lib = lib
         self.dims = dims
-        self.norms = norms
+        attn, mlp = block.attn, block.mlp
+        n1, n2 = block.norm_attn, block.norm_mlp
+        lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
         self.structs = [w for w, _ in weights]
-        self.keep = [t for _, ts in weights for t in ts]
-        self.ptrs = [t.data_ptr() for t in self.keep]
+        self.keep = [t for _, ts in weights for t in ts] + [n1.weight, n2.weight]
+        # what must not change for the pointers to stay right: the sub-modules themselves
+        # and where their weights live
+        self.children = ((block._modules, "attn", attn), (block._modules, "mlp", mlp),
+                         (block._modules, "norm_attn", n1), (block._modules, "norm_mlp", n2),
+                         (attn._modules, "wqkv", lins[0]), (attn._modules, "wo", lins[1]),
+                         (mlp._modules, "w_in", lins[2]), (mlp._modules, "w_out", lins[3]))
+        self.hooked = (attn, mlp, n1, n2, *lins)
+        self.storage = tuple(
+            (m._buffers, "q", m._buffers["q"].data_ptr()) if "q" in m._buffers
+            else (m._parameters, "weight", m._parameters["weight"].data_ptr())
+            for m in (*lins, n1, n2))
+        self.head_dim = dims.head_dim
         self.scratch = scratch
-        self._args = (ctypes.byref(dims), norms[0].data_ptr(), norms[1].data_ptr(),
-                      *(ctypes.byref(s) for s in self.structs))
+        self._args = (ctypes.byref(dims), n1.weight.data_ptr(), n2.weight.data_ptr(),
+                      *(ctypes.byref(w) for w in self.structs))
 
-    def current(self, sources: list[Any]) -> bool:
-        """Whether the weights in ``sources`` still live where this call points."""
-        now = []
-        for w in sources:
-            if isinstance(w, QuantizedWeight):
-                now += [w.q, w.scales] + ([] if w.mins is None else [w.mins])
-            else:
-                now.append(w)
-        return len(now) == len(self.ptrs) and all(
-            t.data_ptr() == p for t, p in zip(now, self.ptrs, strict=True))
+    def serves(self, block: torch.nn.Module, cache: Any, slot: int) -> bool:
+        """Whether the call computes ``block`` on ``cache``'s slot: the same sub-modules,
+        weights still where the call points, no forward hooks to run, and a float32 cache
+        with rows of ``(kv_heads, positions, head_dim)``."""
+        for mods, name, obj in self.children:
+            if mods.get(name) is not obj:
+                return False
+        for m in self.hooked:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        for store, name, ptr in self.storage:
+            t = store.get(name)
+            if t is None or t.data_ptr() != ptr:
+                return False
+        kc, vc = cache.keys[slot], cache.values[slot]
+        return (kc.dtype is torch.float32 and vc.dtype is torch.float32
+                and kc.stride(3) == 1 and kc.stride(2) == self.head_dim
+                and vc.stride() == kc.stride())
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  keys: torch.Tensor, values: torch.Tensor, start: int, threads: int
@@ -120,8 +142,12 @@ class NativeBlock:
         """The block's output for ``h`` ``(1, M, D)`` at positions ``start..start+M-1``,
         writing keys/values into ``keys``/``values`` ``(Hkv, S, hd)`` (one cache row)."""
         m = h.shape[1]
-        out = h.clone()
+        out = h.contiguous().clone()
         cos, ssin = rope
+        if not cos.is_contiguous():
+            cos = cos.contiguous()
+        if not ssin.is_contiguous():
+            ssin = ssin.contiguous()
         need = self.lib.exitlm_block_scratch(ctypes.byref(self.dims), m, start + m)
         rc = self.lib.exitlm_llama_block(
             out.data_ptr(), m, *self._args, cos.data_ptr(), ssin.data_ptr(),
@@ -148,12 +174,12 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
     lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
     if any(getattr(lin, "bias", None) is not None for lin in lins):
         return None
-    norms = (n1.weight.detach(), n2.weight.detach())
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+           for t in (n1.weight, n2.weight)):
         return None
     weights = [weight_struct(lin.weight) for lin in lins]
     if any(w is None for w in weights):
         return None
     dims = _Dims(attn.wo.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                  mlp.hidden, n1.eps, 1.0 / math.sqrt(attn.head_dim))
-    return NativeBlock(lib, dims, norms, weights, scratch)  # type: ignore[arg-type]
+    return NativeBlock(lib, dims, block, weights, scratch)  # type: ignore[arg-type]

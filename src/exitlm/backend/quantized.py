@@ -154,7 +154,9 @@ def install(model: nn.Module, name: str, weight: QuantizedWeight,
 
 
 def _route_projection(model: nn.Module) -> None:
-    if hasattr(model, "project") and model.__dict__.get("project") is not quantized_project:
+    """Make the model's output product take quantized weights (a decoding backend's
+    ``project``, :func:`exitlm.backend.cpu.prepare_for_decoding`, already does)."""
+    if hasattr(model, "project") and "project" not in model.__dict__:
         model.project = quantized_project  # type: ignore[method-assign]
 
 

@@ -1,0 +1,119 @@
+"""The native Llama block (``block.c``): equal to the torch block up to rounding, exactly
+row-, chunk- and thread-invariant, used by prepared models for fp32/int8/int4 weights, and
+left alone when its weights move or hooks are registered."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from exitlm.backend import native
+from exitlm.backend.cpu import prepare_for_decoding
+from exitlm.backend.decode_block import LeanBlock
+from exitlm.backend.native_block import Scratch, build_native_block
+from exitlm.backend.quantized import quantize_model
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.infer import generate
+from exitlm.model.transformer import EarlyExitLM
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+
+KINDS = (None, "int8", "int4")
+
+
+def _model(kind: str | None, seed: int = 0) -> EarlyExitLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=48, dim=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      hidden_dim=96, max_seq_len=96,
+                      exits=ExitConfig(every_layer=True, norm="final"))
+    model = EarlyExitLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.4)
+    return model if kind is None else quantize_model(model, kind)
+
+
+def _call(nb, model: EarlyExitLM, h: torch.Tensor, start: int, cache, threads: int = 1):
+    pos = torch.arange(start, start + h.shape[1])[None]
+    rope = model.context(pos).rope
+    return nb(h, rope, cache.keys[0][0], cache.values[0][0], start, threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_native_block_matches_torch_and_is_row_chunk_thread_invariant(kind: str | None) -> None:
+    model = _model(kind)
+    block = model.layers[0]
+    nb = build_native_block(native.library(), block, Scratch())
+    assert nb is not None
+    t = 11
+    h = torch.randn(1, t, 64)
+    pos = torch.arange(t)[None]
+    ref_cache = model.new_cache(1, 96)
+    ctx = model.context(pos, ref_cache)
+    ref = block(h, ctx.rope, ref_cache, 0, ctx.plan, ctx.mask)  # the torch modules
+    cache = model.new_cache(1, 96)
+    whole = _call(nb, model, h, 0, cache)
+    scale = float(ref.abs().max())  # large random weights: compare at the output's scale
+    torch.testing.assert_close(whole, ref, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(cache.keys[0][:, :, :t], ref_cache.keys[0][:, :, :t],
+                               rtol=1e-5, atol=1e-5)
+    rows = model.new_cache(1, 96)
+    one_by_one = torch.cat([_call(nb, model, h[:, i:i + 1], i, rows) for i in range(t)], 1)
+    assert torch.equal(one_by_one, whole)
+    chunks = model.new_cache(1, 96)
+    parts = [_call(nb, model, h[:, :4], 0, chunks, threads=2),
+             _call(nb, model, h[:, 4:], 4, chunks, threads=2)]
+    assert torch.equal(torch.cat(parts, 1), whole)
+    assert torch.equal(chunks.keys[0], cache.keys[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepared_models_decode_through_native_blocks(kind: str | None) -> None:
+    """Plain decoding of a prepared model matches the unprepared torch modules (sharp model,
+    no near-ties), and self-speculative decoding matches plain decoding exactly."""
+    plain = _model(kind)
+    fast = prepare_for_decoding(copy.deepcopy(plain))
+    assert all(isinstance(b, LeanBlock) and b.native is not None for b in fast.layers)
+    calls = 0
+    real = type(fast.layers[0].native).__call__
+
+    def counting(self, *a, **kw):  # noqa: ANN001, ANN202
+        nonlocal calls
+        calls += 1
+        return real(self, *a, **kw)
+
+    prompts = [[3, 7, 1, 9, 4], [5, 2, 8]]
+    kw = {"max_new_tokens": 16, "threads": 1}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(fast.layers[0].native), "__call__", counting)
+        ar = generate(fast, None, prompts[0], **kw).token_ids
+        assert calls >= 15 * 3
+        ss = generate(fast, None, prompts[0], strategy="self-spec", exit_layer=1,
+                      num_speculations=3, **kw).token_ids
+    assert ss == ar
+    assert generate(plain, None, prompts[0], **kw).token_ids == ar
+
+
+@torch.no_grad()
+def test_moved_weights_and_hooks_take_the_torch_path() -> None:
+    model = prepare_for_decoding(_model(None))
+    block = model.layers[1]
+    cache = model.new_cache(1, 96)
+    assert block.native.serves(block, cache, 1)
+    lin = block.mlp.w_in
+    lin.weight.data = lin.weight.data.clone()  # new storage: the native call must not run
+    assert not block.native.serves(block, cache, 1)
+    prepare_for_decoding(model, pack_rows=True)  # preparing again rebuilds the call
+    assert model.layers[1].native.serves(model.layers[1], cache, 1)
+    seen = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+    try:
+        assert not model.layers[1].native.serves(model.layers[1], cache, 1)
+        generate(model, None, [1, 2, 3], max_new_tokens=3, threads=1)
+        assert seen
+    finally:
+        handle.remove()
