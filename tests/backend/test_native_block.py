@@ -81,7 +81,7 @@ def test_prepared_models_decode_through_native_blocks(kind: str | None) -> None:
     calls = 0
     real = type(fast.layers[0].native).__call__
 
-    def counting(self, *a, **kw):  # noqa: ANN001, ANN202
+    def counting(self, *a, **kw):
         nonlocal calls
         calls += 1
         return real(self, *a, **kw)
@@ -117,3 +117,25 @@ def test_moved_weights_and_hooks_take_the_torch_path() -> None:
         assert seen
     finally:
         handle.remove()
+
+
+def test_prepared_model_copies_and_threads() -> None:
+    """A copy of a prepared model is prepared again (its own weights); two threads decoding
+    at once (PPD's branch thread) each use their own scratch memory."""
+    import threading
+
+    model = prepare_for_decoding(_model("int8"))
+    twin = copy.deepcopy(model)
+    assert twin.layers[0].native is None
+    prepare_for_decoding(twin)
+    assert twin.layers[0].native is not None
+    want = generate(model, None, [4, 5, 6], max_new_tokens=12, threads=1).token_ids
+    got: list = []
+    workers = [threading.Thread(target=lambda: got.append(
+        generate(model, None, [4, 5, 6], max_new_tokens=12, threads=1).token_ids))
+        for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert got == [want, want]

@@ -217,7 +217,7 @@ def test_scalar_build_gives_the_same_bits(tmp_path: Path) -> None:
         pytest.skip("the loaded library is already the scalar build")
     so = tmp_path / "scalar.so"
     flags = [f for f in native.CFLAGS if f != "-march=native"]
-    subprocess.run(["cc", *flags, "-o", str(so), str(native._SOURCE), "-lm"], check=True)
+    subprocess.run(["cc", *flags, "-o", str(so), *map(str, native._SOURCES), "-lm"], check=True)
     scalar = ctypes.CDLL(str(so))
     native._bind(scalar)
     assert scalar.exitlm_has_avx2() == 0

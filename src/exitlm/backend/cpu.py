@@ -109,7 +109,7 @@ class DecodingBackend:
 
     def __getstate__(self) -> dict[str, object]:
         # a copied model is prepared again (packed copies are not copied, see FastLinear)
-        return {**self.__dict__, "heads": [], "dtype": None}
+        return {**self.__dict__, "heads": [], "dtype": None, "scratch": Scratch()}
 
 
 def _reference_weight(model: nn.Module) -> torch.Tensor | None:

@@ -76,6 +76,12 @@ class LeanBlock(Block):
     native: NativeBlock | None = None
     """This block's native call (set by :func:`~exitlm.backend.cpu.prepare_for_decoding`)."""
 
+    def __getstate__(self) -> dict[str, object]:
+        # copies point at their own weights: they get a native call when prepared again
+        state = self.__dict__.copy()
+        state.pop("native", None)
+        return state
+
     def forward(
         self,
         h: torch.Tensor,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from typing import Any
 
 import torch
@@ -75,11 +76,15 @@ def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
     return _Weight(fmt, w.shape[0], w.shape[1], w.data_ptr(), 0, 0), (w,)
 
 
-class Scratch:
-    """Working memory shared by the blocks of one model (grown on demand)."""
+class Scratch(threading.local):
+    """Working memory shared by the blocks of one model, one buffer per thread (PPD runs
+    its branches on a second thread while the main step runs), grown on demand."""
 
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.float32)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return Scratch, ()  # copies start empty
 
     def pointer(self, nbytes: int) -> int:
         if self.buf.numel() * 4 < nbytes:
