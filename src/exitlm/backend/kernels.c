@@ -221,7 +221,8 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
             float s = hsum8(acc[i][j]);
-            for (int64_t k = K8; k < K; k++) s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
+            for (int64_t k = K8; k < K; k++)
+                s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
             y[j * ldy + i] = s;
         }
 }
