@@ -112,7 +112,8 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
 
 
 def ctypes_overhead(calls: int = 20000) -> dict:
-    """Per-call cost of a 1 x 32 product: the Python wrapper and the bare ctypes call."""
+    """Per-call cost of a 1 x 32 product: the checked wrapper, a ``native.bind`` callable, the
+    bare ctypes call (no checks, no allocation), and torch / numpy for scale."""
     x, w = torch.randn(1, 32), torch.randn(1, 32)
     y = torch.empty(1, 1)
     lib = native._load()
@@ -120,7 +121,9 @@ def ctypes_overhead(calls: int = 20000) -> dict:
     f = lib.exitlm_gemm_f32
     px, pw, py = x.data_ptr(), w.data_ptr(), y.data_ptr()
     res = {}
+    bound = native.bind("f32", w)
     for label, fn in (("wrapper_gemm_f32_us", lambda: native.gemm_f32(x, w)),
+                      ("bound_f32_us", lambda: bound(x)),
                       ("bare_ctypes_us", lambda: f(px, pw, py, 1, 1, 32, 1)),
                       ("torch_linear_us", lambda: torch.nn.functional.linear(x, w)),
                       ("numpy_dot_us", lambda: np.dot(x.numpy(), w.numpy().T))):

@@ -265,3 +265,20 @@ def test_pool_is_safe_across_python_threads_and_fork() -> None:
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_bound_kernels_match_the_checked_calls() -> None:
+    gen = torch.Generator().manual_seed(8)
+    for kind, fn in KERNELS.items():
+        args, _ = _weights(kind, 45, 96, gen)
+        bound = native.bind(kind, *args)
+        x = torch.randn(5, 96, generator=gen)
+        assert torch.equal(bound(x), fn(x, *args))
+        assert torch.equal(bound(x[1:2], threads=2)[0], fn(x, *args)[1])
+        assert bound(x.view(5, 1, 96)).shape == (5, 1, 45)
+        with pytest.raises(ValueError, match="x must"):
+            bound(torch.randn(5, 95))
+    with pytest.raises(ValueError, match="kind"):
+        native.bind("q2", torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.bind("q8", torch.zeros(2, 40, dtype=torch.int8), torch.ones(2, 1))

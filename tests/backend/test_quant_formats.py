@@ -117,3 +117,17 @@ def test_qlinear_without_native(monkeypatch: pytest.MonkeyPatch) -> None:
         qw = quantize(w, kind)
         assert torch.allclose(qlinear(x, qw), F.linear(x, qw.dequantize()))
     assert torch.allclose(quant.dense_linear(x, w.half()), F.linear(x, w.half().float()))
+
+
+def test_quantized_weight_pickles_without_its_bound_kernel() -> None:
+    import copy
+    import pickle
+
+    qw = quantize(torch.randn(8, 64), "int4")
+    x = torch.randn(2, 64)
+    y = qlinear(x, qw)  # binds the native kernel when there is one
+    again = pickle.loads(pickle.dumps(qw))
+    assert again._bound is None
+    assert torch.equal(again.q, qw.q) and torch.equal(again.scales, qw.scales)
+    assert torch.equal(qlinear(x, again), y)
+    assert torch.equal(qlinear(x, copy.deepcopy(qw)), y)

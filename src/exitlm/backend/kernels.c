@@ -44,6 +44,17 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
+/* Software prefetch distance along each weight row, bytes (0 = none).  Measured on the AVX2
+ * EPYC (Zen 1) this was tuned on, one x row, weights streaming from DRAM: 2048 bytes ahead makes
+ * q8 ~40% and q4 ~9% faster (their loops are busy converting, so the hardware prefetcher falls
+ * behind; 512/1024 gain less, 4096 the same), 8 rows unchanged; for f32 1024 ahead was ~10%
+ * slower and f16 unchanged, so the dense kernels do not prefetch. */
+#ifndef PF_DENSE_BYTES
+#define PF_DENSE_BYTES 0
+#endif
+#ifndef PF_Q_BYTES
+#define PF_Q_BYTES 2048
+#endif
 #define NBMAX 4
 #define MBMAX 8
 
@@ -194,8 +205,13 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
     int64_t K8 = K & ~(int64_t)7;
+    const int64_t esz = kind == K_F32 ? 4 : 2;
     for (int64_t k = 0; k < K8; k += 8) {
         __m256 wv[NBMAX];
+        if (PF_DENSE_BYTES && (k & (esz == 4 ? 15 : 31)) == 0)
+            for (int i = 0; i < nb; i++)
+                _mm_prefetch((const char *)w + (i * K + k) * esz + PF_DENSE_BYTES,
+                             _MM_HINT_T0);
         for (int i = 0; i < nb; i++) wv[i] = load_w(kind, w, i * K + k);
         for (int j = 0; j < mb; j++) {
             __m256 xv = _mm256_loadu_ps(x + j * K + k);
@@ -205,7 +221,8 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
             float s = hsum8(acc[i][j]);
-            for (int64_t k = K8; k < K; k++) s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
+            for (int64_t k = K8; k < K; k++)
+                s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
             y[j * ldy + i] = s;
         }
 }
@@ -234,6 +251,11 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
         __m256 gs[NBMAX][MBMAX];
         for (int i = 0; i < nb; i++)
             for (int j = 0; j < mb; j++) gs[i][j] = _mm256_setzero_ps();
+        if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
+            for (int i = 0; i < nb; i++)
+                _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g +
+                                 PF_Q_BYTES,
+                             _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
             __m256 wv[NBMAX];
             for (int i = 0; i < nb; i++) wv[i] = load_q(kind, q, i * rowlen, g, c);

@@ -26,6 +26,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +35,9 @@ from exitlm.errors import warn
 
 __all__ = [
     "CFLAGS",
+    "BoundGemm",
     "available",
+    "bind",
     "gemm_f16",
     "gemm_f32",
     "gemm_q4",
@@ -299,6 +302,61 @@ def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.
     _q4(x.data_ptr(), q.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), m, n, k,
         threads)
     return y
+
+
+class BoundGemm:
+    """One of the ``gemm_*`` products with its weight checked and its pointers taken once.
+
+    ``bound(x, threads=1)`` returns the same bits as the ``gemm_*`` call it stands for, with only
+    ``x`` checked per call (the per-call Python work of a decoding step's many small products).
+    It keeps references to the weight tensors, so their storage stays valid; do not resize them.
+    """
+
+    __slots__ = ("_fn", "_keep", "_ptrs", "_ref", "k", "kind", "n")
+
+    def __init__(self, kind: str, tensors: tuple[torch.Tensor, ...], n: int, k: int,
+                 ref: Callable[..., torch.Tensor]) -> None:
+        self.kind, self.n, self.k = kind, n, k
+        self._keep = tensors
+        self._ref = ref
+        lib = _load()
+        self._fn = None if lib is None else getattr(lib, f"exitlm_gemm_{kind}")
+        self._ptrs = tuple(t.data_ptr() for t in tensors)
+
+    def __call__(self, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        """``x (..., K) float32 -> (..., N) float32`` (``threads`` a positive int)."""
+        if self._fn is None:
+            return self._ref(x, *self._keep, threads=threads)
+        n, k = self.n, self.k
+        m = _rows(x, k, self.kind)
+        y = torch.empty(m, n) if x.dim() == 2 else _out(x, m, n)
+        self._fn(x.data_ptr(), *self._ptrs, y.data_ptr(), m, n, k, threads)
+        return y
+
+
+def bind(kind: str, *weights: torch.Tensor) -> BoundGemm:
+    """Check a weight once and return a fast callable: ``bind("f32", w)``, ``bind("f16", w)``,
+    ``bind("q8", q, scales)``, ``bind("q4", q, scales, mins)`` (formats as in ``gemm_*``)."""
+    if kind in ("f32", "f16"):
+        if len(weights) != 1:
+            raise ValueError(f"bind({kind!r}): pass the weight (N, K)")
+        n, k = _w2(weights[0], _F32 if kind == "f32" else _F16, f"bind({kind!r})", "w")
+        return BoundGemm(kind, weights, n, k, gemm_f32 if kind == "f32" else gemm_f16)
+    if kind == "q8":
+        if len(weights) != 2:
+            raise ValueError("bind('q8'): pass q and scales")
+        n, k = _w2(weights[0], _I8, "bind('q8')", "q")
+        _aux(weights[1], n, _groups(k, "bind('q8')"), "bind('q8')", "scales")
+        return BoundGemm(kind, weights, n, k, gemm_q8)
+    if kind == "q4":
+        if len(weights) != 3:
+            raise ValueError("bind('q4'): pass q, scales and mins")
+        n, kh = _w2(weights[0], _U8, "bind('q4')", "q")
+        g = _groups(2 * kh, "bind('q4')")
+        _aux(weights[1], n, g, "bind('q4')", "scales")
+        _aux(weights[2], n, g, "bind('q4')", "mins")
+        return BoundGemm(kind, weights, n, 2 * kh, gemm_q4)
+    raise ValueError(f"bind: kind must be 'f32', 'f16', 'q8' or 'q4', got {kind!r}")
 
 
 def unpack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

@@ -18,7 +18,8 @@ dequantize and call ``torch.nn.functional.linear`` - faster there, but *not* row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,11 @@ __all__ = [
 
 QUANT_KINDS = ("int8", "int4")
 GROUP = 32
-# Rows from which qlinear / dense_linear switch to dequantize + BLAS matmul (see
-# benchmarks/gemv_kernels.py "crossover_us"); below it the exact per-row kernels are used.
-ROW_THRESHOLD = 64
+# Rows from which qlinear / dense_linear switch to dequantize + BLAS matmul; below it the exact
+# per-row kernels are used. benchmarks/gemv_kernels.py "crossover_us" (3072 x 576, one thread,
+# AVX2 EPYC): at 64 rows the kernels were 0-18% faster, at 128 dequantize + matmul was 8-26%
+# faster (q8/q4; f32/f16 similar), at 256 1.3-2.2x faster; the crossover lies between.
+ROW_THRESHOLD = 96
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class QuantizedWeight:
     q: torch.Tensor  # int8 (N, K) | uint8 (N, K // 2), nibble order as in the module docstring
     scales: torch.Tensor  # float32 (N, K // 32)
     mins: torch.Tensor | None  # float32 (N, K // 32) for int4, None for int8
+    # the native product bound to these tensors (built on first qlinear; never pickled)
+    _bound: native.BoundGemm | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Check kind, dtypes and shapes (K a multiple of 32) once, at construction."""
@@ -74,6 +79,31 @@ class QuantizedWeight:
                 raise ValueError(f"QuantizedWeight(int4): mins must be float32 ({n}, {g})")
         elif self.mins is not None:
             raise ValueError("QuantizedWeight(int8): mins must be None")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the tensors only (the bound kernel holds this process's pointers)."""
+        state = dict(self.__dict__)
+        state["_bound"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    def _kernel(self) -> native.BoundGemm | None:
+        """The native product bound to this weight, built once (None off-CPU or without the
+        native library)."""
+        b = self._bound
+        if b is None:
+            if not (self.q.is_cpu and native.available()):
+                return None
+            if self.kind == "int8":
+                b = native.bind("q8", self.q, self.scales)
+            else:
+                assert self.mins is not None
+                b = native.bind("q4", self.q, self.scales, self.mins)
+            object.__setattr__(self, "_bound", b)
+        return b
 
     @property
     def shape(self) -> torch.Size:
@@ -164,12 +194,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1) -> torch.Tens
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise ValueError(f"qlinear: x must be a float32 tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
-    if _rows(x) < ROW_THRESHOLD and x.is_cpu and w.q.is_cpu and native.available():
-        x = x.contiguous()
-        if w.kind == "int8":
-            return native.gemm_q8(x, w.q, w.scales, threads)
-        assert w.mins is not None
-        return native.gemm_q4(x, w.q, w.scales, w.mins, threads)
+    if x.is_cpu and _rows(x) < ROW_THRESHOLD:
+        kernel = w._kernel()
+        if kernel is not None:
+            return kernel(x if x.is_contiguous() else x.contiguous(), threads)
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"qlinear: x must have shape (..., {w.shape[1]}), got {tuple(x.shape)}")
     return F.linear(x, w.dequantize())
