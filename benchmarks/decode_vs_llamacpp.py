@@ -105,6 +105,8 @@ def write_f32_gguf(src: str | Path, dst: str | Path) -> Path:
             if key == "general.file_type":
                 value = int(gguf.LlamaFileType.ALL_F32)
             writer.add_key_value(key, value, vtype, sub_type=sub)
+        if "general.file_type" not in reader.fields:
+            writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
         for t in reader.tensors:
             shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists the fastest dim first
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
