@@ -192,6 +192,113 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors))
 
 
+_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+               "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight":
+               "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+               "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight":
+               "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def _permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation of q/k rows (exitlm's GGUF loader undoes it)."""
+    half = w.shape[0] // n_heads // 2
+    x = w.reshape(n_heads, 2, half, *w.shape[1:])
+    return np.ascontiguousarray(x.swapaxes(1, 2)).reshape(w.shape)
+
+
+def write_byte_level_gguf(model_dir: str | Path, dst: str | Path) -> Path:
+    """An F32 llama GGUF of a byte-level exitlm checkpoint (a stock Llama-family backbone,
+    vocabulary of 256 bytes, id = byte value) that llama.cpp can run.
+
+    The vocabulary is a GPT-2-style byte-level BPE of the 256 byte characters with one merge
+    that never applies (llama.cpp requires the key; GGUF forbids empty arrays). Exit heads
+    are not written: this is for plain decoding of the full model (with shared final-head
+    exits, ``load_model(dst, exits=ExitConfig(every_layer=True))`` gives exitlm the same
+    exits back).
+    """
+    import gguf
+
+    from exitlm.io import load_model
+    from exitlm.io.hf_map import exitlm_to_hf
+    from exitlm.tokenizer import byte_level_alphabet
+
+    loaded = load_model(str(model_dir), dtype=torch.float32)
+    cfg = loaded.config
+    if cfg.vocab_size != 256 or cfg.norm != "rmsnorm" or cfg.pos != "rope" or cfg.qkv_bias:
+        raise ValueError(f"{model_dir}: not a byte-level Llama-family model")
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, "llama")
+    try:
+        w.add_name(Path(model_dir).name)
+        w.add_block_count(cfg.num_layers)
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.dim)
+        w.add_feed_forward_length(cfg.hidden_dim)
+        w.add_head_count(cfg.num_heads)
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_rope_dimension_count(cfg.hdim)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+        alpha = byte_level_alphabet()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([alpha[b] for b in range(256)])
+        w.add_token_types([int(gguf.TokenType.NORMAL)] * 256)
+        w.add_token_merges([f"{alpha[0]} {alpha[0]}"])
+        w.add_add_bos_token(False)
+        written = set()
+        for hf, t in exitlm_to_hf(loaded.model.state_dict().items(), cfg):
+            if hf in _GGUF_NAMES:
+                name = _GGUF_NAMES[hf]
+            else:
+                _, _, i, rest = hf.split(".", 3)
+                name = f"blk.{i}.{_GGUF_LAYER[rest]}"
+            if name in written:
+                continue
+            arr = t.detach().float().numpy().copy()
+            if name.endswith("attn_q.weight"):
+                arr = _permute_rotary_rows(arr, cfg.num_heads)
+            elif name.endswith("attn_k.weight"):
+                arr = _permute_rotary_rows(arr, cfg.n_kv_heads)
+            w.add_tensor(name, arr)
+            written.add(name)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst
+
+
+def layerskip_files(model_dir: Path) -> dict[str, Path]:
+    """F32 and Q8_0 GGUFs of a byte-level exitlm checkpoint, cached like bench_files."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{model_dir}: no *.safetensors")
+    st = weights[0].stat()
+    name = "-".join(model_dir.resolve().parts[-2:])  # runs/NAME/model -> NAME-model
+    folder = cache_dir() / f"{name}-{st.st_size}-{int(st.st_mtime)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    f32, q8 = folder / f"{name}.f32.gguf", folder / f"{name}.q8_0.gguf"
+    if not f32.exists():
+        note(f"writing {f32} ...")
+        write_byte_level_gguf(model_dir, f32)
+    if not q8.exists():
+        note("quantizing it to q8_0 with llama.cpp ...")
+        quantize_gguf(f32, q8, "q8_0", 2)
+    return {"f32": f32, "q8_0": q8}
+
+
 # ---------------------------------------------------------------- the two libraries
 
 
@@ -325,6 +432,98 @@ def bench_precision(
     return out
 
 
+LAYERSKIP_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\n",
+    "class Stack:\n    def __init__(self):\n        ",
+]
+
+
+def run_self_spec(model: torch.nn.Module, ids: list[int], new: int, threads: int,
+                  exit_layer: int) -> dict[str, Any]:
+    from exitlm.infer import generate
+
+    res = generate(model, None, ids, strategy="self-spec", exit_layer=exit_layer,
+                   max_new_tokens=new, ignore_eos=True, threads=threads)
+    tm = res.timings
+    return {"tokens": list(res.token_ids[0]), "prefill_s": tm.prefill_s,
+            "decode_s": tm.decode_s, "decode_tokens": tm.decode_tokens}
+
+
+def bench_layerskip(model_dir: Path, exit_layer: int, new: int, repeats: int,
+                    threads: int, prompts: list[str]) -> dict[str, Any]:
+    """exitlm's self-speculative decoding of a byte-level LayerSkip model against llama.cpp's
+    plain decoding of the same weights: int8 vs Q8_0 (the target: faster) and, for
+    reference, fp32 vs F32. llama.cpp reads the GGUF files of write_byte_level_gguf; exitlm
+    reads the checkpoint (identical fp32 weights; in int8, exitlm's own quantization of
+    them, so the int8 weights are not bit-identical to llama.cpp's Q8_0, whose quantizer
+    also keeps tensors with rows not a multiple of 32 in F16)."""
+    from llama_cpp import Llama
+
+    from exitlm.io import load_model
+
+    files = layerskip_files(model_dir)
+    prompt_ids = [list(p.encode()) for p in prompts]  # byte-level: id = byte value
+    out: dict[str, Any] = {"model": str(model_dir), "exit_layer": exit_layer,
+                           "strategy": "exitlm self-spec vs llama.cpp plain greedy"}
+    for label, kind, dtype, target in (("int8", "q8_0", "int8", 1.0),
+                                       ("fp32", "f32", torch.float32, None)):
+        path = files[kind]
+        llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
+                    n_ctx=256, verbose=False)
+        res: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size,
+                               "exitlm_weights": f"{model_dir} loaded with dtype {dtype}",
+                               "tensor_types": tensor_types(path), "target": target}
+        try:
+            # exitlm reads the checkpoint itself (the fp32 weights the GGUF was written
+            # from): its GGUF tokenizer builder cannot take the placeholder merge
+            ours = load_model(str(model_dir), dtype=dtype).model
+            why = None
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not isinstance(dtype, str):
+                raise
+            ours, why = None, f"{type(e).__name__}: {e}"
+        run_llamacpp(llm, prompt_ids[0], 4)
+        if ours is not None:
+            run_self_spec(ours, prompt_ids[0], 4, threads, exit_layer)
+        a_best, a_med, b_best, b_med, rows = [], [], [], [], []
+        for prompt, ids in zip(prompts, prompt_ids, strict=True):
+            a_runs, b_runs = [], []
+            for _ in range(repeats):
+                if ours is not None:
+                    a_runs.append(run_self_spec(ours, ids, new, threads, exit_layer))
+                b_runs.append(run_llamacpp(llm, ids, new))
+            b = max(b_runs, key=_rate)
+            b_best.append(b)
+            b_med.append(_median_run(b_runs))
+            row: dict[str, Any] = {"prompt": prompt, "llamacpp_decode_tokens_per_s": _rate(b)}
+            if a_runs:
+                a = max(a_runs, key=_rate)
+                a_best.append(a)
+                a_med.append(_median_run(a_runs))
+                row.update(exitlm_decode_tokens_per_s=_rate(a),
+                           identical=a["tokens"] == b["tokens"],
+                           first_difference=_first_difference(a["tokens"], b["tokens"]))
+            note(f"layerskip {label}: exitlm self-spec "
+                 f"{row.get('exitlm_decode_tokens_per_s', float('nan')):.1f} vs llama.cpp "
+                 f"{_rate(b):.1f} tok/s")
+            rows.append(row)
+        size = res["file_bytes"]
+        res["llamacpp"] = _summary(b_best, b_med, size)
+        if ours is None:
+            res["exitlm"] = {"unsupported": why}
+        else:
+            res["exitlm"] = _summary(a_best, a_med, size)
+            ratio = res["exitlm"]["decode_tokens_per_s"] / res["llamacpp"]["decode_tokens_per_s"]
+            res["ratio"] = ratio
+            res["target_met"] = None if target is None else ratio > target
+            res["all_identical"] = all(r["identical"] for r in rows)
+        res["prompts"] = rows
+        out[label] = res
+        del llm
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -334,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs per prompt and library (fastest and median are reported)")
     ap.add_argument("--quick", action="store_true", help="one prompt, 16 new tokens, 1 run")
+    ap.add_argument("--layerskip", type=Path, default=None, metavar="DIR",
+                    help="also a byte-level LayerSkip checkpoint (e.g. "
+                         "runs/scratch-layerskip/model): exitlm self-spec vs llama.cpp plain")
+    ap.add_argument("--exit-layer", type=int, default=4, help="self-spec draft exit")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in names if p not in PRECISIONS]
@@ -360,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         note(f"{name}: {files[PRECISIONS[name].file].name}")
         results[name] = bench_precision(name, files, prompt_ids, prompts, new, repeats,
                                         args.threads)
+    if args.layerskip is not None:
+        results["layerskip_self_spec"] = bench_layerskip(
+            args.layerskip, args.exit_layer, new, repeats, args.threads,
+            LAYERSKIP_PROMPTS[: len(prompts)])
     check = None
     if "fp32" in results and "exitlm_decode_tokens_per_s" in results["fp32"]["prompts"][0]:
         rows = results["fp32"]["prompts"]
