@@ -74,3 +74,33 @@ def test_quantized_tensors_are_dequantized_in_place(tmp_path: Path) -> None:
     assert b["tokenizer.ggml.tokens"] == ["a", "b", "ab"]
     assert b["tokenizer.ggml.token_type"] == [3, 1, 1]
     assert b["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_byte_level_checkpoint_to_gguf(tmp_path: Path) -> None:
+    """The LayerSkip side's writer: llama tensor names, llama.cpp's q/k row order (exitlm's
+    GGUF loader undoes it), no separate output tensor for tied embeddings, a 256-byte
+    GPT-2-style vocabulary."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _byte_models import sharp_byte_model
+    from decode_vs_llamacpp import write_byte_level_gguf
+    from exitlm.io.gguf_load import unpermute_rotary_rows
+    from exitlm.io.native import save_native
+    from exitlm.tokenizer import byte_level_alphabet
+
+    model = sharp_byte_model(2, 64)
+    save_native(model, tmp_path / "ckpt")
+    write_byte_level_gguf(tmp_path / "ckpt", tmp_path / "b.gguf")
+    r = gguf.GGUFReader(tmp_path / "b.gguf")
+    f = {k: v.contents() for k, v in r.fields.items()}
+    alpha = byte_level_alphabet()
+    assert f["tokenizer.ggml.tokens"] == [alpha[b] for b in range(256)]
+    assert f["llama.block_count"] == 2 and f["llama.attention.head_count_kv"] == 2
+    t = {x.name: np.asarray(x.data) for x in r.tensors}
+    assert "output.weight" not in t and len(t) == 2 + 2 * 9
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(t["token_embd.weight"], sd["embed_tokens.weight"])
+    q = unpermute_rotary_rows(t["blk.0.attn_q.weight"], 4)
+    k = unpermute_rotary_rows(t["blk.0.attn_k.weight"], 2)
+    qkv = torch.cat([torch.from_numpy(q), torch.from_numpy(k),
+                     torch.from_numpy(t["blk.0.attn_v.weight"])])
+    np.testing.assert_array_equal(qkv.numpy(), sd["layers.0.attn.wqkv.weight"])
