@@ -22,12 +22,18 @@ each prompt is summed into ``decode_tokens_per_s`` (and the median run into
 ``decode_tokens_per_s_median``). ``bandwidth_gb_s`` is the file's size times tokens/s (each
 decoded token streams all weights once; the tied embedding is the LM head).
 
+``--layerskip DIR`` adds the self-speculative comparison: a byte-level LayerSkip checkpoint
+(``runs/scratch-layerskip/model``) is written as a llama GGUF (``write_byte_level_gguf``) and
+quantized to Q8_0 by llama.cpp; exitlm's self-speculative decoding (draft exit
+``--exit-layer``) in int8 and fp32 runs against llama.cpp's plain decoding of Q8_0 and F32.
+
 llama-cpp-python is a benchmark-only extra (``pip install 'exitlm[bench]'``), not a
 dependency of the package. Prints one JSON object on stdout; progress goes to stderr.
 
     python benchmarks/decode_vs_llamacpp.py                     # all precisions, 1 thread
     python benchmarks/decode_vs_llamacpp.py --quick             # one prompt, 16 tokens
     python benchmarks/decode_vs_llamacpp.py --precisions fp32,int8 --repeats 3
+    python benchmarks/decode_vs_llamacpp.py --layerskip runs/scratch-layerskip/model
 """
 
 from __future__ import annotations
