@@ -101,6 +101,5 @@ def test_byte_level_checkpoint_to_gguf(tmp_path: Path) -> None:
     np.testing.assert_array_equal(t["token_embd.weight"], sd["embed_tokens.weight"])
     q = unpermute_rotary_rows(t["blk.0.attn_q.weight"], 4)
     k = unpermute_rotary_rows(t["blk.0.attn_k.weight"], 2)
-    qkv = torch.cat([torch.from_numpy(q), torch.from_numpy(k),
-                     torch.from_numpy(t["blk.0.attn_v.weight"])])
-    np.testing.assert_array_equal(qkv.numpy(), sd["layers.0.attn.wqkv.weight"])
+    qkv = np.concatenate([q, k, t["blk.0.attn_v.weight"]])
+    np.testing.assert_array_equal(qkv, sd["layers.0.attn.wqkv.weight"])
