@@ -129,13 +129,38 @@ def test_prepared_model_copies_and_threads() -> None:
     assert twin.layers[0].native is None
     prepare_for_decoding(twin)
     assert twin.layers[0].native is not None
-    want = generate(model, None, [4, 5, 6], max_new_tokens=12, threads=1).token_ids
+    h = model.embed(torch.tensor([[4, 5, 6]]))
+
+    def decode() -> torch.Tensor:
+        cache = model.new_cache(1, 96)
+        out = []
+        with torch.no_grad():
+            for i in range(3):  # one position at a time: the native block's path
+                pos = torch.tensor([[i]])
+                out.append(model.run_layers(h[:, i:i + 1], 0, 3, pos, cache))
+        return torch.cat(out, 1)
+
+    want = decode()
     got: list = []
-    workers = [threading.Thread(target=lambda: got.append(
-        generate(model, None, [4, 5, 6], max_new_tokens=12, threads=1).token_ids))
-        for _ in range(2)]
+    workers = [threading.Thread(target=lambda: got.append(decode())) for _ in range(4)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    assert got == [want, want]
+    assert len(got) == 4 and all(torch.equal(g, want) for g in got)
+
+
+def test_fp16_model_decodes_through_the_native_block() -> None:
+    """fp16 weights: the block computes in fp32 and rounds the residual stream back to fp16;
+    plain decoding and self-speculative decoding agree exactly."""
+    model = prepare_for_decoding(_model(None).to(torch.float16))
+    assert all(b.native is not None for b in model.layers)
+    kw = {"max_new_tokens": 14, "threads": 1}
+    ar = generate(model, None, [3, 1, 4, 1, 5], **kw).token_ids
+    ss = generate(model, None, [3, 1, 4, 1, 5], strategy="self-spec", exit_layer=2,
+                  num_speculations=3, **kw).token_ids
+    assert ss == ar
+    with torch.no_grad():
+        model.layers[0].norm_attn.weight.mul_(2)  # an fp16 norm weight changed in place
+    cache = model.new_cache(1, 96)
+    assert not model.layers[0].native.serves(model.layers[0], cache, 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.backend import cpu
+from exitlm.backend import cpu, native
 from exitlm.backend.cpu import is_prepared, prepare_for_decoding
 from exitlm.backend.decode_block import LeanBlock
 from exitlm.backend.linear import FastLinear
@@ -66,7 +66,8 @@ def test_idempotent_and_cheap_the_second_time() -> None:
     assert not is_prepared(model)
     prepare_for_decoding(model)
     assert model.layers[0].attn.wqkv.weight.is_contiguous()
-    assert type(model.layers[0]) is Block  # the lean step is fp32 only
+    # the torch lean step is fp32 only; the native block also takes fp16 weights
+    assert type(model.layers[0]) is (LeanBlock if native.available() else Block)
 
 
 def test_project_is_replaced_unless_a_parallel_layout_did() -> None:

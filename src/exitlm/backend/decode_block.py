@@ -92,13 +92,13 @@ class LeanBlock(Block):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         # one sequence, a cache write without row index, 1 row without mask or 2-16 with
-        # one (always causal over the cache slots: EarlyExitLM.context), fp32 on the CPU, no
-        # gradient
+        # one (always causal over the cache slots: EarlyExitLM.context), fp32 on the CPU (or
+        # fp16 for the native block), no gradient
         if (
             plan is not None and cache is not None and rope is not None and plan.index is None
             and h.shape[0] == 1 and h.shape[1] <= LEAN_ROWS
             and (mask is None) == (h.shape[1] == 1)
-            and h.dtype is torch.float32 and h.is_cpu
+            and (h.dtype is torch.float32 or h.dtype is torch.float16) and h.is_cpu
             and not torch.is_grad_enabled() and not h.requires_grad
         ):
             nb = self.native
@@ -108,7 +108,7 @@ class LeanBlock(Block):
                 fill = cache.fill[slot]
                 torch.maximum(fill, plan.new_fill, out=fill)
                 return out
-            parts = self._parts()
+            parts = self._parts() if h.dtype is torch.float32 else None
             if parts is not None:
                 return self.decode_step(parts, h, rope, cache, slot, plan, mask)
         return super().forward(h, rope, cache, slot, plan, mask)

@@ -105,6 +105,10 @@ class NativeBlock:
         n1, n2 = block.norm_attn, block.norm_mlp
         lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
         self.structs = [w for w, _ in weights]
+        # fp16 models: fp32 copies of the norm weights (their versions tell of updates)
+        self.norms = [n.weight.detach().float() for n in (n1, n2)]
+        self.norm_versions = tuple((n.weight, n.weight._version) for n in (n1, n2)
+                                   if n.weight.dtype != torch.float32)
         self.keep = [t for _, ts in weights for t in ts] + [n1.weight, n2.weight]
         # what must not change for the pointers to stay right: the sub-modules themselves
         # and where their weights live
@@ -119,7 +123,7 @@ class NativeBlock:
             for m in (*lins, n1, n2))
         self.head_dim = dims.head_dim
         self.scratch = scratch
-        self._args = (ctypes.byref(dims), n1.weight.data_ptr(), n2.weight.data_ptr(),
+        self._args = (ctypes.byref(dims), self.norms[0].data_ptr(), self.norms[1].data_ptr(),
                       *(ctypes.byref(w) for w in self.structs))
 
     def serves(self, block: torch.nn.Module, cache: Any, slot: int) -> bool:
@@ -136,6 +140,9 @@ class NativeBlock:
             t = store.get(name)
             if t is None or t.data_ptr() != ptr:
                 return False
+        for t, version in self.norm_versions:
+            if t._version != version:
+                return False
         kc, vc = cache.keys[slot], cache.values[slot]
         return (kc.dtype is torch.float32 and vc.dtype is torch.float32
                 and kc.stride(3) == 1 and kc.stride(2) == self.head_dim
@@ -147,7 +154,8 @@ class NativeBlock:
         """The block's output for ``h`` ``(1, M, D)`` at positions ``start..start+M-1``,
         writing keys/values into ``keys``/``values`` ``(Hkv, S, hd)`` (one cache row)."""
         m = h.shape[1]
-        out = h.contiguous().clone()
+        # the residual stream of an fp16 model is computed in fp32 and rounded back
+        out = h.float() if h.dtype != torch.float32 else h.contiguous().clone()
         cos, ssin = rope
         if not cos.is_contiguous():
             cos = cos.contiguous()
@@ -160,7 +168,7 @@ class NativeBlock:
             self.scratch.pointer(need), threads)
         if rc != 0:
             raise RuntimeError(f"native block failed with code {rc}")
-        return out
+        return out if h.dtype == torch.float32 else out.to(h.dtype)
 
 
 def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratch
@@ -179,7 +187,7 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
     lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
     if any(getattr(lin, "bias", None) is not None for lin in lins):
         return None
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+    if any(t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu"
            for t in (n1.weight, n2.weight)):
         return None
     weights = [weight_struct(lin.weight) for lin in lins]
