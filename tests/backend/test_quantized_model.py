@@ -162,3 +162,15 @@ def test_default_model_int4_keeps_the_gguf_weights() -> None:
     with torch.no_grad():
         a, b = f.model(ids).logits, q.model(ids).logits
     torch.testing.assert_close(b, a, rtol=0, atol=1e-3)
+
+
+def test_generate_cli_takes_quantized_dtypes(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    assert main(["generate", "Hello", "--model", "debug", "--dtype", "int4",
+                 "--max-new-tokens", "5", "--json", "--strategy", "self-spec",
+                 "--exit-layer", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "int4" and len(out["sequences"][0]["token_ids"]) == 5
+    with pytest.raises(SystemExit):  # argparse: one line naming the choices
+        main(["generate", "Hello", "--model", "debug", "--dtype", "int9"])
+    assert "int9" in capsys.readouterr().err
