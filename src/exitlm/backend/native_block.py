@@ -185,7 +185,14 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
             and mlp.gated and mlp.act is F.silu and n1.eps == n2.eps):
         return None
     lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
-    if any(getattr(lin, "bias", None) is not None for lin in lins):
+    from exitlm.backend.linear import FastLinear
+    from exitlm.backend.quantized import QuantizedLinear
+    from exitlm.model.layers import Linear
+
+    # exactly these classes: a parallel layout's subclasses (tensor-parallel row/column
+    # shards, exitlm.parallel) communicate inside their forward, which this call would skip
+    if any(type(lin) not in (Linear, FastLinear, QuantizedLinear)
+           or getattr(lin, "bias", None) is not None for lin in lins):
         return None
     if any(t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu"
            for t in (n1.weight, n2.weight)):
