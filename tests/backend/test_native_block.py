@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from _byte_models import sharp_model
 from exitlm.backend import native
 from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.backend.decode_block import LeanBlock
@@ -24,15 +25,9 @@ KINDS = (None, "int8", "int4")
 
 
 def _model(kind: str | None, seed: int = 0) -> EarlyExitLM:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=48, dim=64, num_layers=3, num_heads=4, num_kv_heads=2,
-                      hidden_dim=96, max_seq_len=96,
-                      exits=ExitConfig(every_layer=True, norm="final"))
-    model = EarlyExitLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.4)
+    model = sharp_model(ModelConfig(
+        vocab_size=48, dim=64, num_layers=3, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=96, exits=ExitConfig(every_layer=True, norm="final")), seed)
     return model if kind is None else quantize_model(model, kind)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from _byte_models import sharp_model
 from _default_model import requires_default_model
 from exitlm.backend.quant import QuantizedWeight
 from exitlm.backend.quantized import (
@@ -35,16 +36,10 @@ VOCAB = 40
 def _model(*, exits: ExitConfig | None = None, seed: int = 0, tie: bool = True) -> EarlyExitLM:
     """A random 4-layer Llama-family model with dims that are multiples of 32; large weights
     make greedy choices sharp (few near-ties)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                      hidden_dim=96, max_seq_len=128, tie_embeddings=tie,
-                      exits=exits or ExitConfig(every_layer=True, norm="final"))
-    model = EarlyExitLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.4)
-    return model
+    return sharp_model(ModelConfig(
+        vocab_size=VOCAB, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=128, tie_embeddings=tie,
+        exits=exits or ExitConfig(every_layer=True, norm="final")), seed)
 
 
 def _dequantized_twin(model: EarlyExitLM, quantized: EarlyExitLM) -> EarlyExitLM:
