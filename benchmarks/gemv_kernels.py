@@ -2,7 +2,8 @@
 
 For each weight shape (N x K) and M = 1, 2, 4, 8, 16 rows, one thread: microseconds per call
 and GB/s of weight streamed (bytes of the weight in that format, scales included) for
-``gemm_f32``, ``gemm_f16``, ``gemm_q8``, ``gemm_q4``, numpy's ``np.dot(x, W.T)`` on a row-major
+``gemm_f32``, ``gemm_f16``, ``gemm_q8``, ``gemm_q4`` (also with ``int8_activations``: q8a8,
+q4a8), numpy's ``np.dot(x, W.T)`` on a row-major
 fp32 W (OpenBLAS; the project's batch-1 path) and ``torch.nn.functional.linear`` fp32. Each
 method cycles through a stack of distinct weight copies (>= 48 MB per format) so every call
 streams its weight from memory, as in real decoding; methods are interleaved, medians of
@@ -71,7 +72,8 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
                                           base4.scales.clone(), base4.mins.clone())
                     for _ in range(c4 - 1)]
     nbytes = {"numpy_f32": f32_bytes, "torch_f32": f32_bytes, "f32": f32_bytes,
-              "f16": f32_bytes // 2, "q8": base8.nbytes(), "q4": base4.nbytes()}
+              "f16": f32_bytes // 2, "q8": base8.nbytes(), "q4": base4.nbytes(),
+              "q8a8": base8.nbytes(), "q4a8": base4.nbytes()}
     out: dict = {"N": n, "K": k, "weight_bytes": nbytes, "copies": {"f32": c32, "f16": c16,
                                                                     "q8": c8, "q4": c4}}
     for m in ROWS:
@@ -84,6 +86,11 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
             "f16": (lambda i, x=x: native.gemm_f16(x, w16[i]), c16),
             "q8": (lambda i, x=x: native.gemm_q8(x, q8[i].q, q8[i].scales), c8),
             "q4": (lambda i, x=x: native.gemm_q4(x, q4[i].q, q4[i].scales, q4[i].mins), c4),
+            # int8 activations (the native blocks' products by default)
+            "q8a8": (lambda i, x=x: native.gemm_q8(x, q8[i].q, q8[i].scales,
+                                                   int8_activations=True), c8),
+            "q4a8": (lambda i, x=x: native.gemm_q4(x, q4[i].q, q4[i].scales, q4[i].mins,
+                                                   int8_activations=True), c4),
         }
         if threads2 and m in (1, 8):
             methods.update({
@@ -149,6 +156,8 @@ def crossover(repeats: int) -> dict:
         methods = {
             "q8_kernel": lambda x=x: native.gemm_q8(x, fmt["int8"].q, fmt["int8"].scales),
             "q8_dequant_mm": lambda x=x: torch.nn.functional.linear(x, fmt["int8"].dequantize()),
+            "q8a8_kernel": lambda x=x: native.gemm_q8(x, fmt["int8"].q, fmt["int8"].scales,
+                                                      int8_activations=True),
             "q4_kernel": lambda x=x: native.gemm_q4(x, fmt["int4"].q, fmt["int4"].scales,
                                                 fmt["int4"].mins),
             "q4_dequant_mm": lambda x=x: torch.nn.functional.linear(x, fmt["int4"].dequantize()),

@@ -54,6 +54,31 @@ KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+def _with_int8_activations(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def product(x: torch.Tensor, *args: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        return fn(x, *args, threads=threads, int8_activations=True)
+    return product
+
+
+A8: dict[str, Callable[..., torch.Tensor]] = {
+    "q8a8": _with_int8_activations(native.gemm_q8),
+    "q4a8": _with_int8_activations(native.gemm_q4),
+}
+"""The q8/q4 products with int8 activations (``kernels.c`` q8a8 / q4a8); weights as q8 / q4."""
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded as kernels.c's quantize_x does (float32 arithmetic, ties to even):
+    (xq as float64 (M, K), d as float64 (M, K/32))."""
+    m, k = x.shape
+    g = x.view(m, k // 32, 32)
+    d = g.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)),
+                      torch.zeros_like(d))
+    xq = torch.round(g * inv.unsqueeze(-1)).clamp(-127, 127)
+    return xq.double().view(m, k), d.double()
+
+
 @pytest.mark.parametrize("kind", list(KERNELS))
 @pytest.mark.parametrize("k", [32, 64, 576, 1536])
 @pytest.mark.parametrize("n", [1, 7, 33, 1000])
@@ -75,6 +100,67 @@ def test_kernel_values_and_row_invariance(kind: str, k: int, n: int) -> None:
     assert torch.equal(fn(x[3:4], *args, threads=3)[0], y[3])
 
 
+@pytest.mark.parametrize("kind", list(A8))
+@pytest.mark.parametrize("k", [32, 576, 1536])
+@pytest.mark.parametrize("n", [1, 33, 1000])
+def test_int8_activation_kernels(kind: str, k: int, n: int) -> None:
+    """Their definition (integer dot products of the rounded rows, scaled by scale * d), the
+    bound activation rounding allows against the float32-activation product, and the same
+    bit-exact row and thread invariance."""
+    gen = torch.Generator().manual_seed(k * 31 + n)
+    args, w64 = _weights(kind[:2], n, k, gen)
+    fn = A8[kind]
+    x = torch.randn(7, k, generator=gen) * torch.rand(7, 1, generator=gen) * 4
+    y = fn(x, *args)
+    assert y.shape == (7, n) and y.dtype == torch.float32
+    xq, d = _int8_rows(x)
+    G = k // 32
+    if kind == "q8a8":
+        ints = (xq.view(7, 1, G, 32) * args[0].double().view(1, n, G, 32)).sum(-1)  # exact
+        terms = ints * (args[1].view(1, n, G) * d.float().view(7, 1, G)).double()
+        mins_term = torch.zeros(7, n, dtype=torch.float64)
+    else:
+        b = args[0].view(n, G, 16)
+        nib = torch.cat((b & 15, b >> 4), dim=-1).double()
+        ints = (xq.view(7, 1, G, 32) * nib.view(1, n, G, 32)).sum(-1)
+        terms = ints * (args[1].view(1, n, G) * d.float().view(7, 1, G)).double()
+        mins_term = (x.double().view(7, 1, G, 32).sum(-1) * args[2].double().view(1, n, G))
+        mins_term = mins_term.sum(-1)
+    ref = terms.sum(-1) + mins_term
+    mag = (terms.abs().sum(-1) + (x.double().abs() @ w64.abs().T))
+    assert ((y.double() - ref).abs() <= TOL * mag + 1e-30).all()
+    # against float32 activations: each activation moved by at most half a step d
+    exact = x.double() @ w64.T
+    step = (d.view(7, 1, G) * w64.abs().view(1, n, G, 32).sum(-1)).sum(-1) * 0.5
+    assert ((y.double() - exact).abs() <= step * (1 + 1e-4) + TOL * mag).all()
+    assert not torch.equal(y, KERNELS[kind[:2]](x, *args))  # it does round
+    for i in range(7):
+        assert torch.equal(fn(x[i:i + 1], *args)[0], y[i])
+    assert torch.equal(fn(x[2:5].contiguous(), *args), y[2:5])
+    assert torch.equal(fn(x, *args, threads=2), y)
+
+
+def test_int8_activation_edges() -> None:
+    """Weights of -128 and activations at +-absmax stay exact (no saturation of the pairwise
+    int16 sums); an all-zero group contributes 0; a NaN poisons its own row only."""
+    n, k = 3, 64
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1] = 127
+    scales = torch.ones(n, k // 32)
+    x = torch.full((2, k), -1.0)
+    x[1, :32] = 0.0
+    y = native.gemm_q8(x, q, scales, int8_activations=True)
+    want = x.double() @ q.double().T  # the rows round exactly: d = 1/127, xq = -127 or 0
+    assert torch.allclose(y.double(), want, rtol=1e-6, atol=0)
+    x[0, 5] = float("nan")
+    y = native.gemm_q8(x, q, scales, int8_activations=True)
+    assert y[0].isnan().all() and y[1].isfinite().all()
+    nib = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)
+    y4 = native.gemm_q4(x[1:], nib, scales, torch.zeros(n, k // 32), int8_activations=True)
+    assert torch.allclose(y4.double(), 15.0 * x[1:].double().sum(-1, keepdim=True).expand(1, n),
+                          rtol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 @pytest.mark.parametrize("k", [1, 5, 37, 581])
 def test_dense_tail_is_order_fixed(kind: str, k: int) -> None:
@@ -92,8 +178,8 @@ def test_dense_tail_is_order_fixed(kind: str, k: int) -> None:
 
 def test_many_rows_and_leading_dims() -> None:
     gen = torch.Generator().manual_seed(3)
-    for kind, fn in KERNELS.items():
-        args, _ = _weights(kind, 70, 96, gen)
+    for kind, fn in (KERNELS | A8).items():
+        args, _ = _weights(kind[:2] if kind in A8 else kind, 70, 96, gen)
         x = torch.randn(2, 9, 96, generator=gen)
         y = fn(x, *args)
         assert y.shape == (2, 9, 70)
@@ -224,12 +310,12 @@ def test_scalar_build_gives_the_same_bits(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(6)
     m, n, k = 5, 37, 96
     x = torch.randn(m, k, generator=gen)
-    for kind in KERNELS:
-        args, _ = _weights(kind, n, k, gen)
+    for kind, fn in (KERNELS | A8).items():
+        args, _ = _weights(kind[:2] if kind in A8 else kind, n, k, gen)
         y = torch.empty(m, n)
         ptrs = [a.data_ptr() for a in args]
         getattr(scalar, f"exitlm_gemm_{kind}")(x.data_ptr(), *ptrs, y.data_ptr(), m, n, k, 1)
-        assert torch.equal(y, KERNELS[kind](x, *args)), kind
+        assert torch.equal(y, fn(x, *args)), kind
     xt, wt = torch.randn(3, 13, generator=gen), torch.randn(4, 13, generator=gen)
     y = torch.empty(3, 4)
     scalar.exitlm_gemm_f32(xt.data_ptr(), wt.data_ptr(), y.data_ptr(), 3, 4, 13, 1)

@@ -14,6 +14,7 @@ import torch
 
 from _byte_models import sharp_model
 from _default_model import requires_default_model
+from exitlm.backend import native
 from exitlm.backend.quant import QuantizedWeight
 from exitlm.backend.quantized import (
     QuantizedEmbedding,
@@ -92,10 +93,40 @@ def test_lossless_strategies_are_token_identical_on_quantized_weights(kind: str)
     small = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
                      num_speculations=3, draft_vocab=9, **kw)
     assert small.token_ids == ar
+    # one sequence decodes through the native blocks (int8 activations by default), a batch
+    # through torch: compare PPD, which takes one prompt, with plain decoding of that prompt
     ppd = generate(model, None, prompts[0], strategy="ppd", ppd_layer=2, **kw)
-    assert ppd.token_ids[0] == ar[0]
+    assert ppd.token_ids == generate(model, None, prompts[0], **kw).token_ids
     ee = generate(model, None, prompts, strategy="early-exit", threshold=1.0, **kw)
     assert ee.token_ids == ar
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("int8_activations", [True, False], indirect=True)
+def test_one_sequence_is_exact_through_native_blocks(kind: str, int8_activations: bool) -> None:
+    """One prompt decodes through the native blocks, with int8 activations by default: plain
+    steps, verification chunks of up to 21 rows (past the torch lean step's 16) and PPD round
+    alike, so the lossless strategies stay token-identical; switching the setting changes the
+    logits (it is in use)."""
+    model = quantize_model(_model(seed=2), kind)
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(3)).tolist()
+    kw = {"max_new_tokens": 40, "threads": 1}
+    ar = generate(model, None, prompt, **kw).token_ids
+    for e, d in ((1, 3), (2, 20)):
+        ss = generate(model, None, prompt, strategy="self-spec", exit_layer=e,
+                      num_speculations=d, **kw)
+        assert ss.token_ids == ar, (e, d)
+        assert ss.stats.drafted > 0
+    assert generate(model, None, prompt, strategy="ppd", ppd_layer=2, **kw).token_ids == ar
+    ee = generate(model, None, prompt, strategy="early-exit", threshold=1.0, **kw)
+    assert ee.token_ids == ar
+    step = torch.tensor([prompt])  # generate prepared the model: a cached call goes native
+    with torch.no_grad():
+        mine = model(step, cache=model.new_cache(1, 64)).logits
+        native.set_int8_activations(not int8_activations)
+        other = model(step, cache=model.new_cache(1, 64)).logits
+        native.set_int8_activations(int8_activations)
+    assert not torch.equal(mine, other)
 
 
 @pytest.mark.parametrize("kind", KINDS)

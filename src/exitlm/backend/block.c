@@ -30,6 +30,23 @@ int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads);
 int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
                    float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                     int64_t N, int64_t K, int nthreads);
+int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
+                     float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+
+/* Whether the blocks' int8 / int4 products round their activations to int8 first (kernels.c:
+ * q8a8 / q4a8, as llama.cpp computes Q8_0 / Q4_x); on unless switched off. One setting for
+ * every block of the process, so that plain steps and verification chunks round alike. */
+static int act8 = 1;
+
+int exitlm_set_int8_activations(int on) {
+    int prev = act8;
+    act8 = on != 0;
+    return prev;
+}
+
+int exitlm_int8_activations(void) { return act8; }
 
 /* A weight of any format (the layout is mirrored by a ctypes.Structure in native.py). */
 typedef struct {
@@ -51,10 +68,12 @@ static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, 
     switch (w->fmt) {
     case 0: return exitlm_gemm_f32(x, (const float *)w->w, y, M, w->n, w->k, nthreads);
     case 1: return exitlm_gemm_f16(x, (const uint16_t *)w->w, y, M, w->n, w->k, nthreads);
-    case 2: return exitlm_gemm_q8(x, (const int8_t *)w->w, w->scales, y, M, w->n, w->k, nthreads);
+    case 2:
+        return (act8 ? exitlm_gemm_q8a8 : exitlm_gemm_q8)(x, (const int8_t *)w->w, w->scales, y,
+                                                          M, w->n, w->k, nthreads);
     case 3:
-        return exitlm_gemm_q4(x, (const uint8_t *)w->w, w->scales, w->mins, y, M, w->n, w->k,
-                              nthreads);
+        return (act8 ? exitlm_gemm_q4a8 : exitlm_gemm_q4)(x, (const uint8_t *)w->w, w->scales,
+                                                          w->mins, y, M, w->n, w->k, nthreads);
     default: return -3;
     }
 }

@@ -20,12 +20,18 @@ import torch.nn.functional as F
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS
 from exitlm.backend.linear import FastLinear, linear
 from exitlm.backend.native_block import NativeBlock
+from exitlm.backend.quant import ROW_THRESHOLD
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
 
 LEAN_ROWS = 16
 """The most tokens of one sequence that :meth:`LeanBlock.decode_step` runs (verification of
 up to 15 drafts); longer chunks (prefills) take the general path."""
+NATIVE_ROWS = ROW_THRESHOLD - 1
+"""The most tokens of one sequence the native block runs: every chunk the products would
+compute row-invariantly (fewer than :data:`~exitlm.backend.quant.ROW_THRESHOLD` rows), so
+that verification of up to 64 drafts and long KV recomputations round exactly like plain
+steps, int8 activations included (:func:`~exitlm.backend.native.int8_activations`)."""
 
 
 def lean_capable(block: Block) -> bool:
@@ -91,12 +97,12 @@ class LeanBlock(Block):
         plan: WritePlan | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # one sequence, a cache write without row index, 1 row without mask or 2-16 with
+        # one sequence, a cache write without row index, 1 row without mask or 2-95 with
         # one (always causal over the cache slots: EarlyExitLM.context), fp32 on the CPU (or
-        # fp16 for the native block), no gradient
+        # fp16 for the native block), no gradient; the torch lean step takes up to 16 rows
         if (
             plan is not None and cache is not None and rope is not None and plan.index is None
-            and h.shape[0] == 1 and h.shape[1] <= LEAN_ROWS
+            and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
             and (mask is None) == (h.shape[1] == 1)
             and (h.dtype is torch.float32 or h.dtype is torch.float16) and h.is_cpu
             and not torch.is_grad_enabled() and not h.requires_grad
@@ -108,7 +114,8 @@ class LeanBlock(Block):
                 fill = cache.fill[slot]
                 torch.maximum(fill, plan.new_fill, out=fill)
                 return out
-            parts = self._parts() if h.dtype is torch.float32 else None
+            parts = (self._parts() if h.dtype is torch.float32 and h.shape[1] <= LEAN_ROWS
+                     else None)
             if parts is not None:
                 return self.decode_step(parts, h, rope, cache, slot, plan, mask)
         return super().forward(h, rope, cache, slot, plan, mask)

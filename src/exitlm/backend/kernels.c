@@ -21,6 +21,19 @@
  *               sum_k (nib*scale + min) x = scale * sum(nib x) + min * sum(x).
  *   hsum8(a)  = ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
  *
+ * int8 activations (exitlm_gemm_q8a8 / exitlm_gemm_q4a8)
+ * ------------------------------------------------------
+ * As llama.cpp does for its Q8_0 / Q4_x weights, each x row is first rounded to int8 in groups
+ * of 32 (quantize_x: d = absmax / 127, xq = nearbyint(x * (1 / d)), computed once per call by
+ * the calling thread with the same scalar code in both builds), and a group's product is an
+ * exact integer dot product:
+ *   q8a8 / q4a8 : acc (8 lanes) = 0;  for each group g: lane l gets
+ *                 isum_l = sum_{e = 4l .. 4l+3} w_e * xq_e  (exact int32: maddubs + madd),
+ *                 acc_l = fma((float) isum_l, scale_g * d_g, acc_l)  (scale_g * d_g rounded once);
+ *                 q4 also acc = fma(xs_g, min_g, acc) with the fp32 lane sums xs_g of x as above;
+ *                 y = hsum8(acc).
+ * x's rounding depends on its own row only, so the fixed-arithmetic property above still holds.
+ *
  * Tiles (several W rows x several x rows sharing loads and conversions) only change which
  * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
@@ -69,7 +82,10 @@ typedef struct {
     const float *xs;     /* q4: (M, K/32, 8) lane-wise group sums of x */
     float *y;            /* (M, N) */
     int64_t M, N, K;
+    const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
+    const float *xd;     /* their scales: (M, K/32) */
 } job_t;
+
 
 /* ------------------------------------------------------------------ scalar helpers */
 
@@ -109,6 +125,29 @@ static void group_sums(const float *x, int64_t K, float *xs) {
     for (int64_t g = 0; g < G; g++) {
         const float *p = x + 32 * g;
         for (int l = 0; l < 8; l++) xs[8 * g + l] = ((p[l] + p[8 + l]) + p[16 + l]) + p[24 + l];
+    }
+}
+
+/* xq[g*32 + e] = nearbyint(x * (1/d)), xd[g] = d = absmax / 127 (both builds). A NaN in the
+ * group makes d NaN (so the outputs are NaN, as they would be in fp32). */
+static void quantize_x(const float *x, int64_t K, int8_t *xq, float *xd) {
+    int64_t G = K / 32;
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = x + 32 * g;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int e = 0; e < 32; e++) {
+            float a = fabsf(p[e]);
+            if (a != a) nan = 1;
+            else if (a > amax) amax = a;
+        }
+        float d = nan ? NAN : amax / 127.0f;
+        float id = (!nan && d > 0.0f && d <= 3.0e38f) ? 1.0f / d : 0.0f;
+        for (int e = 0; e < 32; e++) {
+            float v = nearbyintf(p[e] * id);
+            xq[32 * g + e] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+        xd[g] = d;
     }
 }
 
@@ -158,13 +197,44 @@ static float pair_q(int kind, const float *x, const float *xs, const void *qrow,
     return hsum8_scalar(acc);
 }
 
+static float pair_qa(int kind, const int8_t *xq, const float *xd, const float *xs,
+                     const void *qrow, const float *sc, const float *mn, int64_t K) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t G = K / 32;
+    for (int64_t g = 0; g < G; g++) {
+        float d = sc[g] * xd[g];
+        for (int l = 0; l < 8; l++) {
+            int32_t isum = 0;
+            for (int e = 4 * l; e < 4 * l + 4; e++) {
+                int32_t w;
+                if (kind == K_Q8) {
+                    w = ((const int8_t *)qrow)[32 * g + e];
+                } else {
+                    uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
+                    w = e < 16 ? (b & 15) : (b >> 4);
+                }
+                isum += w * (int32_t)xq[32 * g + e];
+            }
+            acc[l] = fmaf((float)isum, d, acc[l]);
+        }
+        if (kind == K_Q4)
+            for (int l = 0; l < 8; l++) acc[l] = fmaf(xs[8 * g + l], mn[g], acc[l]);
+    }
+    return hsum8_scalar(acc);
+}
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     int64_t K = j->K, G = K / 32;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < j->M; m++) {
             const float *x = j->x + m * K;
             float v;
-            if (j->kind == K_F32)
+            if (j->xq != NULL)
+                v = pair_qa(j->kind, j->xq + m * K, j->xd + m * G,
+                            j->kind == K_Q4 ? j->xs + m * G * 8 : NULL,
+                            (const char *)j->w + n * (j->kind == K_Q8 ? K : K / 2),
+                            j->scales + n * G, j->kind == K_Q4 ? j->mins + n * G : NULL, K);
+            else if (j->kind == K_F32)
                 v = pair_dense(K_F32, x, (const float *)j->w + n * K, K);
             else if (j->kind == K_F16)
                 v = pair_dense(K_F16, x, (const uint16_t *)j->w + n * K, K);
@@ -279,6 +349,58 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
         for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
 }
 
+/* The 32 weights of group g as bytes in element order (q8 signed, q4 nibbles 0..15). */
+AI __m256i load_wq(int kind, const void *q, int64_t rowoff, int64_t g) {
+    if (kind == K_Q8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)q + rowoff + 32 * g));
+    __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + rowoff + 16 * g));
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* nb W rows x mb x rows, grouped weights with int8 activations (q8a8 / q4a8). */
+AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, const float *xd,
+                const float *xs, const void *q, const float *sc, const float *mn, float *y,
+                int64_t K, int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[NBMAX][MBMAX];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
+            for (int i = 0; i < nb; i++)
+                _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g +
+                                 PF_Q_BYTES,
+                             _MM_HINT_T0);
+        __m256i wv[NBMAX], wa[NBMAX];
+        for (int i = 0; i < nb; i++) {
+            wv[i] = load_wq(kind, q, i * rowlen, g);
+            /* maddubs takes its first operand unsigned: |w| there, w's sign moved onto x */
+            wa[i] = kind == K_Q8 ? _mm256_sign_epi8(wv[i], wv[i]) : wv[i];
+        }
+        for (int j = 0; j < mb; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * K + 32 * g));
+            float dx = xd[j * G + g];
+            for (int i = 0; i < nb; i++) {
+                __m256i sx = kind == K_Q8 ? _mm256_sign_epi8(xv, wv[i]) : xv;
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[i], sx), ones);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                            _mm256_set1_ps(sc[i * G + g] * dx), acc[i][j]);
+            }
+        }
+        if (kind == K_Q4)
+            for (int i = 0; i < nb; i++) {
+                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
+                for (int j = 0; j < mb; j++)
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
+                                                acc[i][j]);
+            }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
+}
+
 #define DENSE_FN(KIND, NB, MB)                                                                  \
     static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
                                            int64_t ldy) {                                       \
@@ -300,6 +422,14 @@ ALL_TILES(DENSE_FN, 0)
 ALL_TILES(DENSE_FN, 1)
 ALL_TILES(Q_FN, 2)
 ALL_TILES(Q_FN, 3)
+#define QA_FN(KIND, NB, MB)                                                                     \
+    static void qa_##KIND##_##NB##_##MB(const int8_t *xq, const float *xd, const float *xs,     \
+                                        const void *q, const float *sc, const float *mn,        \
+                                        float *y, int64_t K, int64_t ldy) {                     \
+        qa_tile(KIND, NB, MB, xq, xd, xs, q, sc, mn, y, K, ldy);                                \
+    }
+ALL_TILES(QA_FN, 2)
+ALL_TILES(QA_FN, 3)
 
 typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
 typedef void (*q_fn)(const float *, const float *, const void *, const float *, const float *,
@@ -311,23 +441,30 @@ typedef void (*q_fn)(const float *, const float *, const void *, const float *, 
 #define TABLE(P, KIND) {ROW8(P, KIND, 1), ROW3(P, KIND, 2), ROW3(P, KIND, 4)}
 static const dense_fn DENSE_TABLE[2][3][MBMAX] = {TABLE(dense_, 0), TABLE(dense_, 1)};
 static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
+typedef void (*qa_fn)(const int8_t *, const float *, const float *, const void *, const float *,
+                      const float *, float *, int64_t, int64_t);
+static const qa_fn QA_TABLE[2][3][MBMAX] = {TABLE(qa_, 2), TABLE(qa_, 3)};
 
 /* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
  * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
  * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC). */
-static int tile_cfg[4][2][2] = {
+static int tile_cfg[6][2][2] = {
     /* f32 */ {{4, 1}, {4, 3}},
     /* f16 */ {{4, 1}, {1, 8}},
     /* q8  */ {{4, 1}, {1, 8}},
     /* q4  */ {{4, 1}, {1, 8}},
+    /* q8 with int8 activations */ {{2, 1}, {2, 2}},
+    /* q4 with int8 activations */ {{4, 1}, {1, 8}},
 };
+/* tile_cfg row of a job: kinds 4 / 5 are q8 / q4 with int8 activations */
+static int tile_kind(const job_t *j) { return j->xq != NULL ? j->kind + 2 : j->kind; }
 static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][M > 1][0]; }
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][M > 1][1]; }
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
-    const int kind = j->kind;
-    const int nbt = tile_nb(kind, M), mbt = tile_mb(kind, M);
+    const int kind = j->kind, tk = tile_kind(j);
+    const int nbt = tile_nb(tk, M), mbt = tile_mb(tk, M);
     int64_t n = n0;
     while (n < n1) {
         int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
@@ -336,7 +473,14 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
             int mb = M - m >= mbt ? mbt : (int)(M - m);
             float *y = j->y + m * N + n;
             const float *x = j->x + m * K;
-            if (kind == K_F32 || kind == K_F16) {
+            if (j->xq != NULL) {
+                int64_t rowlen = kind == K_Q8 ? K : K / 2;
+                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
+                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+                QA_TABLE[kind - 2][nbi][mb - 1](j->xq + m * K, j->xd + m * G, xs,
+                                                (const char *)j->w + n * rowlen,
+                                                j->scales + n * G, mn, y, K, N);
+            } else if (kind == K_F32 || kind == K_F16) {
                 int64_t esz = kind == K_F32 ? 4 : 2;
                 DENSE_TABLE[kind][nbi][mb - 1](x, (const char *)j->w + n * K * esz, y, K, N);
             } else {
@@ -488,10 +632,11 @@ int exitlm_has_avx2(void) {
 
 int exitlm_pool_workers(void) { return n_workers; }
 
-/* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4), many = M > 1. */
+/* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
+ * int8 activations), many = M > 1. */
 int exitlm_set_tile(int kind, int many, int nb, int mb) {
 #ifdef __AVX2__
-    if (kind < 0 || kind > 3 || (nb != 1 && nb != 2 && nb != 4) || mb < 1 || mb > MBMAX ||
+    if (kind < 0 || kind > 5 || (nb != 1 && nb != 2 && nb != 4) || mb < 1 || mb > MBMAX ||
         (nb > 1 && mb > 3))
         return -1;
     tile_cfg[kind][many != 0][0] = nb;
@@ -508,7 +653,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -516,31 +661,91 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
 
-int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
-                   int64_t N, int64_t K, int nthreads) {
+/* Scratch for the per-call activation data: on the stack when small, else malloc'd. */
+#define STACK_FLOATS 4096
+#define STACK_BYTES_X 16384
+
+static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                   int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL};
+    if (!act8) {
+        run_job(&j, nthreads);
+        return 0;
+    }
+    int8_t stack_q[STACK_BYTES_X];
+    float stack_d[STACK_FLOATS];
+    size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
+    int8_t *xq = nq <= STACK_BYTES_X ? stack_q : (int8_t *)malloc(nq);
+    float *xd = nd <= STACK_FLOATS ? stack_d : (float *)malloc(nd * sizeof(float));
+    if (xq == NULL || xd == NULL) {
+        if (xq != stack_q) free(xq);
+        if (xd != stack_d) free(xd);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, xq + m * K, xd + m * (K / 32));
+    j.xq = xq;
+    j.xd = xd;
     run_job(&j, nthreads);
+    if (xq != stack_q) free(xq);
+    if (xd != stack_d) free(xd);
     return 0;
+}
+
+static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
+                   float *y, int64_t M, int64_t N, int64_t K, int nthreads, int act8) {
+    if (K % 32 != 0) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    float stack_xs[STACK_FLOATS];
+    int8_t stack_q[STACK_BYTES_X];
+    float stack_d[STACK_FLOATS];
+    size_t need = (size_t)M * (size_t)(K / 4);
+    size_t nq = act8 ? (size_t)M * (size_t)K : 0, nd = act8 ? (size_t)M * (size_t)(K / 32) : 0;
+    float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
+    int8_t *xq = nq <= STACK_BYTES_X ? stack_q : (int8_t *)malloc(nq);
+    float *xd = nd <= STACK_FLOATS ? stack_d : (float *)malloc(nd * sizeof(float));
+    int rc = -1;
+    if (xs != NULL && xq != NULL && xd != NULL) {
+        for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
+        job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL};
+        if (act8) {
+            for (int64_t m = 0; m < M; m++)
+                quantize_x(x + m * K, K, xq + m * K, xd + m * (K / 32));
+            j.xq = xq;
+            j.xd = xd;
+        }
+        run_job(&j, nthreads);
+        rc = 0;
+    }
+    if (xs != stack_xs) free(xs);
+    if (xq != stack_q) free(xq);
+    if (xd != stack_d) free(xd);
+    return rc;
+}
+
+/* Grouped weights with fp32 activations (q8, q4) and with int8 activations (q8a8, q4a8). */
+int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                   int64_t N, int64_t K, int nthreads) {
+    return gemm_q8(x, q, scales, y, M, N, K, nthreads, 0);
+}
+
+int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
+                     int64_t N, int64_t K, int nthreads) {
+    return gemm_q8(x, q, scales, y, M, N, K, nthreads, 1);
 }
 
 int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
                    float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    if (K % 32 != 0) return -2;
-    if (M <= 0 || N <= 0) return 0;
-    float stack_xs[4096];
-    size_t need = (size_t)M * (size_t)(K / 4);
-    float *xs = need <= 4096 ? stack_xs : (float *)malloc(need * sizeof(float));
-    if (xs == NULL) return -1;
-    for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K};
-    run_job(&j, nthreads);
-    if (xs != stack_xs) free(xs);
-    return 0;
+    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 0);
+}
+
+int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
+                     float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 1);
 }

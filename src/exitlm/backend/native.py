@@ -42,7 +42,9 @@ __all__ = [
     "gemm_f32",
     "gemm_q4",
     "gemm_q8",
+    "int8_activations",
     "library_path",
+    "set_int8_activations",
     "unavailable_reason",
 ]
 
@@ -105,7 +107,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_gemm_f16.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
     lib.exitlm_gemm_q8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
     lib.exitlm_gemm_q4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT]
-    for name in ("exitlm_gemm_f32", "exitlm_gemm_f16", "exitlm_gemm_q8", "exitlm_gemm_q4"):
+    lib.exitlm_gemm_q8a8.argtypes = lib.exitlm_gemm_q8.argtypes
+    lib.exitlm_gemm_q4a8.argtypes = lib.exitlm_gemm_q4.argtypes
+    for name in ("exitlm_gemm_f32", "exitlm_gemm_f16", "exitlm_gemm_q8", "exitlm_gemm_q4",
+                 "exitlm_gemm_q8a8", "exitlm_gemm_q4a8"):
         getattr(lib, name).restype = _INT
     lib.exitlm_has_avx2.argtypes = []
     lib.exitlm_has_avx2.restype = _INT
@@ -113,9 +118,46 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_pool_workers.restype = _INT
     lib.exitlm_set_spin.argtypes = [_INT]
     lib.exitlm_set_spin.restype = None
+    lib.exitlm_set_int8_activations.argtypes = [_INT]
+    lib.exitlm_set_int8_activations.restype = _INT
+    lib.exitlm_int8_activations.argtypes = []
+    lib.exitlm_int8_activations.restype = _INT
+    lib.exitlm_set_int8_activations(int(_env_int8_activations()))
     from exitlm.backend.native_block import bind
 
     bind(lib)
+
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _env_int8_activations() -> bool:
+    """``EXITLM_INT8_ACTIVATIONS`` (default on): round activations to int8 for q8/q4 weights."""
+    return os.environ.get("EXITLM_INT8_ACTIVATIONS", "1").strip().lower() not in _OFF
+
+
+def int8_activations() -> bool:
+    """Whether the fused native blocks (``block.c``) multiply int8/int4 weights with their
+    activations rounded to int8 in groups of 32 (:func:`gemm_q8` / :func:`gemm_q4` with
+    ``int8_activations=True``), as llama.cpp does for Q8_0/Q4_x weights. On by default;
+    ``EXITLM_INT8_ACTIVATIONS=0`` or :func:`set_int8_activations` turn it off (float32
+    activations: slower, closer to the dequantized weights). The products called from Python
+    (batches, exit heads and the LM head) keep float32 activations: their inputs are not
+    computed row-invariantly everywhere, and rounding would magnify a last-bit difference into
+    a quantization step. False without the library."""
+    lib = _load()
+    return bool(lib is not None and lib.exitlm_int8_activations())
+
+
+def set_int8_activations(on: bool) -> bool:
+    """Switch int8 activations of the native blocks (:func:`int8_activations`) for this
+    process; returns the previous setting. Process-wide on purpose: plain steps and draft
+    verification must round alike for the lossless decoders to stay token-identical, so
+    switch it before decoding, not during (worker processes read ``EXITLM_INT8_ACTIVATIONS``)."""
+    lib = _load()
+    if lib is None:
+        return False
+    return bool(lib.exitlm_set_int8_activations(int(bool(on))))
 
 
 def _load() -> ctypes.CDLL | None:
@@ -127,7 +169,7 @@ def _load() -> ctypes.CDLL | None:
             return _state.get("lib")  # type: ignore[return-value]
         lib = None
         reason = ""
-        if os.environ.get("EXITLM_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        if os.environ.get("EXITLM_NATIVE", "1").strip().lower() in _OFF:
             reason = "disabled by EXITLM_NATIVE=0"
         else:
             try:
@@ -169,14 +211,15 @@ def library_path() -> Path | None:
 
 
 # Bound C functions (set by _bind_fast) - module globals keep the per-call lookups minimal.
-_f32 = _f16 = _q8 = _q4 = None
+_f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = None
 
 
 def _bind_fast(lib: ctypes.CDLL) -> None:
     """Publish the bound functions as module globals (one global lookup per call)."""
-    global _f32, _f16, _q8, _q4
+    global _f32, _f16, _q8, _q4, _q8a8, _q4a8
     _f32, _f16, _q8, _q4 = lib.exitlm_gemm_f32, lib.exitlm_gemm_f16, lib.exitlm_gemm_q8, \
         lib.exitlm_gemm_q4
+    _q8a8, _q4a8 = lib.exitlm_gemm_q8a8, lib.exitlm_gemm_q4a8
 
 
 _F32, _F16, _I8, _U8 = torch.float32, torch.float16, torch.int8, torch.uint8
@@ -264,10 +307,14 @@ def gemm_f16(x: torch.Tensor, w: torch.Tensor, threads: int = 1) -> torch.Tensor
     return y
 
 
-def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-            threads: int = 1) -> torch.Tensor:
+def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, threads: int = 1, *,
+            int8_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` with ``W[n, k] = q[n, k] * scales[n, k // 32]`` (int8 ``q (N, K)``, float32
-    ``scales (N, K/32)``; Q8_0 groups, activations stay float32) -> float32 ``(..., N)``."""
+    ``scales (N, K/32)``; Q8_0 groups) -> float32 ``(..., N)``.
+
+    ``int8_activations``: round each row of ``x`` to int8 in groups of 32 first and take integer
+    dot products (``kernels.c`` q8a8, llama.cpp's Q8_0 x Q8_0; still row-invariant). Without
+    the native library the fallback keeps float32 activations."""
     n, k = _w2(q, _I8, "gemm_q8", "q")
     g = _groups(k, "gemm_q8")
     _aux(scales, n, g, "gemm_q8", "scales")
@@ -277,17 +324,19 @@ def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
         w = (q.float().view(n, g, 32) * scales.unsqueeze(-1)).view(n, k)
         return torch.nn.functional.linear(x, w)
     y = _out(x, m, n)
-    _q8(x.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, threads)
+    (_q8a8 if int8_activations else _q8)(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                         y.data_ptr(), m, n, k, threads)
     return y
 
 
 def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-            threads: int = 1) -> torch.Tensor:
+            threads: int = 1, *, int8_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` with ``W[n, k] = nibble[n, k] * scales[n, g] + mins[n, g]``, ``g = k // 32``
     (Q4_1 groups; Q4_0 is ``mins = -8 * scales``) -> float32 ``(..., N)``.
 
     ``q`` is uint8 ``(N, K/2)``: group g of a row is bytes ``[16g, 16g + 16)``; byte j holds
     element j of the group in its low nibble and element j + 16 in its high nibble (GGUF order).
+    ``int8_activations`` as in :func:`gemm_q8` (the ``min`` term keeps float32 sums of ``x``).
     """
     n, kh = _w2(q, _U8, "gemm_q4", "q")
     k = 2 * kh
@@ -299,8 +348,8 @@ def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.
     if _q4 is None and _load() is None:
         return torch.nn.functional.linear(x, unpack_q4(q, scales, mins))
     y = _out(x, m, n)
-    _q4(x.data_ptr(), q.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(), m, n, k,
-        threads)
+    (_q4a8 if int8_activations else _q4)(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                         mins.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y
 
 
