@@ -1,4 +1,4 @@
-"""Weight-only quantized formats (groups of 32 along K) and the products that use them.
+"""Quantized weight formats (groups of 32 along K) and the products that use them.
 
 * ``int8`` (Q8_0-like): ``W[n, k] = q[n, k] * scales[n, k // 32]``, ``q`` int8 ``(N, K)``,
   ``d = absmax / 127`` per group, ``q = round(w / d)``.
@@ -8,12 +8,14 @@
   ``d = (max - min) / 15``, ``q = round((w - min) / d)`` clamped to ``[0, 15]``. Q4_0 weights
   load as ``mins = -8 * scales``.
 
-Activations stay float32. :func:`qlinear` and :func:`dense_linear` use the native kernels of
-:mod:`exitlm.backend.native` for fewer than :data:`ROW_THRESHOLD` rows: there every output is a
-fixed function of its row of ``x`` and row of ``W`` (same bits for 1 row or 16, for 1 thread or
-2), which is what makes plain decoding and draft verification token-identical. From
-``ROW_THRESHOLD`` rows on (prefills), and whenever the native library is unavailable, they
-dequantize and call ``torch.nn.functional.linear`` - faster there, but *not* row-invariant.
+The products here take float32 activations (the fused native blocks round theirs to int8,
+see :func:`exitlm.backend.native.int8_activations`). :func:`qlinear` and :func:`dense_linear`
+use the native kernels of :mod:`exitlm.backend.native` for fewer than :data:`ROW_THRESHOLD`
+rows: there every output is a fixed function of its row of ``x`` and row of ``W`` (same bits
+for 1 row or 16, for 1 thread or 2), which is what makes plain decoding and draft verification
+token-identical. From ``ROW_THRESHOLD`` rows on (prefills), and whenever the native library is
+unavailable, they dequantize and call ``torch.nn.functional.linear`` - faster there, but *not*
+row-invariant.
 """
 
 from __future__ import annotations

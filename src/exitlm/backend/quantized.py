@@ -5,9 +5,10 @@ modules swapped, gpt-fast style (``WeightOnlyInt8QuantHandler``): every ``nn.Lin
 blocks and exit heads becomes a :class:`QuantizedLinear`, the token embedding (which is also
 the LM head when tied) a :class:`QuantizedEmbedding`, and the model's one output product
 (:meth:`~exitlm.model.transformer.EarlyExitLM.project`) learns to multiply by a
-:class:`~exitlm.backend.quant.QuantizedWeight`. Norms and rotary tables stay fp32; activations
-stay fp32 (weight-only quantization, like llama.cpp's weights but without quantizing the
-activations).
+:class:`~exitlm.backend.quant.QuantizedWeight`. Norms and rotary tables stay fp32. The fused
+native blocks round the activations of their int8/int4 products to int8 in groups of 32 (as
+llama.cpp does; :func:`exitlm.backend.native.int8_activations`); the products called from
+here (batches, prefills of 96+ positions, exit heads, the LM head) keep them fp32.
 
 The quantized buffers are ordinary module buffers named ``<module>.q``, ``<module>.scales``
 and ``<module>.mins``, so ``state_dict()`` / :func:`~exitlm.io.native.save_native` write a
