@@ -12,6 +12,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -368,3 +369,21 @@ def test_bound_kernels_match_the_checked_calls() -> None:
         native.bind("q2", torch.zeros(1, 32))
     with pytest.raises(ValueError, match="multiple of 32"):
         native.bind("q8", torch.zeros(2, 40, dtype=torch.int8), torch.ones(2, 1))
+
+
+def test_int8_activation_setting_from_the_environment(tmp_path: Path) -> None:
+    """``EXITLM_INT8_ACTIVATIONS``: on by default, 0 turns it off, a typo warns and keeps it
+    on; set_int8_activations exports the setting to processes started later."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from exitlm.backend import native\n"
+            "print(native.int8_activations())\n"
+            "native.set_int8_activations(False)\n"
+            "import os; print(os.environ['EXITLM_INT8_ACTIVATIONS'])\n")
+    for value, first in ((None, "True"), ("0", "False"), ("off", "False"), ("maybe", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "EXITLM_INT8_ACTIVATIONS"}
+        if value is not None:
+            env["EXITLM_INT8_ACTIVATIONS"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True, cwd=tmp_path)
+        assert out.stdout.split() == [first, "0"], (value, out.stdout)
+        assert ("EXITLM_INT8_ACTIVATIONS='maybe'" in out.stderr) == (value == "maybe")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS
 from exitlm.backend.linear import FastLinear, linear
-from exitlm.backend.native_block import NativeBlock
+from exitlm.backend.native_block import NativeBlock, build_native_block
 from exitlm.backend.quant import ROW_THRESHOLD
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
@@ -108,6 +108,9 @@ class LeanBlock(Block):
             and not torch.is_grad_enabled() and not h.requires_grad
         ):
             nb = self.native
+            if nb is not None and not nb.serves(self, cache, slot) and nb.moved():
+                # weights moved to other storage (shared memory): point a new call at them
+                nb = self.native = build_native_block(nb.lib, self, nb.scratch)
             if nb is not None and nb.serves(self, cache, slot):
                 out = nb(h, rope, cache.keys[slot][0], cache.values[slot][0], plan.start,
                          BLAS.threads_override or 1)

@@ -131,9 +131,20 @@ def _bind(lib: ctypes.CDLL) -> None:
 _OFF = ("0", "false", "no", "off")
 
 
+_ON = ("1", "true", "yes", "on", "")
+
+
 def _env_int8_activations() -> bool:
-    """``EXITLM_INT8_ACTIVATIONS`` (default on): round activations to int8 for q8/q4 weights."""
-    return os.environ.get("EXITLM_INT8_ACTIVATIONS", "1").strip().lower() not in _OFF
+    """``EXITLM_INT8_ACTIVATIONS`` (default on); a value that is neither on nor off warns and
+    counts as on."""
+    raw = os.environ.get("EXITLM_INT8_ACTIVATIONS", "1")
+    value = raw.strip().lower()
+    if value in _OFF:
+        return False
+    if value not in _ON:
+        warn(f"EXITLM_INT8_ACTIVATIONS={raw!r}: expected 1 or 0 (on/off, true/false, yes/no); "
+             "keeping int8 activations on")
+    return True
 
 
 def int8_activations() -> bool:
@@ -153,10 +164,13 @@ def set_int8_activations(on: bool) -> bool:
     """Switch int8 activations of the native blocks (:func:`int8_activations`) for this
     process; returns the previous setting. Process-wide on purpose: plain steps and draft
     verification must round alike for the lossless decoders to stay token-identical, so
-    switch it before decoding, not during (worker processes read ``EXITLM_INT8_ACTIVATIONS``)."""
+    switch it before decoding, not during. Also sets ``EXITLM_INT8_ACTIVATIONS`` in this
+    process's environment, which the worker processes it spawns later read."""
     lib = _load()
     if lib is None:
         return False
+    # processes started from now on (PPD and pipeline workers, spawned) round alike
+    os.environ["EXITLM_INT8_ACTIVATIONS"] = "1" if on else "0"
     return bool(lib.exitlm_set_int8_activations(int(bool(on))))
 
 

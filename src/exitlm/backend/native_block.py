@@ -148,6 +148,19 @@ class NativeBlock:
                 and kc.stride(3) == 1 and kc.stride(2) == self.head_dim
                 and vc.stride() == kc.stride())
 
+    def moved(self) -> bool:
+        """Whether the block still has the same sub-modules but a weight's storage moved since
+        the call was built (``share_memory_()``, as PPD's worker process and the pipeline
+        stages do when they are spawned): then a rebuilt call serves it again."""
+        for mods, name, obj in self.children:
+            if mods.get(name) is not obj:
+                return False
+        for store, name, ptr in self.storage:
+            t = store.get(name)
+            if t is None or t.data_ptr() != ptr:
+                return True
+        return False
+
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  keys: torch.Tensor, values: torch.Tensor, start: int, threads: int
                  ) -> torch.Tensor:

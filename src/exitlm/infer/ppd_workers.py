@@ -47,6 +47,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from exitlm.config import ModelConfig
+from exitlm.io.materialize import model_tensors
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
 
@@ -137,13 +138,11 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
            threads: int) -> None:
     """The worker process: build the model on the parent's parameters, then run forks."""
     from exitlm.backend.cpu import prepare_for_decoding
-    from exitlm.io.materialize import model_from_tensors
+    from exitlm.io.materialize import rebuild_model
 
     torch.set_num_threads(threads)
     try:
-        dtype = next(iter(params.values())).dtype
-        model = model_from_tensors(cfg, params.items(), source="the PPD parent process",
-                                   dtype=dtype)
+        model = rebuild_model(cfg, params, "the PPD parent process")
         prepare_for_decoding(model)
         conn.send_bytes(_pack(("ready",)))
     except BaseException:
@@ -191,7 +190,7 @@ class BranchWorker:
     def __init__(self, model: EarlyExitLM, m: int, threads: int = 1) -> None:
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
-        params = {n: p.detach() for n, p in model.named_parameters()}
+        params = model_tensors(model)
         self.proc = ctx.Process(target=_serve, args=(child, model.config, params, m, threads),
                                 daemon=True, name="exitlm-ppd-branch")
         self.proc.start()

@@ -102,6 +102,27 @@ def model_from_tensors(
 _QUANT_BUFFERS = ("q", "scales", "mins")
 
 
+def model_tensors(model: EarlyExitLM) -> dict[str, torch.Tensor]:
+    """What :func:`rebuild_model` needs to make ``model`` again in another process: its
+    parameters and the buffers of its quantized modules (``<module>.q``, ``.scales``,
+    ``.mins``), detached, on their own storage (which ``torch.multiprocessing`` moves to shared
+    memory when they are sent to a spawned process: no copy)."""
+    out = {name: p.detach() for name, p in model.named_parameters()}
+    out.update({name: b.detach() for name, b in model.named_buffers()
+                if name.rpartition(".")[2] in _QUANT_BUFFERS})
+    return out
+
+
+def rebuild_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str
+                  ) -> EarlyExitLM:
+    """The model :func:`model_tensors` described, on those very tensors (float parameters
+    keep their dtype, quantized weights stay quantized)."""
+    dtype = next((t.dtype for name, t in tensors.items()
+                  if t.is_floating_point() and name.rpartition(".")[2] not in _QUANT_BUFFERS),
+                 torch.float32)
+    return model_from_tensors(cfg, tensors.items(), source=source, dtype=dtype)
+
+
 def _assembled(got: dict[str, torch.Tensor], what: str) -> QuantizedWeight | None:
     """The quantized weight made of a saved module's buffers once they are all there."""
     q, scales = got.get("q"), got.get("scales")

@@ -25,10 +25,12 @@ Messages (all point-to-point, gloo, each waited on with a timeout, see
 whose confidence reaches the sequence's threshold, and a full-depth token after
 ``max_pending`` consecutive early exits (kept here so both strategies take the same
 decisions, although nothing is pending). Every key/value a token attends to is the one the
-full model computes in both, so with the same decisions the tokens are identical; the only
-difference is fp32 summation order: recomputation runs an exited token's deep layers batched
-with the next token (a 2..n-row product), the pipeline runs it alone (a one-row GEMV), so
-deep keys/values may differ in the last bits. That can flip a decision only when an exit's
+full model computes in both, so with the same decisions the tokens are identical. The stage
+processes get the decoding backend stage 0 has: for the stock Llama-family block on CPU both
+methods run the native row-invariant blocks (recomputation's 2..n-row chunks give each row
+the bits a one-row step gives; quantized weights round their activations alike), so even the
+last bits agree. Other blocks (GPT-2 family) keep fp32 summation-order differences between a
+batched recomputation and a one-row step, which can flip a decision only when an exit's
 confidence lies within ~1e-6 of the threshold or two logits tie that closely (not seen in the
 tests). Tokens are chosen on stage 0 with the request's own sampling and generator from the
 deciding exit's logits, so sampling and log-probabilities work as in one process.
@@ -50,6 +52,7 @@ import torch
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Batch, Decoder, Emit, prefill_hidden
 from exitlm.infer.kv_recompute import EarlyExitStats
+from exitlm.io.materialize import model_tensors, rebuild_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.parallel.health import ParallelError
@@ -264,27 +267,12 @@ def active_pipeline() -> PipelineGroup | None:
 
 def _stage_main(rank: int, world: int, cfg: Any, tensors: dict[str, torch.Tensor],
                 timeout_s: float) -> None:
-    """Entry of a self-started stage: rebuild the model from stage 0's tensors and serve."""
-    model = EarlyExitLM(cfg).eval()
-    _assign(model, tensors)
+    """Entry of a self-started stage: rebuild the model on stage 0's tensors, give it the
+    decoding backend stage 0 has (the same kernels, so the same bits), and serve."""
+    from exitlm.backend.cpu import prepare_for_decoding
+
+    model = prepare_for_decoding(rebuild_model(cfg, tensors, "pipeline stage 0"))
     serve_stage(model, rank, world, timeout_s)
-
-
-def _tensors(model: EarlyExitLM) -> dict[str, torch.Tensor]:
-    named = itertools.chain(model.named_parameters(remove_duplicate=False),
-                            model.named_buffers(remove_duplicate=False))
-    return {n: t.detach() for n, t in named}
-
-
-def _assign(model: EarlyExitLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Put ``tensors`` (parameters and buffers by name) into ``model`` as they are."""
-    for name, t in tensors.items():
-        mod_name, _, attr = name.rpartition(".")
-        mod = model.get_submodule(mod_name)
-        if attr in mod._parameters:
-            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
-        else:
-            mod._buffers[attr] = t
 
 
 @contextlib.contextmanager
@@ -295,7 +283,7 @@ def pipeline(model: EarlyExitLM, stages: int, *, timeout_s: float = DEFAULT_TIME
 
     Raises a :class:`ConfigError` before starting anything when ``stages`` does not fit."""
     stage_bounds(model.num_layers, stages)
-    workers = start_workers(_stage_main, (model.config, _tensors(model), timeout_s), stages,
+    workers = start_workers(_stage_main, (model.config, model_tensors(model), timeout_s), stages,
                             timeout_s=timeout_s, threads=threads)
     with _registered(PipelineGroup(model, stages, timeout_s, workers)) as group:
         yield group

@@ -30,6 +30,7 @@ two logits (or a confidence and its threshold) lie that close.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from typing import Any
@@ -46,7 +47,6 @@ from exitlm.model.layers import MLP, Attention, Block, attention_dtype
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
-from exitlm.parallel.infer.pipeline_ee import _assign, _tensors
 
 TP_STRATEGIES = ("ar", "early-exit", "self-spec")
 
@@ -157,10 +157,40 @@ def _local_cache(model: EarlyExitLM, kv_heads: int, batch_size: int,
                    device=device or ref.device)
 
 
+def _tensors(model: EarlyExitLM) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name (tied ones under each name)."""
+    named = itertools.chain(model.named_parameters(remove_duplicate=False),
+                            model.named_buffers(remove_duplicate=False))
+    return {n: t.detach() for n, t in named}
+
+
+def _assign(model: EarlyExitLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Put ``tensors`` (parameters and buffers by name) into ``model`` as they are."""
+    for name, t in tensors.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+
+
+def check_float(model: EarlyExitLM) -> None:
+    """Raise a :class:`ConfigError` for a model with quantized weights: the shards split
+    float matrices by rows and columns."""
+    from exitlm.backend.quantized import is_quantized
+
+    kind = is_quantized(model)
+    if kind is not None:
+        raise ConfigError(f"--tp splits float weights; this model holds {kind} weights "
+                          "(load it with --dtype float32, float16 or bfloat16)")
+
+
 def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None) -> EarlyExitLM:
     """A copy of ``model`` holding rank ``rank``'s tensor-parallel shard of ``tp`` (see the
     module docstring); ``model`` itself is left as it is (unsharded tensors are shared)."""
     check_tp(model.config, tp)
+    check_float(model)
     with torch.device("meta"):  # every tensor is replaced by the model's own below
         shard = EarlyExitLM(model.config)
     _assign(shard, _tensors(model))
@@ -216,6 +246,7 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
     are used here only). Every rank runs the same calls in order, so all take the same
     decisions."""
     check_tp(model.config, tp)
+    check_float(model)
     for call in calls:
         check_strategy(call.get("strategy", "ar"), call)
     calls = [{**c, "threads": threads} for c in calls]

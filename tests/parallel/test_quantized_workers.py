@@ -1,0 +1,83 @@
+"""Quantized models in the decoding processes exitlm spawns: PPD's branch worker and the
+pipeline stages rebuild the model on the parent's quantized weights (shared memory, no copy)
+with the parent's kernels and int8-activation setting, so their tokens equal one process's.
+
+Found by running them: the stage processes used to rebuild a plain model and assign the
+quantized buffers beside random weights (wrong tokens, silently), the PPD worker did not
+start, and moving the weights to shared memory left the parent's native blocks pointing at
+the old storage (its steps fell back to torch, other rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _byte_models import sharp_model
+from exitlm.backend import native
+from exitlm.backend.quantized import quantize_model
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.infer import generate
+from exitlm.model.transformer import EarlyExitLM
+from exitlm.parallel.infer.pipeline_ee import pipeline
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+
+VOCAB = 40
+NEW = 24
+
+
+def _model(kind: str) -> EarlyExitLM:
+    return quantize_model(sharp_model(ModelConfig(
+        vocab_size=VOCAB, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=128, exits=ExitConfig(every_layer=True, norm="final")), 2), kind)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (6, 3)]
+
+
+def _tokens(model: EarlyExitLM, prompt: list[int], **kw: object) -> tuple[list, list]:
+    res = generate(model, None, [prompt], max_new_tokens=NEW, ignore_eos=True, threads=1, **kw)
+    return res.sequences[0].token_ids, res.sequences[0].exit_layers
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_ppd_worker_process_on_quantized_weights(kind: str) -> None:
+    torch.set_num_threads(1)
+    model = _model(kind)
+    for p in _prompts():
+        ar = _tokens(model, p)[0]
+        got = generate(model, None, [p], strategy="ppd", ppd_layer=2, ppd_workers="process",
+                       max_new_tokens=NEW, ignore_eos=True, threads=1)
+        assert got.sequences[0].token_ids == ar
+        assert got.stats.matches > 0
+    # the parent's blocks follow their weights into shared memory and stay native
+    assert all(b.native is not None and not b.native.moved() for b in model.layers)
+
+
+def test_pipeline_stages_on_quantized_weights() -> None:
+    torch.set_num_threads(1)
+    model = _model("int8")
+    early = 0
+    with torch.inference_mode(), pipeline(model, 2):
+        for thr in (0.6, 1.0):
+            for p in _prompts():
+                ref = _tokens(model, p, strategy="early-exit", threshold=thr)
+                got = _tokens(model, p, strategy="early-exit", threshold=thr, kv="pipeline")
+                assert got == ref, (thr, p)
+                early += sum(layer < model.num_layers for layer in got[1])
+                if thr == 1.0:
+                    assert got[0] == _tokens(model, p)[0]
+    assert early > 0
+
+
+def test_tensor_parallel_refuses_quantized_weights() -> None:
+    from exitlm.config import ConfigError
+    from exitlm.parallel.infer.tp_decode import shard_model, tp_run
+
+    model = _model("int4")
+    with pytest.raises(ConfigError, match="--tp splits float weights; this model holds int4"):
+        shard_model(model, 0, 2)
+    with pytest.raises(ConfigError, match="--dtype float32"):
+        tp_run(model, [{"prompts": [[1, 2]], "max_new_tokens": 2}], tp=2)
