@@ -3,14 +3,17 @@ the same as KV recomputation under the same threshold, and greedy decoding at 1.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _ee_models import ee_model, random_prompts
+from _stall import kill_all, stall_at
 
 from exitlm.config import ConfigError
 from exitlm.infer import generate
@@ -18,6 +21,7 @@ from exitlm.infer.early_exit import EarlyExitOptions
 from exitlm.parallel.infer.pipeline_ee import pipeline, stage_bounds
 
 STEPS = 24
+TIMEOUT_S = 4.0
 
 
 def _run(model: torch.nn.Module, prompt: list[int], **kw: object) -> tuple[list[int], list[int]]:
@@ -108,3 +112,47 @@ def test_several_prompts_queue_through_one_pipeline() -> None:
         got = generate(model, None, prompts, kv="pipeline", stages=3, **kw)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
     assert got.options["stage_layers"] == [[1, 2], [3, 3], [4, 4]]
+
+
+
+WAITED = "rank {} did not complete within 4 s (--dist-timeout)"
+
+
+@pytest.mark.parametrize(("stages", "stalled", "call", "own", "threshold", "message"), [
+    (2, 1, 1, False, 1.0, WAITED.format(1)),
+    (3, 2, 4, False, 1.0, WAITED.format(2)),
+    (3, 1, 4, True, 1.0, WAITED.format(1)),
+    # every token exits at stage 0: nobody waits for the last stage until the job stops
+    (3, 2, 4, False, 0.0, "rank 2 (stopped) still running"),
+], ids=["only-later-stage-at-prefill", "last-stage-mid-decoding",
+        "middle-stage-decoder-owned-pipeline", "last-stage-noticed-at-stop"])
+def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, stages: int,
+                                               stalled: int, call: int, own: bool,
+                                               threshold: float, message: str) -> None:
+    """A stage that stops answering but stays alive (SIGSTOP) ends the job with a
+    ParallelError naming its rank, not a hang, and no stage process outlives the job (also
+    when the decoder started the pipeline itself and closes it in the engine's cleanup)."""
+    from exitlm.parallel.health import ParallelError
+    from exitlm.parallel.infer import pipeline_ee
+
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    pids = stall_at(monkeypatch, call, stalled)
+    monkeypatch.setattr(pipeline_ee, "pipeline",
+                        functools.partial(pipeline_ee.pipeline, timeout_s=TIMEOUT_S))
+    # threshold 1.0: every token needs the last stage's decision; 0.0: none does
+    kw: dict[str, Any] = {"strategy": "early-exit", "kv": "pipeline", "threshold": threshold,
+                          "max_pending": 100, "max_new_tokens": 12, "ignore_eos": True,
+                          "threads": 1}
+    try:
+        with pytest.raises(ParallelError) as info:
+            if own:
+                generate(model, None, [[1, 2, 3]], stages=stages, **kw)
+            else:
+                with pipeline_ee.pipeline(model, stages):
+                    generate(model, None, [[1, 2, 3]], **kw)
+    finally:
+        left = kill_all(pids)  # never leave a stopped process behind, even on failure
+    assert len(pids) == stages - 1  # the stage really was stopped
+    assert message in str(info.value), str(info.value)
+    assert not left, "a stage process outlived the job"

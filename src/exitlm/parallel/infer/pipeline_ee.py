@@ -106,7 +106,7 @@ class _Links:
 
     def __init__(self, rank: int, world: int, timeout_s: float, model: EarlyExitLM) -> None:
         self.rank, self.world = rank, world
-        self.p2p = P2P(timeout_s, torch.device("cpu"))
+        self.p2p = P2P(timeout_s, torch.device("cpu"), setting="--dist-timeout")
         self.dim = model.config.dim
         self.vocab = model.config.vocab_size
         self.dtype = model.embed_tokens.weight.dtype
@@ -152,7 +152,8 @@ class _Links:
 
     def recv_reply(self, stage: int) -> tuple[int, torch.Tensor] | None:
         """Stage ``stage``'s reply: ``(layer, logits (1, V))`` if it decided, else ``None``."""
-        msg = self.p2p.recv((2 + self.vocab,), torch.float32, stage, _REPLY, "a decision")
+        msg = self.p2p.recv((2 + self.vocab,), torch.float32, stage, _REPLY,
+                            f"stage {stage}'s decision")
         if not msg[0]:
             return None
         return int(msg[1]), msg[2:].to(self.dtype).reshape(1, self.vocab)
@@ -234,20 +235,41 @@ class PipelineGroup:
         self.links = _Links(0, stages, timeout_s, model)
         self.workers = workers
         self.closed = False
+        self.broken: ParallelError | None = None
+        """The transfer error that broke the pipeline, if one did (:meth:`watch`)."""
 
-    def close(self) -> None:
-        """Stop every stage (and the self-started processes, leaving the group)."""
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Run stage 0's transfers; a :class:`ParallelError` marks the pipeline broken, so
+        :meth:`close` does not try to stop stages that cannot answer (and then report that
+        instead of the stage that failed)."""
+        try:
+            yield
+        except ParallelError as err:
+            self.broken = self.broken or err
+            raise
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop every stage (and the self-started processes, leaving the group).
+
+        ``error`` is the exception that ends the job, if one does. After a
+        :class:`ParallelError` no stop message is sent: a stage stopped answering or died, and
+        gloo closes every connection of a process once one of its transfers timed out, so
+        another transfer would only fail again and hide the error that names the stage.
+        Self-started stages are killed either way (``SIGKILL`` also ends a stopped process)."""
         if self.closed:
             return
         self.closed = True
+        error = error or self.broken
         try:
-            self.links.send_stop()
-            self.links.p2p.flush()
-            if self.workers is not None:
-                self.workers.join(self.links.p2p.timeout.total_seconds())
+            if not isinstance(error, ParallelError):
+                self.links.send_stop()
+                self.links.p2p.flush()
+                if self.workers is not None:
+                    self.workers.join(self.links.p2p.timeout.total_seconds())
         except ParallelError:
-            if self.workers is None or self.workers.failed() is None:
-                raise  # else a stage died: the error that brought us here says so already
+            if error is None:
+                raise  # else the error that brought us here is the one to report
         finally:
             if self.workers is not None:
                 self.workers.kill()
@@ -316,11 +338,15 @@ def joined_pipeline(model: EarlyExitLM, *, timeout_s: float = DEFAULT_TIMEOUT_S
 def _registered(group: PipelineGroup) -> Iterator[PipelineGroup]:
     """``group`` is the active pipeline while the block runs, and is closed after it."""
     _ACTIVE.append(group)
+    error: BaseException | None = None
     try:
         yield group
+    except BaseException as err:
+        error = err
+        raise
     finally:
         _ACTIVE.remove(group)
-        group.close()
+        group.close(error)
 
 
 class PipelineDecoder(Decoder):
@@ -366,6 +392,16 @@ class PipelineDecoder(Decoder):
             self._ctx.__exit__(None, None, None)
 
     def prefill(self, batch: Batch) -> list[Emit]:
+        with self.group.watch():
+            return self._prefill(batch)
+
+    def step(self, batch: Batch) -> list[Emit]:
+        """Feed the newest token at ``cache.lengths``; choose the next one at the first checked
+        exit (on any stage) confident enough, else at the final layer."""
+        with self.group.watch():
+            return self._step(batch)
+
+    def _prefill(self, batch: Batch) -> list[Emit]:
         h, lens = prefill_hidden(self.model, batch, end=self.end0, exits=self.checks)
         length = int(lens[0])
         links = self.group.links
@@ -375,9 +411,7 @@ class PipelineDecoder(Decoder):
         self._pending = 0
         return [Emit(batch.choose(logits), [layer], self.num_layers)]
 
-    def step(self, batch: Batch) -> list[Emit]:
-        """Feed the newest token at ``cache.lengths``; choose the next one at the first checked
-        exit (on any stage) confident enough, else at the final layer."""
+    def _step(self, batch: Batch) -> list[Emit]:
         seq, cache, model = batch.seqs[0], batch.cache, self.model
         opts = seq.options
         q = int(cache.lengths[0])
