@@ -30,6 +30,13 @@ def _run(model: torch.nn.Module, prompt: list[int], **kw: object) -> tuple[list[
     return res.sequences[0].token_ids, res.sequences[0].exit_layers
 
 
+def _run_batch(model: torch.nn.Module, prompts: list[list[int]], **kw: object
+               ) -> list[tuple[list[int], list[int]]]:
+    res = generate(model, None, prompts, max_new_tokens=STEPS, ignore_eos=True, threads=1,
+                   **kw)
+    return [(s.token_ids, s.exit_layers) for s in res.sequences]
+
+
 @pytest.mark.parametrize(("kind", "stages"), [("linear", 2), ("block", 3), ("layerskip", 4),
                                               ("gpt2-mlp", 2)])
 def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
@@ -42,7 +49,7 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
         checks = {}
     torch.manual_seed(1)
     prompts = random_prompts()
-    early = 0
+    early = mixed = 0
     with torch.inference_mode(), pipeline(model, stages):
         for thr, pending in ((0.5, 8), (0.7, 2), (1.0, 8)):
             for p in prompts:
@@ -54,7 +61,58 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
                 early += sum(layer < model.num_layers for layer in got[1])
                 if thr == 1.0:
                     assert got[0] == _run(model, p, strategy="ar")[0]
+            # all prompts (different lengths) as one batch: every row decides on its own
+            ref_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
+                               max_pending=pending, **checks)
+            got_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
+                               max_pending=pending, kv="pipeline", **checks)
+            assert got_b == ref_b, (kind, stages, thr, "batch")
+            if thr == 1.0:
+                assert [t for t, _ in got_b] == [t for t, _ in _run_batch(model, prompts,
+                                                                         strategy="ar")]
+            else:  # rows of one step exited at different layers
+                mixed += any(len({layers[i] for _, layers in got_b}) > 1
+                             for i in range(1, STEPS))
     assert early > 10  # the thresholds really exit early
+    assert mixed  # and a batch's rows really decide at different layers in one step
+
+
+def _engine_run(model: torch.nn.Module, kv: str, requests: list[dict[str, Any]],
+                max_batch: int) -> list[tuple[list[int], list[int]]]:
+    """Decode ``requests`` (prompt, max_new_tokens, threshold) with continuous batching:
+    at most ``max_batch`` rows, later requests join as earlier ones leave."""
+    from exitlm.infer.engine import Engine
+    from exitlm.infer.options import SamplingOptions
+
+    eng = Engine(model, None, "early-exit", EarlyExitOptions(kv=kv, max_pending=3),  # type: ignore[arg-type]
+                 max_batch=max_batch, threads=1)
+    try:
+        reqs = [eng.submit(r["prompt"], SamplingOptions(max_new_tokens=r["new"],
+                                                        ignore_eos=True),
+                           threshold=r["threshold"]) for r in requests]
+        eng.run()
+    finally:
+        eng.close()
+    return [(list(r.token_ids), list(r.exit_layers)) for r in reqs]
+
+
+@pytest.mark.parametrize(("kind", "stages"), [("linear", 3), ("block", 2)])
+def test_continuous_batching_equals_recompute(kind: str, stages: int) -> None:
+    """Requests of different prompt lengths, lengths and thresholds join and leave a running
+    batch (the engine compacts its rows; the stages must follow): every request gets the
+    tokens and exit layers recomputation gives it under the same schedule."""
+    torch.set_num_threads(1)
+    model = ee_model(kind)
+    torch.manual_seed(2)
+    prompts = random_prompts(sizes=(5, 9, 3, 7, 4))
+    requests = [{"prompt": p, "new": n, "threshold": t} for p, n, t in
+                zip(prompts, (20, 6, 14, 9, 17), (0.5, 0.7, 1.0, 0.4, 0.6), strict=True)]
+    with torch.inference_mode(), pipeline(model, stages):
+        ref = _engine_run(model, "recompute", requests, max_batch=3)
+        got = _engine_run(model, "pipeline", requests, max_batch=3)
+    assert got == ref
+    assert [len(t) for t, _ in got] == [r["new"] for r in requests]
+    assert any(layer < model.num_layers for _, layers in got for layer in layers)
 
 
 def test_sampling_and_logprobs_match() -> None:
@@ -101,7 +159,7 @@ def test_dead_stage_is_an_error_not_a_hang() -> None:
     assert not any(p.is_alive() for p in group.workers.ctx.processes)
 
 
-def test_several_prompts_queue_through_one_pipeline() -> None:
+def test_several_prompts_batched_through_three_stages() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear")
     prompts = random_prompts()
@@ -118,17 +176,18 @@ def test_several_prompts_queue_through_one_pipeline() -> None:
 WAITED = "rank {} did not complete within 4 s (--dist-timeout)"
 
 
-@pytest.mark.parametrize(("stages", "stalled", "call", "own", "threshold", "message"), [
+@pytest.mark.parametrize(("stages", "stalled", "call", "own", "threshold", "waited"), [
     (2, 1, 1, False, 1.0, WAITED.format(1)),
     (3, 2, 4, False, 1.0, WAITED.format(2)),
-    (3, 1, 4, True, 1.0, WAITED.format(1)),
+    # stage 0 waits for the last stage, which waits for the stopped middle one
+    (3, 1, 4, True, 1.0, WAITED.format(2)),
     # every token exits at stage 0: nobody waits for the last stage until the job stops
-    (3, 2, 4, False, 0.0, "rank 2 (stopped) still running"),
+    (3, 2, 4, False, 0.0, "did not stop within 4 s"),
 ], ids=["only-later-stage-at-prefill", "last-stage-mid-decoding",
         "middle-stage-decoder-owned-pipeline", "last-stage-noticed-at-stop"])
 def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, stages: int,
                                                stalled: int, call: int, own: bool,
-                                               threshold: float, message: str) -> None:
+                                               threshold: float, waited: str) -> None:
     """A stage that stops answering but stays alive (SIGSTOP) ends the job with a
     ParallelError naming its rank, not a hang, and no stage process outlives the job (also
     when the decoder started the pipeline itself and closes it in the engine's cleanup)."""
@@ -154,5 +213,6 @@ def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, 
     finally:
         left = kill_all(pids)  # never leave a stopped process behind, even on failure
     assert len(pids) == stages - 1  # the stage really was stopped
-    assert message in str(info.value), str(info.value)
+    msg = str(info.value)
+    assert waited in msg and f"rank {stalled} (stopped)" in msg, msg
     assert not left, "a stage process outlived the job"

@@ -86,13 +86,17 @@ class Workers:
                 return f"decoding worker rank {i + 1} exited with status {p.exitcode}"
         return None
 
+    def stopped(self) -> list[int]:
+        """The ranks of the children the OS reports stopped (``SIGSTOP``, a debugger; read
+        from ``/proc`` where there is one): alive, silent, and the likely cause of a timeout."""
+        return [i + 1 for i, p in enumerate(self.ctx.processes)
+                if p.is_alive() and _stopped(p.pid)]
+
     def describe_running(self) -> str:
-        """The children still running, in words; the ones the OS reports stopped (``SIGSTOP``,
-        a debugger; read from ``/proc`` where there is one) are said so."""
-        parts = []
-        for i, p in enumerate(self.ctx.processes):
-            if p.is_alive():
-                parts.append(f"rank {i + 1}" + (" (stopped)" if _stopped(p.pid) else ""))
+        """The children still running, in words, the stopped ones said so."""
+        stopped = self.stopped()
+        parts = [f"rank {i + 1}" + (" (stopped)" if i + 1 in stopped else "")
+                 for i, p in enumerate(self.ctx.processes) if p.is_alive()]
         return (", ".join(parts) or "none") + " still running"
 
     def join(self, timeout_s: float) -> None:
