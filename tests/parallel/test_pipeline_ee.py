@@ -121,14 +121,17 @@ def test_sampling_and_logprobs_match() -> None:
     p = random_prompts()[0]
     kw = {"strategy": "early-exit", "threshold": 0.5, "temperature": 0.8, "seed": 3,
           "max_new_tokens": STEPS, "ignore_eos": True, "logprobs": 2, "threads": 1}
+    batch = [p, *random_prompts(sizes=(8, 2))]
     with torch.inference_mode():
-        ref = generate(model, None, [p], **kw).sequences[0]
-        got = generate(model, None, [p], kv="pipeline", stages=2, **kw).sequences[0]
-    assert got.token_ids == ref.token_ids and got.exit_layers == ref.exit_layers
-    # fp32 summation order: recomputation runs deep layers of exited tokens batched with the
-    # next token, the pipeline one token at a time (module docstring)
-    assert [t.logprob for t in got.logprobs] == pytest.approx(
-        [t.logprob for t in ref.logprobs], abs=1e-5)
+        ref_all = generate(model, None, batch, **kw).sequences
+        got_all = generate(model, None, batch, kv="pipeline", stages=2, **kw).sequences
+    assert len(got_all) == 3
+    for got, ref in zip(got_all, ref_all, strict=True):  # each row samples with its own seed
+        assert got.token_ids == ref.token_ids and got.exit_layers == ref.exit_layers
+        # fp32 summation order: recomputation runs deep layers of exited tokens batched with
+        # the next token, the pipeline one token at a time (module docstring)
+        assert [t.logprob for t in got.logprobs] == pytest.approx(
+            [t.logprob for t in ref.logprobs], abs=1e-5)
 
 
 def test_bad_stage_settings() -> None:
