@@ -76,3 +76,27 @@ def test_bad_flags(model_dir: Path, flags: list[str], message: str,
     assert main(["generate", "x", "--model", str(model_dir), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_stalled_stage_is_one_line(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """A pipeline stage stopped (SIGSTOP) while decoding: one line naming its rank, status 2,
+    no traceback from any process, and no stage process left behind."""
+    from _stall import kill_all, stall_at
+
+    torch.set_num_threads(1)
+    pids = stall_at(monkeypatch, 3, 2)  # the last of 3 stages, at the second decoding step
+    try:
+        code = main(["generate", "def f(x):", "--model", str(model_dir), *FLAGS,
+                     "--threshold", "1.0", "--kv", "pipeline", "--stages", "3",
+                     "--dist-timeout", "4"])
+    finally:
+        left = kill_all(pids)
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert len(pids) == 2 and not left
+    lines = [line for line in err.splitlines() if not line.startswith("exitlm: ")]
+    assert lines[0].startswith("exitlm generate: error: "), err
+    assert "rank 2 did not complete within 4 s (--dist-timeout)" in lines[0], err
+    assert "Traceback" not in err, err
+    assert all(line.startswith("  hint: ") for line in lines[1:]), err

@@ -3,14 +3,17 @@ the same as KV recomputation under the same threshold, and greedy decoding at 1.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _ee_models import ee_model, random_prompts
+from _stall import kill_all, stall_at
 
 from exitlm.config import ConfigError
 from exitlm.infer import generate
@@ -18,12 +21,20 @@ from exitlm.infer.early_exit import EarlyExitOptions
 from exitlm.parallel.infer.pipeline_ee import pipeline, stage_bounds
 
 STEPS = 24
+TIMEOUT_S = 4.0
 
 
 def _run(model: torch.nn.Module, prompt: list[int], **kw: object) -> tuple[list[int], list[int]]:
     res = generate(model, None, [prompt], max_new_tokens=STEPS, ignore_eos=True, threads=1,
                    **kw)
     return res.sequences[0].token_ids, res.sequences[0].exit_layers
+
+
+def _run_batch(model: torch.nn.Module, prompts: list[list[int]], **kw: object
+               ) -> list[tuple[list[int], list[int]]]:
+    res = generate(model, None, prompts, max_new_tokens=STEPS, ignore_eos=True, threads=1,
+                   **kw)
+    return [(s.token_ids, s.exit_layers) for s in res.sequences]
 
 
 @pytest.mark.parametrize(("kind", "stages"), [("linear", 2), ("block", 3), ("layerskip", 4),
@@ -38,7 +49,7 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
         checks = {}
     torch.manual_seed(1)
     prompts = random_prompts()
-    early = 0
+    early = mixed = 0
     with torch.inference_mode(), pipeline(model, stages):
         for thr, pending in ((0.5, 8), (0.7, 2), (1.0, 8)):
             for p in prompts:
@@ -50,7 +61,58 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
                 early += sum(layer < model.num_layers for layer in got[1])
                 if thr == 1.0:
                     assert got[0] == _run(model, p, strategy="ar")[0]
+            # all prompts (different lengths) as one batch: every row decides on its own
+            ref_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
+                               max_pending=pending, **checks)
+            got_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
+                               max_pending=pending, kv="pipeline", **checks)
+            assert got_b == ref_b, (kind, stages, thr, "batch")
+            if thr == 1.0:
+                assert [t for t, _ in got_b] == [t for t, _ in _run_batch(model, prompts,
+                                                                         strategy="ar")]
+            else:  # rows of one step exited at different layers
+                mixed += any(len({layers[i] for _, layers in got_b}) > 1
+                             for i in range(1, STEPS))
     assert early > 10  # the thresholds really exit early
+    assert mixed  # and a batch's rows really decide at different layers in one step
+
+
+def _engine_run(model: torch.nn.Module, kv: str, requests: list[dict[str, Any]],
+                max_batch: int) -> list[tuple[list[int], list[int]]]:
+    """Decode ``requests`` (prompt, max_new_tokens, threshold) with continuous batching:
+    at most ``max_batch`` rows, later requests join as earlier ones leave."""
+    from exitlm.infer.engine import Engine
+    from exitlm.infer.options import SamplingOptions
+
+    eng = Engine(model, None, "early-exit", EarlyExitOptions(kv=kv, max_pending=3),  # type: ignore[arg-type]
+                 max_batch=max_batch, threads=1)
+    try:
+        reqs = [eng.submit(r["prompt"], SamplingOptions(max_new_tokens=r["new"],
+                                                        ignore_eos=True),
+                           threshold=r["threshold"]) for r in requests]
+        eng.run()
+    finally:
+        eng.close()
+    return [(list(r.token_ids), list(r.exit_layers)) for r in reqs]
+
+
+@pytest.mark.parametrize(("kind", "stages"), [("linear", 3), ("block", 2)])
+def test_continuous_batching_equals_recompute(kind: str, stages: int) -> None:
+    """Requests of different prompt lengths, lengths and thresholds join and leave a running
+    batch (the engine compacts its rows; the stages must follow): every request gets the
+    tokens and exit layers recomputation gives it under the same schedule."""
+    torch.set_num_threads(1)
+    model = ee_model(kind)
+    torch.manual_seed(2)
+    prompts = random_prompts(sizes=(5, 9, 3, 7, 4))
+    requests = [{"prompt": p, "new": n, "threshold": t} for p, n, t in
+                zip(prompts, (20, 6, 14, 9, 17), (0.5, 0.7, 1.0, 0.4, 0.6), strict=True)]
+    with torch.inference_mode(), pipeline(model, stages):
+        ref = _engine_run(model, "recompute", requests, max_batch=3)
+        got = _engine_run(model, "pipeline", requests, max_batch=3)
+    assert got == ref
+    assert [len(t) for t, _ in got] == [r["new"] for r in requests]
+    assert any(layer < model.num_layers for _, layers in got for layer in layers)
 
 
 def test_sampling_and_logprobs_match() -> None:
@@ -59,14 +121,17 @@ def test_sampling_and_logprobs_match() -> None:
     p = random_prompts()[0]
     kw = {"strategy": "early-exit", "threshold": 0.5, "temperature": 0.8, "seed": 3,
           "max_new_tokens": STEPS, "ignore_eos": True, "logprobs": 2, "threads": 1}
+    batch = [p, *random_prompts(sizes=(8, 2))]
     with torch.inference_mode():
-        ref = generate(model, None, [p], **kw).sequences[0]
-        got = generate(model, None, [p], kv="pipeline", stages=2, **kw).sequences[0]
-    assert got.token_ids == ref.token_ids and got.exit_layers == ref.exit_layers
-    # fp32 summation order: recomputation runs deep layers of exited tokens batched with the
-    # next token, the pipeline one token at a time (module docstring)
-    assert [t.logprob for t in got.logprobs] == pytest.approx(
-        [t.logprob for t in ref.logprobs], abs=1e-5)
+        ref_all = generate(model, None, batch, **kw).sequences
+        got_all = generate(model, None, batch, kv="pipeline", stages=2, **kw).sequences
+    assert len(got_all) == 3
+    for got, ref in zip(got_all, ref_all, strict=True):  # each row samples with its own seed
+        assert got.token_ids == ref.token_ids and got.exit_layers == ref.exit_layers
+        # fp32 summation order: recomputation runs deep layers of exited tokens batched with
+        # the next token, the pipeline one token at a time (module docstring)
+        assert [t.logprob for t in got.logprobs] == pytest.approx(
+            [t.logprob for t in ref.logprobs], abs=1e-5)
 
 
 def test_bad_stage_settings() -> None:
@@ -97,7 +162,7 @@ def test_dead_stage_is_an_error_not_a_hang() -> None:
     assert not any(p.is_alive() for p in group.workers.ctx.processes)
 
 
-def test_several_prompts_queue_through_one_pipeline() -> None:
+def test_several_prompts_batched_through_three_stages() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear")
     prompts = random_prompts()
@@ -108,3 +173,49 @@ def test_several_prompts_queue_through_one_pipeline() -> None:
         got = generate(model, None, prompts, kv="pipeline", stages=3, **kw)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
     assert got.options["stage_layers"] == [[1, 2], [3, 3], [4, 4]]
+
+
+
+WAITED = "rank {} did not complete within 4 s (--dist-timeout)"
+
+
+@pytest.mark.parametrize(("stages", "stalled", "call", "own", "threshold", "waited"), [
+    (2, 1, 1, False, 1.0, WAITED.format(1)),
+    (3, 2, 4, False, 1.0, WAITED.format(2)),
+    # stage 0 waits for the last stage, which waits for the stopped middle one
+    (3, 1, 4, True, 1.0, WAITED.format(2)),
+    # every token exits at stage 0: nobody waits for the last stage until the job stops
+    (3, 2, 4, False, 0.0, "did not stop within 4 s"),
+], ids=["only-later-stage-at-prefill", "last-stage-mid-decoding",
+        "middle-stage-decoder-owned-pipeline", "last-stage-noticed-at-stop"])
+def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, stages: int,
+                                               stalled: int, call: int, own: bool,
+                                               threshold: float, waited: str) -> None:
+    """A stage that stops answering but stays alive (SIGSTOP) ends the job with a
+    ParallelError naming its rank, not a hang, and no stage process outlives the job (also
+    when the decoder started the pipeline itself and closes it in the engine's cleanup)."""
+    from exitlm.parallel.health import ParallelError
+    from exitlm.parallel.infer import pipeline_ee
+
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    pids = stall_at(monkeypatch, call, stalled)
+    monkeypatch.setattr(pipeline_ee, "pipeline",
+                        functools.partial(pipeline_ee.pipeline, timeout_s=TIMEOUT_S))
+    # threshold 1.0: every token needs the last stage's decision; 0.0: none does
+    kw: dict[str, Any] = {"strategy": "early-exit", "kv": "pipeline", "threshold": threshold,
+                          "max_pending": 100, "max_new_tokens": 12, "ignore_eos": True,
+                          "threads": 1}
+    try:
+        with pytest.raises(ParallelError) as info:
+            if own:
+                generate(model, None, [[1, 2, 3]], stages=stages, **kw)
+            else:
+                with pipeline_ee.pipeline(model, stages):
+                    generate(model, None, [[1, 2, 3]], **kw)
+    finally:
+        left = kill_all(pids)  # never leave a stopped process behind, even on failure
+    assert len(pids) == stages - 1  # the stage really was stopped
+    msg = str(info.value)
+    assert waited in msg and f"rank {stalled} (stopped)" in msg, msg
+    assert not left, "a stage process outlived the job"

@@ -164,19 +164,25 @@ def run(args: argparse.Namespace) -> int:
     stream: Any = None
     if not args.json and len(prompts) == 1:
         stream = ExitColourStream(num_layers) if colour else _print_piece
-    if mode is not None:
-        res = distributed_generate(
-            mode, loaded.model, tokenizer, prompts, tp=args.tp, strategy=args.strategy,
-            timeout_s=args.dist_timeout, threads=args.threads, sampling=sampling,
-            stream=stream, chat=args.chat, **overrides)
-        if res is None:
-            return 0  # a rank other than 0 of a torchrun job: rank 0 prints
-        result = res
-    else:
-        result = generate(
-            loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
-            stream=stream, chat=args.chat, threads=args.threads, **overrides,
-        )
+    try:
+        if mode is not None:
+            res = distributed_generate(
+                mode, loaded.model, tokenizer, prompts, tp=args.tp, strategy=args.strategy,
+                timeout_s=args.dist_timeout, threads=args.threads, sampling=sampling,
+                stream=stream, chat=args.chat, **overrides)
+            if res is None:
+                return 0  # a rank other than 0 of a torchrun job: rank 0 prints
+            result = res
+        else:
+            result = generate(
+                loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
+                stream=stream, chat=args.chat, threads=args.threads, **overrides,
+            )
+    except BaseException:
+        if stream is not None:  # end the streamed line: the error message starts its own
+            sys.stdout.write(RESET + "\n" if colour else "\n")
+            sys.stdout.flush()
+        raise
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
                **result.to_dict()}

@@ -18,7 +18,8 @@ Three ways to emit a token before the last layer, chosen by :class:`EarlyExitOpt
 * ``kv="pipeline"`` (EE-LLM Sec. 4, pipeline-based inference): the model split into
   ``stages`` processes by layer range; an exited token is decided at once and the later
   stages keep running it, filling their KV caches (:mod:`exitlm.parallel.infer.pipeline_ee`).
-  Same tokens as ``recompute`` under the same exit decisions; one sequence at a time.
+  Same tokens as ``recompute`` under the same exit decisions; a step carries every running
+  sequence, each row deciding on its own.
 
 Layer evaluations (``SequenceResult.layer_evaluations``) count token x layer passes through
 transformer layers, recomputation included; the copy mode's projections are not counted.

@@ -86,13 +86,27 @@ class Workers:
                 return f"decoding worker rank {i + 1} exited with status {p.exitcode}"
         return None
 
+    def stopped(self) -> list[int]:
+        """The ranks of the children the OS reports stopped (``SIGSTOP``, a debugger; read
+        from ``/proc`` where there is one): alive, silent, and the likely cause of a timeout."""
+        return [i + 1 for i, p in enumerate(self.ctx.processes)
+                if p.is_alive() and _stopped(p.pid)]
+
+    def describe_running(self) -> str:
+        """The children still running, in words, the stopped ones said so."""
+        stopped = self.stopped()
+        parts = [f"rank {i + 1}" + (" (stopped)" if i + 1 in stopped else "")
+                 for i, p in enumerate(self.ctx.processes) if p.is_alive()]
+        return (", ".join(parts) or "none") + " still running"
+
     def join(self, timeout_s: float) -> None:
         """Wait for the children to finish; kill them after ``timeout_s`` or on a failure."""
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.is_alive() for p in self.ctx.processes):
                 if time.monotonic() > deadline:
-                    raise ParallelError(f"decoding workers did not stop within {timeout_s:g} s")
+                    raise ParallelError(f"decoding workers did not stop within {timeout_s:g} s: "
+                                        f"{self.describe_running()}")
                 time.sleep(0.02)
             msg = self.failed()
             if msg:
@@ -107,6 +121,17 @@ class Workers:
                 p.kill()
         for p in self.ctx.processes:
             p.join(5)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T``/``t`` in ``/proc/<pid>/stat``; ``False``
+    where that cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
 
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], world: int, *,

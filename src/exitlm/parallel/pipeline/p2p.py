@@ -31,8 +31,11 @@ def message_tag(mb: int, slice_index: int, num_slices: int, grad: bool) -> int:
 class P2P:
     """Sends and receives of one stage, to global ranks."""
 
-    def __init__(self, timeout_s: float, device: torch.device) -> None:
+    def __init__(self, timeout_s: float, device: torch.device,
+                 setting: str = "parallel.timeout_s") -> None:
+        """``setting`` names the option that sets ``timeout_s`` in error messages."""
         self.timeout = timedelta(seconds=timeout_s)
+        self.setting = setting
         self.device = device
         self.pending: list[tuple[Any, torch.Tensor, str]] = []
 
@@ -77,12 +80,14 @@ class P2P:
             ok = work.wait(self.timeout)
         except RuntimeError as err:
             if "timed out" in str(err).lower():
-                raise PipelineError(
-                    f"pipeline transfer of {what} did not complete within "
-                    f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s); is that rank "
-                    f"stuck?: {err}") from err
+                raise self._timed_out(what) from err  # gloo's text stays in the chain
             raise PipelineError(f"pipeline transfer of {what} failed; did that rank die? "
                                 f"(see its log): {err}") from err
         if ok is False:
-            raise PipelineError(f"pipeline transfer of {what} did not complete within "
-                                f"{self.timeout.total_seconds():.0f} s (parallel.timeout_s)")
+            raise self._timed_out(what)
+
+    def _timed_out(self, what: str) -> PipelineError:
+        return PipelineError(
+            f"pipeline transfer of {what} did not complete within "
+            f"{self.timeout.total_seconds():g} s ({self.setting}): is that rank stopped or "
+            "stuck?", hint=f"see that rank's log; raise {self.setting} if it is only slow")
