@@ -86,7 +86,6 @@ typedef struct {
     const float *xd;     /* their scales: (M, K/32) */
 } job_t;
 
-
 /* ------------------------------------------------------------------ scalar helpers */
 
 __attribute__((unused)) static float half_to_float(uint16_t h) {
@@ -309,6 +308,14 @@ AI __m256 load_q(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
     return _mm256_cvtepi32_ps(b);
 }
 
+/* Prefetch PF_Q_BYTES ahead along nb grouped weight rows, once per cache line of group g. */
+AI void prefetch_group(const int kind, const int nb, const void *q, int64_t rowlen, int64_t g) {
+    if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
+        for (int i = 0; i < nb; i++)
+            _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g + PF_Q_BYTES,
+                         _MM_HINT_T0);
+}
+
 /* nb W rows x mb x rows, grouped (q8 / q4). */
 AI void q_tile(const int kind, const int nb, const int mb, const float *x, const float *xs,
                const void *q, const float *sc, const float *mn, float *y, int64_t K,
@@ -321,11 +328,7 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
         __m256 gs[NBMAX][MBMAX];
         for (int i = 0; i < nb; i++)
             for (int j = 0; j < mb; j++) gs[i][j] = _mm256_setzero_ps();
-        if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
-            for (int i = 0; i < nb; i++)
-                _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g +
-                                 PF_Q_BYTES,
-                             _MM_HINT_T0);
+        prefetch_group(kind, nb, q, rowlen, g);
         for (int c = 0; c < 4; c++) {
             __m256 wv[NBMAX];
             for (int i = 0; i < nb; i++) wv[i] = load_q(kind, q, i * rowlen, g, c);
@@ -368,11 +371,7 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
-            for (int i = 0; i < nb; i++)
-                _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g +
-                                 PF_Q_BYTES,
-                             _MM_HINT_T0);
+        prefetch_group(kind, nb, q, rowlen, g);
         __m256i wv[NBMAX], wa[NBMAX];
         for (int i = 0; i < nb; i++) {
             wv[i] = load_wq(kind, q, i * rowlen, g);
@@ -670,32 +669,54 @@ int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int6
 #define STACK_FLOATS 4096
 #define STACK_BYTES_X 16384
 
+/* The int8 activations of one call (quantize_x of every x row), in the caller's frame. */
+typedef struct {
+    int8_t *xq; /* (M, K) */
+    float *xd;  /* (M, K/32) */
+    int8_t stack_q[STACK_BYTES_X];
+    float stack_d[STACK_FLOATS];
+} act8_t;
+
+/* Round the M rows of x into a; returns 0, or -1 (nothing held) when memory is short. */
+static int act8_init(act8_t *a, const float *x, int64_t M, int64_t K) {
+    size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
+    a->xq = nq <= STACK_BYTES_X ? a->stack_q : (int8_t *)malloc(nq);
+    a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
+    if (a->xq == NULL || a->xd == NULL) {
+        if (a->xq != a->stack_q) free(a->xq);
+        if (a->xd != a->stack_d) free(a->xd);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * (K / 32));
+    return 0;
+}
+
+static void act8_free(act8_t *a) {
+    if (a->xq != a->stack_q) free(a->xq);
+    if (a->xd != a->stack_d) free(a->xd);
+}
+
+/* Run j with x's int8 activations (act8) or its float32 rows. */
+static int run_grouped(job_t *j, int nthreads, int act8) {
+    if (!act8) {
+        run_job(j, nthreads);
+        return 0;
+    }
+    act8_t a;
+    if (act8_init(&a, j->x, j->M, j->K) != 0) return -1;
+    j->xq = a.xq;
+    j->xd = a.xd;
+    run_job(j, nthreads);
+    act8_free(&a);
+    return 0;
+}
+
 static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
     job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL};
-    if (!act8) {
-        run_job(&j, nthreads);
-        return 0;
-    }
-    int8_t stack_q[STACK_BYTES_X];
-    float stack_d[STACK_FLOATS];
-    size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
-    int8_t *xq = nq <= STACK_BYTES_X ? stack_q : (int8_t *)malloc(nq);
-    float *xd = nd <= STACK_FLOATS ? stack_d : (float *)malloc(nd * sizeof(float));
-    if (xq == NULL || xd == NULL) {
-        if (xq != stack_q) free(xq);
-        if (xd != stack_d) free(xd);
-        return -1;
-    }
-    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, xq + m * K, xd + m * (K / 32));
-    j.xq = xq;
-    j.xd = xd;
-    run_job(&j, nthreads);
-    if (xq != stack_q) free(xq);
-    if (xd != stack_d) free(xd);
-    return 0;
+    return run_grouped(&j, nthreads, act8);
 }
 
 static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
@@ -703,29 +724,13 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
     float stack_xs[STACK_FLOATS];
-    int8_t stack_q[STACK_BYTES_X];
-    float stack_d[STACK_FLOATS];
     size_t need = (size_t)M * (size_t)(K / 4);
-    size_t nq = act8 ? (size_t)M * (size_t)K : 0, nd = act8 ? (size_t)M * (size_t)(K / 32) : 0;
     float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
-    int8_t *xq = nq <= STACK_BYTES_X ? stack_q : (int8_t *)malloc(nq);
-    float *xd = nd <= STACK_FLOATS ? stack_d : (float *)malloc(nd * sizeof(float));
-    int rc = -1;
-    if (xs != NULL && xq != NULL && xd != NULL) {
-        for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-        job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL};
-        if (act8) {
-            for (int64_t m = 0; m < M; m++)
-                quantize_x(x + m * K, K, xq + m * K, xd + m * (K / 32));
-            j.xq = xq;
-            j.xd = xd;
-        }
-        run_job(&j, nthreads);
-        rc = 0;
-    }
+    if (xs == NULL) return -1;
+    for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL};
+    int rc = run_grouped(&j, nthreads, act8);
     if (xs != stack_xs) free(xs);
-    if (xq != stack_q) free(xq);
-    if (xd != stack_d) free(xd);
     return rc;
 }
 

@@ -129,8 +129,6 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 _OFF = ("0", "false", "no", "off")
-
-
 _ON = ("1", "true", "yes", "on", "")
 
 

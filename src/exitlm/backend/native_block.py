@@ -130,16 +130,13 @@ class NativeBlock:
         """Whether the call computes ``block`` on ``cache``'s slot: the same sub-modules,
         weights still where the call points, no forward hooks to run, and a float32 cache
         with rows of ``(kv_heads, positions, head_dim)``."""
-        for mods, name, obj in self.children:
-            if mods.get(name) is not obj:
-                return False
+        if not self._same_children():
+            return False
         for m in self.hooked:
             if m._forward_hooks or m._forward_pre_hooks:
                 return False
-        for store, name, ptr in self.storage:
-            t = store.get(name)
-            if t is None or t.data_ptr() != ptr:
-                return False
+        if self._storage_moved():
+            return False
         for t, version in self.norm_versions:
             if t._version != version:
                 return False
@@ -152,9 +149,12 @@ class NativeBlock:
         """Whether the block still has the same sub-modules but a weight's storage moved since
         the call was built (``share_memory_()``, as PPD's worker process and the pipeline
         stages do when they are spawned): then a rebuilt call serves it again."""
-        for mods, name, obj in self.children:
-            if mods.get(name) is not obj:
-                return False
+        return self._same_children() and self._storage_moved()
+
+    def _same_children(self) -> bool:
+        return all(mods.get(name) is obj for mods, name, obj in self.children)
+
+    def _storage_moved(self) -> bool:
         for store, name, ptr in self.storage:
             t = store.get(name)
             if t is None or t.data_ptr() != ptr:
