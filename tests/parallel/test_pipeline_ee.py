@@ -162,6 +162,25 @@ def test_dead_stage_is_an_error_not_a_hang() -> None:
     assert not any(p.is_alive() for p in group.workers.ctx.processes)
 
 
+def test_idle_pipeline_outlives_its_timeout() -> None:
+    """A pipeline that waits between requests longer than its transfer timeout (a server with
+    no traffic) still serves the next request: stages wait for commands without a deadline
+    (they used to time out, exit, and leave stage 0 with a closed connection)."""
+    import time
+
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    kw = {"strategy": "early-exit", "kv": "pipeline", "threshold": 0.5, "max_new_tokens": 6,
+          "ignore_eos": True, "threads": 1}
+    with torch.inference_mode(), pipeline(model, 3, timeout_s=1.5) as group:
+        first = generate(model, None, [[1, 2, 3]], **kw).sequences[0].token_ids
+        time.sleep(3.0)
+        assert group.workers is not None
+        assert all(p.is_alive() for p in group.workers.ctx.processes)
+        again = generate(model, None, [[1, 2, 3]], **kw).sequences[0].token_ids
+    assert again == first and len(first) == 6
+
+
 def test_several_prompts_batched_through_three_stages() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear")

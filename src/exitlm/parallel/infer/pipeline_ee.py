@@ -202,8 +202,11 @@ class _Links:
                       _HDR, "a command")
 
     def recv_command(self) -> tuple[int, int, int, int]:
-        """``(command, rows, prompt length, number of checks)``."""
-        head = self.p2p.recv((_HEADER,), torch.float64, self.rank - 1, _HDR, "the next command")
+        """``(command, rows, prompt length, number of checks)``. Waits as long as it takes:
+        a server's pipeline idles between requests; stage 0 bounds every wait of its own, so
+        a stalled stage is still found (by stage 0, which names it)."""
+        head = self.p2p.recv((_HEADER,), torch.float64, self.rank - 1, _HDR, "the next command",
+                             idle=True)
         cmd, n, t, n_checks = (int(x) for x in head.tolist())
         return cmd, n, t, n_checks
 

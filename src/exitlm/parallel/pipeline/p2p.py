@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from exitlm.parallel.health import ParallelError
 
+IDLE_WAIT = timedelta(days=365)
+"""The deadline of an idle wait (:meth:`P2P.recv`): none in practice."""
+
 
 class PipelineError(ParallelError):
     """A pipeline peer failed, timed out, or sent something unexpected."""
@@ -59,14 +62,18 @@ class P2P:
         self.pending = keep
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
-             what: str) -> torch.Tensor:
+             what: str, *, idle: bool = False) -> torch.Tensor:
+        """Receive ``what`` from ``src`` within the timeout; with ``idle`` (a server waiting
+        for its next command) without a deadline: only the peer closing its connection (it
+        died or was killed) ends the wait, since gloo drops every connection of a process
+        once one of its transfers timed out and an idle process must stay usable."""
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         try:
             work = dist.irecv(buf, src=src, tag=tag)
         except RuntimeError as err:
             raise PipelineError(f"receiving {what} from rank {src} failed (did that rank "
                                 f"die?): {err}") from err
-        self._wait(work, f"{what} from rank {src}")
+        self._wait(work, f"{what} from rank {src}", IDLE_WAIT if idle else None)
         return buf
 
     def flush(self) -> None:
@@ -75,9 +82,9 @@ class P2P:
         for work, _t, what in pending:
             self._wait(work, what)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
         try:
-            ok = work.wait(self.timeout)
+            ok = work.wait(timeout or self.timeout)
         except RuntimeError as err:
             if "timed out" in str(err).lower():
                 raise self._timed_out(what) from err  # gloo's text stays in the chain
