@@ -185,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="also compare hand-off mechanisms (pipe, gloo, shared-memory spin)")
     ap.add_argument("--profile", action="store_true",
                     help="also split the main process's CPU time per token by part of the step")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "int8", "int4"),
+                    help="weights (as exitlm generate --dtype)")
     ap.add_argument("--layerskip-exits", action="store_true",
                     help="give a model without exits LayerSkip exits at every layer")
     args = ap.parse_args(argv)
 
     from exitlm.config import ExitConfig
     from exitlm.infer.bench import builtin_prompts
+    from exitlm.infer.cli import DTYPES
     from exitlm.infer.engine import Engine
     from exitlm.infer.ppd import PPDOptions, PPDStats
     from exitlm.io.loader import load_model
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     exits = ExitConfig(every_layer=True) if args.layerskip_exits else None
-    loaded = load_model(args.model, exits=exits)
+    loaded = load_model(args.model, exits=exits, dtype=DTYPES[args.dtype])
     model, tok = loaded.model, loaded.tokenizer
     d = model.num_layers
     d_bar = args.ppd_layer or (d + 1) // 2
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {name: Engine(model, tok, strat, opts, max_batch=1, threads=1)
                for name, (strat, opts) in variants.items()}
     out: dict[str, Any] = {"model": args.model, "d": d, "d_bar": d_bar, "k": args.ppd_k,
-                           "draft_vocab": args.draft_vocab,
+                           "draft_vocab": args.draft_vocab, "dtype": args.dtype,
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "repeats": args.repeats, "threads_per_process": 1,
                            "note": "2-core machine shared with other jobs"}

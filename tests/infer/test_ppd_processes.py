@@ -40,6 +40,13 @@ def test_process_ppd_is_token_identical_to_greedy(head: str, every: bool, gpt2: 
         assert st.forks == len(prompts) * (NEW - 2)
         assert 0 < st.matches < st.forks, (d_bar, k, st.matches)  # hits and misses
         assert got.options["ppd_workers"] == "process"
+        # the worker makes the early predictions itself (linear exits): the same guesses as
+        # the main thread's, so the same matches as sequential PPD and as pool threads
+        for how in ({"parallel": False}, {"ppd_workers": "thread"}):
+            ref = generate(model, None, prompts, strategy="ppd", ppd_layer=d_bar, ppd_k=k,
+                           max_new_tokens=NEW, **how)  # type: ignore[arg-type]
+            assert ref.token_ids == ar
+            assert (ref.stats.forks, ref.stats.matches) == (st.forks, st.matches), how
 
 
 def test_engine_shares_weights_restarts_and_stops_its_worker() -> None:

@@ -5,7 +5,11 @@ d``). Per generated token ``x_t`` at position ``p`` (one :meth:`PPDDecoder.step`
 
 * **main** (sequential): run ``x_t`` up to layer ``d_bar`` - from layer 1, or, when the last
   early prediction was confirmed, from layer ``d - d_bar`` on the hidden state the matching
-  branch produced (Alg. 2 line 12) - and take the top-``k`` tokens of exit ``d_bar``.
+  branch produced (Alg. 2 line 12). The top-``k`` tokens of exit ``d_bar`` (the early
+  prediction) are taken on the branch's side - the pool thread or the worker process - so
+  that projection, several layers' worth of work over a large vocabulary, is not on the main
+  token's path, where Theorem 4.1 does not count it; exits with a transformer-block head
+  (whose KV cache slot the main thread fills) and CUDA streams take it on the main thread.
 * **in parallel** (Alg. 2 lines 17-29): the main thread runs layers ``d_bar..d`` of ``x_t``
   while ``k`` worker threads each run one candidate ``x_hat_j`` at position ``p + 1`` through
   layers ``1..d - d_bar``. On CUDA every branch runs on its own stream. With
@@ -155,6 +159,10 @@ class PPDDecoder(Decoder):
         self.pool = ThreadPoolExecutor(max_workers=self.k) if threaded else None
         self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.k)]
                         if self.device.type == "cuda" and threaded else None)
+        # the early prediction itself runs in the branch (thread or worker process), so the
+        # draft head is off the main path; exits with a block head keep it on the main
+        # thread, which owns that block's KV
+        self.offload = not self.block and (self.process or (threaded and self.streams is None))
         self.branches: list[KVCache] = []
         self.worker: BranchWorker | None = None  # process mode: started at the first prefill
         self.shared: BranchCache | None = None  # process mode: layers < m, shared memory
@@ -187,7 +195,9 @@ class PPDDecoder(Decoder):
         if self.process and (self.worker is None or not self.worker.alive):
             if self.worker is not None:  # it failed in an earlier step: start afresh
                 self.worker.close()
-            self.worker = BranchWorker(self.model, self.m, threads=1)  # overlaps the prefill
+            self.worker = BranchWorker(  # spawning overlaps the prefill
+                self.model, self.m, threads=1,
+                draft=(self.d_bar, self.head.vocab) if self.offload else None)
         h, lens = prefill_hidden(self.model, batch, exits=(self.d_bar,) if self.block else ())
         seq, main = batch.seqs[0], batch.cache
         cfg = self.model.config
@@ -228,14 +238,21 @@ class PPDDecoder(Decoder):
             hm = model.run_layers(self.carried, self.m, self.d_bar, cache=main, ctx=ctx)
             evals = self.d_bar - self.m
         cands: list[int] = []
-        if seq.remaining > 1:
-            cands = torch.topk(self.head(hm, ctx, main)[0, -1], self.k).indices.tolist()
-        elif self.block:
-            model.exit_features(hm, self.d_bar, cache=main, ctx=ctx)
-        jobs = self._start_branches(cands, p + 1)
+        fork = seq.remaining > 1
+        if fork and self.offload:
+            jobs = self._predict(hm, p + 1)
+        else:
+            if fork:
+                cands = torch.topk(self.head(hm, ctx, main)[0, -1], self.k).indices.tolist()
+            elif self.block:
+                model.exit_features(hm, self.d_bar, cache=main, ctx=ctx)
+            jobs = self._start_branches(cands, p + 1)
         hf = model.run_layers(hm, self.d_bar, self.d, cache=main, ctx=ctx)  # main, in parallel
         x = batch.choose(model.final_logits(hf[:, -1]))[0]  # greedy
-        states = self._finish_branches(jobs)
+        if fork and self.offload:
+            cands, states = self._finish_predicted(jobs)
+        else:
+            states = self._finish_branches(jobs)
         evals += self.m + len(cands) * self.m
         self.carried = self._resolve(seq, main, cands, states, x, p + 1)
         main.lengths = torch.tensor([p + 1])
@@ -261,6 +278,40 @@ class PPDDecoder(Decoder):
         for c in (main, *(c for c in self.branches if c is not win)):
             c.copy_from(win, self.m, p)
         return states[j]
+
+    def _predict(self, hm: torch.Tensor, p: int) -> list[Future[Any]]:
+        """Start the early prediction from ``hm`` (the state after layer ``d_bar``) and its
+        candidates' branches at position ``p`` in the worker process or on a pool thread
+        (returns at once): PPD Alg. 2 lines 14-29 off the main thread's path."""
+        if self.worker is not None:
+            assert self.shared is not None
+            self.shared.hin.copy_(hm)
+            self.worker.predict(p, self.k)
+            return []
+        assert self.pool is not None
+        return [self.pool.submit(self._predict_here, hm.clone(), p)]
+
+    def _predict_here(self, hm: torch.Tensor, p: int) -> tuple[list[int], list[torch.Tensor]]:
+        """A pool thread's early prediction: top-``k`` of the draft head, then the first
+        candidate's branch here and the others on the rest of the pool."""
+        with torch.inference_mode():
+            cands = torch.topk(self.head(hm, None, None)[0, -1], self.k).indices.tolist()
+            assert self.pool is not None
+            rest = [self.pool.submit(self._branch, self.branches[j], tok, p, None, None)
+                    for j, tok in enumerate(cands) if j > 0]
+            first = self._branch_forward(self.branches[0], cands[0], p)
+            return cands, [first, *(f.result() for f in rest)]
+
+    def _finish_predicted(self, jobs: list[Future[Any]]
+                          ) -> tuple[list[int], list[torch.Tensor]]:
+        """Wait for :meth:`_predict`'s work: the candidates and their branch states."""
+        if self.worker is not None:
+            self.worker.join()
+            assert self.shared is not None
+            return self.worker.tokens, [self.shared.out[j].view(1, 1, -1)
+                                        for j in range(self.k)]
+        cands, states = jobs[0].result()
+        return cands, states
 
     def _start_branches(self, cands: list[int], p: int) -> list[Future[torch.Tensor] |
                                                                  torch.Tensor]:

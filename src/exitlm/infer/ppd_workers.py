@@ -17,8 +17,13 @@ parameter storage, shared with the parent), one thread each:
   during it (it runs layers ``>= d_bar >= m``). The branch's hidden state after layer ``m``
   goes to a shared ``(k, D)`` buffer. After the fork the main process adopts the winning
   entry (PPD Alg. 2 line 12) or simply overwrites it with its own computation of ``p + 1``.
-* **Protocol.** One duplex pipe: ``("fork", p, tokens)`` as soon as the early exit's top-k
-  is known, answered by ``("done", ...)`` when every candidate has run layers ``[0, m)``; the
+* **Protocol.** One duplex pipe: ``("predict", p, k)`` as soon as the hidden state after
+  layer ``d_bar`` is in the shared buffer ``hin``: the worker computes the early prediction
+  (exit ``d_bar``'s head, top-``k``) itself, so that projection - for a large vocabulary
+  several layers' worth of work - is off the main process's critical path, which Theorem 4.1
+  assumes it is; or ``("fork", p, tokens)`` with candidates the main process chose (exits
+  with a transformer-block head, whose KV the main process keeps). Either is answered by
+  ``("done", ..., tokens)`` when every candidate has run layers ``[0, m)``; the
   main process finishes layers ``[d_bar, d)`` of ``x_t`` meanwhile and only then waits. The
   per-token messages are packed with ``struct`` (no pickling); a round trip costs ~0.1 ms on
   a busy 2-core machine, against ~4 ms for ``torch.distributed`` gloo send/recv over
@@ -63,7 +68,7 @@ class BranchWorkerError(RuntimeError):
     """The PPD branch worker process failed, died or did not answer in time."""
 
 
-_FORK, _DONE, _PING, _PONG = b"F", b"D", b"P", b"Q"
+_FORK, _PREDICT, _DONE, _PING, _PONG = b"F", b"R", b"D", b"P", b"Q"
 
 
 def _pack(msg: tuple[Any, ...]) -> bytes:
@@ -71,8 +76,10 @@ def _pack(msg: tuple[Any, ...]) -> bytes:
     kind = msg[0]
     if kind == "fork":
         return _FORK + struct.pack(f"<{1 + len(msg[2])}q", msg[1], *msg[2])
+    if kind == "predict":
+        return _PREDICT + struct.pack("<2q", msg[1], msg[2])
     if kind == "done":
-        return _DONE + struct.pack("<2d", msg[1], msg[2])
+        return _DONE + struct.pack(f"<2d{len(msg[3])}q", msg[1], msg[2], *msg[3])
     if kind in ("ping", "pong"):
         return _PING if kind == "ping" else _PONG
     return bytes(ForkingPickler.dumps(msg))
@@ -83,8 +90,11 @@ def _unpack(buf: bytes) -> tuple[Any, ...]:
     if tag == _FORK:
         p, *tokens = struct.unpack(f"<{(len(buf) - 1) // 8}q", buf[1:])
         return ("fork", p, tokens)
+    if tag == _PREDICT:
+        return ("predict", *struct.unpack("<2q", buf[1:]))
     if tag == _DONE:
-        return ("done", *struct.unpack("<2d", buf[1:]))
+        wall, cpu, *tokens = struct.unpack(f"<2d{(len(buf) - 17) // 8}q", buf[1:])
+        return ("done", wall, cpu, tokens)
     if tag in (_PING, _PONG):
         return ("ping",) if tag == _PING else ("pong",)
     return tuple(ForkingPickler.loads(buf))
@@ -111,6 +121,8 @@ class BranchCache:
         for t in (*self.cache.keys, *self.cache.values):
             t.share_memory_()
         self.out = torch.zeros(k, cfg.dim, dtype=dtype).share_memory_()
+        self.hin = torch.zeros(1, 1, cfg.dim, dtype=dtype).share_memory_()
+        """The hidden state after layer ``d_bar`` the worker predicts from (``predict``)."""
         self.m, self.k, self.capacity = m, k, capacity
 
     def main_view(self, pool: KVCache) -> KVCache:
@@ -135,21 +147,24 @@ class BranchCache:
 
 
 def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], m: int,
-           threads: int) -> None:
-    """The worker process: build the model on the parent's parameters, then run forks."""
+           threads: int, draft: tuple[int, int] | None) -> None:
+    """The worker process: build the model on the parent's parameters (and, with ``draft`` =
+    ``(d_bar, vocab)``, the early prediction's head), then run forks."""
     from exitlm.backend.cpu import prepare_for_decoding
+    from exitlm.infer.decoder import DraftHead
     from exitlm.io.materialize import rebuild_model
 
     torch.set_num_threads(threads)
     try:
         model = rebuild_model(cfg, params, "the PPD parent process")
         prepare_for_decoding(model)
+        head = DraftHead(model, *draft) if draft is not None else None
         conn.send_bytes(_pack(("ready",)))
     except BaseException:
         conn.send_bytes(_pack(("error", traceback.format_exc())))
         return
     cache: KVCache | None = None
-    out: torch.Tensor | None = None
+    out = hin = None
     with torch.inference_mode():
         while True:
             try:
@@ -162,21 +177,26 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                 if msg[0] == "ping":
                     conn.send_bytes(_PONG)
                 elif msg[0] == "attach":
-                    keys, values, out = msg[1], msg[2], msg[3]
+                    keys, values, out, hin = msg[1], msg[2], msg[3], msg[4]
                     cache = KVCache.__new__(KVCache)
                     cache.keys, cache.values = list(keys), list(values)
                     cache.batch_size, cache.max_seq_len = keys[0].shape[0], keys[0].shape[2]
                     cache._lengths = torch.zeros(cache.batch_size, dtype=torch.long)
                     cache._fill = torch.zeros(len(keys), cache.batch_size, dtype=torch.long)
                     conn.send_bytes(_pack(("attached",)))
-                elif msg[0] == "fork":
+                elif msg[0] in ("fork", "predict"):
                     assert cache is not None and out is not None, "fork before attach"
-                    p, tokens = msg[1], msg[2]
                     t0, c0 = time.perf_counter(), time.thread_time()
+                    if msg[0] == "predict":  # the early prediction, off the main's path
+                        assert head is not None and hin is not None, "no draft head"
+                        p, k = msg[1], msg[2]
+                        tokens = torch.topk(head(hin, None, None)[0, -1], k).indices.tolist()
+                    else:
+                        p, tokens = msg[1], msg[2]
                     for j, tok in enumerate(tokens):
                         out[j] = branch_forward(model, cache.rows(j, j + 1), tok, p, m)[0, 0]
                     conn.send_bytes(_pack(("done", time.perf_counter() - t0,
-                                           time.thread_time() - c0)))
+                                           time.thread_time() - c0, tokens)))
                 else:
                     raise ValueError(f"unknown message {msg[0]!r}")
             except BaseException:
@@ -187,17 +207,23 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
 class BranchWorker:
     """The parent's handle to one branch worker process (see the module docstring)."""
 
-    def __init__(self, model: EarlyExitLM, m: int, threads: int = 1) -> None:
+    def __init__(self, model: EarlyExitLM, m: int, threads: int = 1,
+                 draft: tuple[int, int] | None = None) -> None:
+        """``draft`` = ``(d_bar, vocab)``: the worker also makes the early predictions
+        (:meth:`predict`) with exit ``d_bar``'s head over the first ``vocab`` token ids."""
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         params = model_tensors(model)
-        self.proc = ctx.Process(target=_serve, args=(child, model.config, params, m, threads),
+        self.proc = ctx.Process(target=_serve,
+                                args=(child, model.config, params, m, threads, draft),
                                 daemon=True, name="exitlm-ppd-branch")
         self.proc.start()
         child.close()  # the worker's end: our copy closed, so its death reads as EOF here
         self.ready = False
         self.attached: BranchCache | None = None
         self.pending = False
+        self.tokens: list[int] = []
+        """The candidates of the fork joined last (the worker's own top-k after a predict)."""
         self.joins = 0
         self.waited_s = 0.0  # diagnostics: time the main process spent blocked in join,
         self.branch_s = 0.0  # the worker's time per fork (wall clock and CPU: their ratio
@@ -239,7 +265,7 @@ class BranchWorker:
         self.wait_ready()
         if self.attached is not branches:
             self._send(("attach", branches.cache.keys, branches.cache.values,
-                        branches.out), "attach")
+                        branches.out, branches.hin), "attach")
             self._recv(STEP_TIMEOUT_S, "attach")
             self.attached = branches
 
@@ -248,6 +274,14 @@ class BranchWorker:
         """Start the candidates ``tokens`` at position ``p`` (returns at once)."""
         self.join()  # a fork whose step raised before joining is collected first
         self._send(("fork", p, tokens), "a fork")
+        self.pending = True
+
+    def predict(self, p: int, k: int) -> None:
+        """Make the early prediction from the shared ``hin`` (top-``k`` of the draft head)
+        and start those candidates at position ``p`` (returns at once; :meth:`join`, then
+        :attr:`tokens` names them)."""
+        self.join()
+        self._send(("predict", p, k), "a prediction")
         self.pending = True
 
     def join(self) -> None:
@@ -259,6 +293,7 @@ class BranchWorker:
             self.waited_s += time.perf_counter() - t0
             self.branch_s += msg[1]
             self.branch_cpu_s += msg[2]
+            self.tokens = msg[3]
             self.joins += 1
 
     def ping(self, n: int = 200) -> float:
