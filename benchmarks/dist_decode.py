@@ -6,6 +6,7 @@ Plain autoregressive decoding (one process) is the baseline. Prints one JSON obj
 goes to stderr.
 
     python benchmarks/dist_decode.py --model runs/scratch-layerskip/model
+    python benchmarks/dist_decode.py --model default-ee --exit-layers 12
     python benchmarks/dist_decode.py --quick          # 2 prompts, 16 tokens, 2 thresholds
 
 A model directory that does not exist is skipped (a JSON object saying so, exit status 0).
@@ -69,7 +70,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.prompts, a.max_new_tokens, a.thresholds = 2, 16, "0.8,1.0"
-    if not Path(a.model).is_dir():
+    if ("/" in a.model or a.model.startswith(".")) and not Path(a.model).is_dir():
         print(json.dumps({"skipped": f"no model directory at {a.model!r} (train one with "
                                      "'exitlm train --config scratch-layerskip')"}))
         return
