@@ -43,6 +43,24 @@ def test_greedy_strategies_agree_on_the_cli(capsys: pytest.CaptureFixture[str]) 
     assert texts[0] == texts[1] == texts[2]
 
 
+def test_ppd_reports_theorem_4_1_next_to_its_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary line and --json give Theorem 4.1's prediction for the measured p_correct."""
+    from exitlm.plan.ppd_theory import predict
+
+    args = ["generate", "Hello", "--model", "debug", "--max-new-tokens", "12", "--ignore-eos",
+            "--strategy", "ppd", "--ppd-layer", "2", "--ppd-k", "3"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = out["stats"]["p_correct"]
+    assert out["ppd_theorem_4_1"]["speedup"] == pytest.approx(predict(4, 2, 3, 12, p)["speedup"])
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    expect = predict(4, 2, 3, 12, p)["speedup"]
+    assert f"p_correct {p:.1%} (Theorem 4.1 predicts {expect:.2f}x over greedy" in err
+    assert main(["generate", "Hello", "--model", "debug", "--max-new-tokens", "4", "--json"]) == 0
+    assert "ppd_theorem_4_1" not in json.loads(capsys.readouterr().out)
+
+
 def test_show_exits_colours_stream(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["generate", "Hello", "--model", "debug", "--max-new-tokens", "6", "--ignore-eos",
                "--strategy", "early-exit", "--threshold", "0.0", "--show-exits",

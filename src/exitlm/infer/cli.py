@@ -183,9 +183,12 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(RESET + "\n" if colour else "\n")
             sys.stdout.flush()
         raise
+    theory = ppd_theory_of(result, num_layers)
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
                **result.to_dict()}
+        if theory is not None:
+            out["ppd_theorem_4_1"] = theory
         print(json.dumps(out, ensure_ascii=False))
         return 0
     if stream is not None:
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 print(seq.text)
     if args.show_exits:
         print(exit_summary(result, colour), file=sys.stderr)
-    print(_summary(result), file=sys.stderr)
+    print(_summary(result, theory), file=sys.stderr)
     return 0
 
 
@@ -279,9 +282,24 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _summary(result: GenerationResult) -> str:
+def ppd_theory_of(result: GenerationResult, num_layers: int) -> dict[str, float] | None:
+    """PPD Theorem 4.1's prediction for a ``ppd`` result's measured ``p_correct`` (per
+    sequence of the mean length), or ``None`` for other strategies / nothing forked."""
+    from exitlm.infer.ppd import PPDStats
+
+    st = result.stats
+    if not isinstance(st, PPDStats) or not st.forks or not result.sequences:
+        return None
+    ell = max(1, round(result.timings.new_tokens / len(result.sequences)))
+    return st.theory(num_layers, int(result.options["ppd_layer"]), int(result.options["ppd_k"]),
+                     ell)
+
+
+def _summary(result: GenerationResult, theory: dict[str, float] | None = None) -> str:
     t = result.timings
     extra = result.stats.describe()
+    if theory is not None:
+        extra += f" (Theorem 4.1 predicts {theory['speedup']:.2f}x over greedy at this rate)"
     if not extra and result.strategy == "early-exit":
         extra = f"early exits {result.exits().early_exit_fraction:.1%}"
     extra = f"; {extra}" if extra else ""
