@@ -13,7 +13,8 @@ import time
 import pytest
 from _serve_util import Server, open_stream, sse_events
 
-LONG = {"prompt": "Tell me", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+# at least 240 x 5 ms on the faulty server (SLOW), however fast the machine decodes
+LONG = {"prompt": "SLOW: tell me", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
 
 
 def _cancelled(server: Server) -> float:
