@@ -181,6 +181,20 @@ def test_idle_pipeline_outlives_its_timeout() -> None:
     assert again == first and len(first) == 6
 
 
+def test_sends_do_not_pile_up() -> None:
+    """gloo calls a send complete only once it is waited on: every step waits for the sends of
+    the steps before it (they used to pile up with their tensors for the pipeline's lifetime,
+    memory growing with every token)."""
+    torch.set_num_threads(1)
+    model = ee_model("linear")
+    kw = {"strategy": "early-exit", "kv": "pipeline", "threshold": 0.5, "max_new_tokens": 30,
+          "ignore_eos": True, "threads": 1}
+    with torch.inference_mode(), pipeline(model, 2) as group:
+        generate(model, None, [[1, 2, 3]], **kw)
+        generate(model, None, [[4, 5], [6, 7, 8]], **kw)
+        assert len(group.links.p2p.pending) <= 2  # one step's command header and rows table
+
+
 def test_several_prompts_batched_through_three_stages() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear")
@@ -203,10 +217,11 @@ WAITED = "rank {} did not complete within 4 s (--dist-timeout)"
     (3, 2, 4, False, 1.0, WAITED.format(2)),
     # stage 0 waits for the last stage, which waits for the stopped middle one
     (3, 1, 4, True, 1.0, WAITED.format(2)),
-    # every token exits at stage 0: nobody waits for the last stage until the job stops
-    (3, 2, 4, False, 0.0, "did not stop within 4 s"),
+    # every token exits at stage 0, nobody waits for the last stage's decision: stage 1 waits
+    # for the stopped stage to take its sends, stage 0 for stage 1 to take its own
+    (3, 2, 4, False, 0.0, "rows table to rank 1 did not complete within 4 s"),
 ], ids=["only-later-stage-at-prefill", "last-stage-mid-decoding",
-        "middle-stage-decoder-owned-pipeline", "last-stage-noticed-at-stop"])
+        "middle-stage-decoder-owned-pipeline", "last-stage-noticed-by-backpressure"])
 def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, stages: int,
                                                stalled: int, call: int, own: bool,
                                                threshold: float, waited: str) -> None:

@@ -281,6 +281,7 @@ class PipelineDecoder(Decoder):
         n = len(batch)
         slots = self.group.new_slots(n)
         rows = Rows(slots, [int(x) for x in lens], [False] * n, [True] * n, [1.0] * n)
+        self.group.links.settle()
         self.group.links.send_down(PREFILL, rows, h, self.checks)
         tokens: dict[int, int] = {}
         layers: dict[int, int] = {}
@@ -316,6 +317,7 @@ class PipelineDecoder(Decoder):
         cache.lengths = q + 1
         for i in layers:
             rows.decided[i] = True
+        self.group.links.settle()
         self.group.links.send_down(STEP, rows, h)
         self._decide_later(batch, rows, [i for i in range(n) if i not in layers], tokens,
                            layers)

@@ -135,6 +135,17 @@ class Links:
         self.vocab = model.config.vocab_size
         self.dtype = model.embed_tokens.weight.dtype
 
+    def settle(self) -> None:
+        """Wait for this stage's sends of earlier steps, at the start of a step. gloo calls a
+        send complete only once it is waited on, so sends never waited on - and the tensors
+        they hold, the deciding logits ``(k, V)`` among them - piled up for as long as the
+        pipeline ran (memory growing with every token, and every send scanning the pile).
+        Those sends were received long ago in the normal flow; a stage therefore runs at most
+        one step ahead of the next one, which cannot start that step sooner anyway. Only stage
+        0 waits with a deadline: a later stage held up by a stalled one waits, and stage 0,
+        held up in turn, names the stalled stage (as for :meth:`recv_command`)."""
+        self.p2p.flush(idle=self.rank > 0)
+
     def send_down(self, cmd: int, rows: Rows, hidden: torch.Tensor,
                   checks: tuple[int, ...] = ()) -> None:
         """A ``STEP`` (``hidden`` ``(n, 1, D)`` rides in the rows table) or a ``PREFILL``
@@ -273,6 +284,7 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
                     links.send_stop()
                 links.p2p.flush()
                 return
+            links.settle()
             prefill = cmd == PREFILL
             rows, h = links.recv_rows(n, step=not prefill)
             if prefill:

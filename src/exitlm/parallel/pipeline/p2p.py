@@ -76,11 +76,11 @@ class P2P:
         self._wait(work, f"{what} from rank {src}", IDLE_WAIT if idle else None)
         return buf
 
-    def flush(self) -> None:
-        """Wait for every send of this step."""
+    def flush(self, *, idle: bool = False) -> None:
+        """Wait for every send of this step (``idle``: without a deadline, see :meth:`recv`)."""
         pending, self.pending = self.pending, []
         for work, _t, what in pending:
-            self._wait(work, what)
+            self._wait(work, what, IDLE_WAIT if idle else None)
 
     def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
         try:
