@@ -1,0 +1,46 @@
+"""Smoke tests of the decoding benchmarks across processes, on the random ``debug`` preset with
+tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theorem 4.1) and
+``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds). They
+run, print one JSON object with the documented fields, and report every method exact where
+it must be. (Timings are never compared with each other.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_ppd_processes_quantized() -> None:
+    out = _run("ppd_processes.py", "debug", "--layerskip-exits", "--ppd-layer", "2",
+               "--max-new-tokens", "8", "--num-prompts", "2", "--repeats", "1",
+               "--dtype", "int8", "--draft-vocab", "64")
+    assert (out["d"], out["d_bar"], out["dtype"], out["draft_vocab"]) == (4, 2, "int8", 64)
+    assert out["ar"]["ms_per_token"] > 0
+    for name in ("ppd-thread", "ppd-process"):
+        res = out[name]
+        assert res["exact_match_with_ar"] is True, name
+        assert 0.0 <= res["p_correct"] <= 1.0
+        assert res["theorem_4_1_speedup"] >= 1.0 and res["ms_per_token"] > 0
+    assert out["ppd-process"]["worker_ms_per_fork"] > 0
+
+
+def test_dist_decode_quick() -> None:
+    out = _run("dist_decode.py", "--quick", "--model", "debug")
+    methods = {r["method"] for r in out["results"]}
+    assert methods == {"recompute", "pipeline", "tp"}
+    assert len(out["results"]) == 3 * 2  # two thresholds each
+    for r in out["results"]:
+        assert r["ms_per_token"] > 0
+        if r["method"] != "recompute":  # the same tokens as one process, prompt for prompt
+            assert r["same_tokens_as_recompute"] == "2/2", r
