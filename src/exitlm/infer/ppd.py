@@ -156,13 +156,16 @@ class PPDDecoder(Decoder):
             raise ConfigError("ppd_workers='process' is for CPU; on a GPU the branches run on "
                               "CUDA streams (--ppd-workers thread)")
         threaded = options.parallel and not self.process
-        self.pool = ThreadPoolExecutor(max_workers=self.k) if threaded else None
-        self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.k)]
-                        if self.device.type == "cuda" and threaded else None)
+        cuda = self.device.type == "cuda"
         # the early prediction itself runs in the branch (thread or worker process), so the
         # draft head is off the main path; exits with a block head keep it on the main
         # thread, which owns that block's KV
-        self.offload = not self.block and (self.process or (threaded and self.streams is None))
+        self.offload = not self.block and (self.process or (threaded and not cuda))
+        # offloaded, one pool thread predicts and waits while k more run the branches
+        self.pool = (ThreadPoolExecutor(max_workers=self.k + int(self.offload)) if threaded
+                     else None)
+        self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.k)]
+                        if cuda and threaded else None)
         self.branches: list[KVCache] = []
         self.worker: BranchWorker | None = None  # process mode: started at the first prefill
         self.shared: BranchCache | None = None  # process mode: layers < m, shared memory
@@ -239,7 +242,8 @@ class PPDDecoder(Decoder):
             evals = self.d_bar - self.m
         cands: list[int] = []
         fork = seq.remaining > 1
-        if fork and self.offload:
+        predicted = fork and self.offload  # the branch side makes the early prediction
+        if predicted:
             jobs = self._predict(hm, p + 1)
         else:
             if fork:
@@ -249,7 +253,7 @@ class PPDDecoder(Decoder):
             jobs = self._start_branches(cands, p + 1)
         hf = model.run_layers(hm, self.d_bar, self.d, cache=main, ctx=ctx)  # main, in parallel
         x = batch.choose(model.final_logits(hf[:, -1]))[0]  # greedy
-        if fork and self.offload:
+        if predicted:
             cands, states = self._finish_predicted(jobs)
         else:
             states = self._finish_branches(jobs)
@@ -292,15 +296,11 @@ class PPDDecoder(Decoder):
         return [self.pool.submit(self._predict_here, hm.clone(), p)]
 
     def _predict_here(self, hm: torch.Tensor, p: int) -> tuple[list[int], list[torch.Tensor]]:
-        """A pool thread's early prediction: top-``k`` of the draft head, then the first
-        candidate's branch here and the others on the rest of the pool."""
+        """A pool thread's early prediction: top-``k`` of the draft head, then the candidates'
+        branches on the rest of the pool."""
         with torch.inference_mode():
             cands = torch.topk(self.head(hm, None, None)[0, -1], self.k).indices.tolist()
-            assert self.pool is not None
-            rest = [self.pool.submit(self._branch, self.branches[j], tok, p, None, None)
-                    for j, tok in enumerate(cands) if j > 0]
-            first = self._branch_forward(self.branches[0], cands[0], p)
-            return cands, [first, *(f.result() for f in rest)]
+            return cands, self._finish_branches(self._start_branches(cands, p))
 
     def _finish_predicted(self, jobs: list[Future[Any]]
                           ) -> tuple[list[int], list[torch.Tensor]]:
@@ -310,8 +310,7 @@ class PPDDecoder(Decoder):
             assert self.shared is not None
             return self.worker.tokens, [self.shared.out[j].view(1, 1, -1)
                                         for j in range(self.k)]
-        cands, states = jobs[0].result()
-        return cands, states
+        return jobs[0].result()
 
     def _start_branches(self, cands: list[int], p: int) -> list[Future[torch.Tensor] |
                                                                  torch.Tensor]:
