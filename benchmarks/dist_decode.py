@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from _bench import one_line_errors
 from exitlm.infer import generate
 from exitlm.infer.bench import builtin_prompts
 from exitlm.infer.cli import load_for_strategy, tokenizer_for
@@ -130,4 +131,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("dist_decode"):
+        main()

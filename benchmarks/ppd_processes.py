@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _bench import note, percentile
+from _bench import note, one_line_errors, percentile
 
 
 def run_one(engine: Any, ids: list[int], new: int) -> tuple[list[int], float, int, Any]:
@@ -309,4 +309,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with one_line_errors("ppd_processes"):
+        sys.exit(main())

@@ -44,3 +44,13 @@ def test_dist_decode_quick() -> None:
         assert r["ms_per_token"] > 0
         if r["method"] != "recompute":  # the same tokens as one process, prompt for prompt
             assert r["same_tokens_as_recompute"] == "2/2", r
+
+
+def test_bad_model_is_one_line() -> None:
+    for script, args in (("dist_decode.py", ["--quick", "--model", "nosuchmodel"]),
+                         ("ppd_processes.py", ["nosuchmodel"])):
+        proc = subprocess.run([sys.executable, str(BENCH / script), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, script
+        assert "Traceback" not in proc.stderr and "'nosuchmodel'" in proc.stderr, script
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
