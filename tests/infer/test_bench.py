@@ -120,3 +120,32 @@ def test_bench_transformers_baselines_use_the_benchmarked_weights(
     assert res["self-spec"]["exact_match"] == 1.0
     assert res["hf"]["exact_match"] == 1.0
     assert res["hf-ee"]["exact_match"] == 1.0
+
+
+@pytest.mark.usefixtures("_keep_threads")
+def test_bench_fits_prompts_to_a_short_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model whose context is shorter than the built-in prompts (the 256-byte scratch
+    models): the built-in prompts keep their last tokens; a prompt file that does not fit is
+    one error line naming the file and the prompt, before anything runs."""
+    from _tiny import byte_tokenizer, tiny_text_model
+
+    from exitlm.io import save_model
+
+    d = tmp_path / "short"
+    save_model(tiny_text_model(), d, byte_tokenizer())  # 256 tokens of context
+    args = ["bench", "--model", str(d), "--strategies", "ar", "--num-prompts", "3",
+            "--out-dir", str(tmp_path / "out")]
+    assert main([*args, "--max-new-tokens", "200"]) == 0
+    cap = capsys.readouterr()
+    assert "keep their last 56 tokens" in cap.err
+    assert json.loads(cap.out)["results"]["ar"]["new_tokens"] == 3 * 200
+    long = tmp_path / "long.jsonl"
+    long.write_text('"short"\n' + json.dumps("x" * 100) + "\n", encoding="utf-8")
+    assert main([*args, "--max-new-tokens", "200", "--prompts", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert f"{long}: prompt 2 (100 tokens)" in err and "context of 256" in err
+    assert "prompt 1/" not in err  # nothing ran
+    assert main([*args, "--max-new-tokens", "256"]) == 2
+    assert "--max-new-tokens 256 leaves no room" in capsys.readouterr().err

@@ -192,7 +192,35 @@ class Bench:
         self._hf: Any = None
         self.prompts = (load_prompts(cfg.prompts_file) if cfg.prompts_file
                         else builtin_prompts(cfg.num_prompts))[: cfg.num_prompts]
-        self.prompt_ids = [self.tokenizer.encode(p) for p in self.prompts]
+        self.prompt_ids = self._fit_to_context([self.tokenizer.encode(p) for p in self.prompts])
+
+    def _fit_to_context(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Check that each prompt plus ``max_new_tokens`` fits the model's context, before
+        anything runs. The built-in prompts keep their last tokens (the signature and
+        docstring the completion continues); a prompt from ``--prompts`` that does not fit is
+        an error naming it."""
+        ctx = self.model.config.max_seq_len
+        new = self.cfg.max_new_tokens
+        room = ctx - new
+        if room < 1:
+            raise ConfigError(f"--max-new-tokens {new} leaves no room for a prompt in the "
+                              f"model's context of {ctx} tokens; use at most {ctx - 1}")
+        out = []
+        cut = 0
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) > room:
+                if self.cfg.prompts_file:
+                    raise ConfigError(
+                        f"{self.cfg.prompts_file}: prompt {i + 1} ({len(ids)} tokens) + "
+                        f"max_new_tokens ({new}) exceeds the model's context of {ctx} tokens; "
+                        "lower --max-new-tokens or shorten the prompt")
+                ids = ids[len(ids) - room:]
+                cut += 1
+            out.append(ids)
+        if cut:
+            _note(f"bench: {cut} built-in prompt(s) keep their last {room} tokens to fit the "
+                  f"context of {ctx} with {new} new tokens")
+        return out
 
     # -- transformers --
     def hf_model(self) -> Any:
