@@ -67,7 +67,7 @@ def test_torchrun(model_dir: Path, extra: list[str], capsys: pytest.CaptureFixtu
      "--stages 9: expected 2 to 4"),
     (["--strategy", "early-exit", "--stages", "2"], "--stages 2 applies only to --kv pipeline"),
     (["--kv", "pipeline"], "--kv does not apply to --strategy ar"),
-    (["--tp", "3"], "--tp 3: expected a divisor"),
+    (["--tp", "3"], "--tp 3: expected at most the model's 2 key/value heads"),
     (["--tp", "2", "--strategy", "ppd"], "--tp runs --strategy"),
     (["--tp", "2", "--strategy", "early-exit", "--kv", "pipeline"], "--tp and --kv pipeline"),
 ])

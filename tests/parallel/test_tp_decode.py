@@ -85,7 +85,7 @@ def test_self_started_tp_generate() -> None:
 
 def test_bad_tp_settings() -> None:
     cfg = ee_model("linear").config
-    with pytest.raises(ConfigError, match="--tp 3: expected a divisor"):
+    with pytest.raises(ConfigError, match=r"--tp 3: expected at most the model.s 2 key/value"):
         check_tp(cfg, 3)
     with pytest.raises(ConfigError, match="--tp runs --strategy"):
         check_strategy("ppd", {})

@@ -35,6 +35,10 @@ int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float
 int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
                      float *y, int64_t M, int64_t N, int64_t K, int nthreads);
 
+/* Tensor parallelism (reduce.c): the rank-order sum of a partial product over the ranks. */
+struct exitlm_reduce;
+int exitlm_reduce_sum(struct exitlm_reduce *r, float *x, int64_t n);
+
 /* Whether the blocks' int8 / int4 products round their activations to int8 first (kernels.c:
  * q8a8 / q4a8, as llama.cpp computes Q8_0 / Q4_x); on unless switched off. One setting for
  * every block of the process, so that plain steps and verification chunks round alike. */
@@ -121,12 +125,16 @@ int64_t exitlm_block_scratch(const exitlm_block_dims *d, int64_t M, int64_t posi
 /* h (M, dim) <- block(h) for positions start .. start+M-1 of one sequence.
  * cos_t, ssin: (M, head_dim) rotary tables of those positions. kc, vc: this sequence's cache
  * for this layer, (kv_heads, positions_capacity, head_dim) with `head_stride` floats between
- * kv heads; the block writes positions start .. start+M-1 and reads 0 .. start+M-1. */
+ * kv heads; the block writes positions start .. start+M-1 and reads 0 .. start+M-1.
+ * red: NULL, or a tensor-parallel rank's shard (its heads, its MLP rows; EE-LLM Sec. 3.1 /
+ * Megatron-LM): the output and MLP-out partial products are summed over the ranks
+ * (reduce.c) before their residuals. */
 int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const float *norm1,
                        const float *norm2, const exitlm_weight *wqkv, const exitlm_weight *wo,
                        const exitlm_weight *w_in, const exitlm_weight *w_out,
                        const float *cos_t, const float *ssin, float *kc, float *vc,
-                       int64_t head_stride, int64_t start, float *scratch, int nthreads) {
+                       int64_t head_stride, int64_t start, float *scratch, int nthreads,
+                       struct exitlm_reduce *red) {
     const int64_t D = d->dim, H = d->heads, Hkv = d->kv_heads, hd = d->head_dim;
     const int64_t F = d->hidden, QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
     float *xn = scratch;
@@ -178,6 +186,7 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
         }
     }
     if ((rc = product(wo, att, tmp, M, nthreads)) != 0) return rc;
+    if (red != NULL && (rc = exitlm_reduce_sum(red, tmp, M * D)) != 0) return rc;
     for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
     for (int64_t m = 0; m < M; m++) rms_norm(h + m * D, norm2, d->eps, xn + m * D, D);
     if ((rc = product(w_in, xn, gu, M, nthreads)) != 0) return rc;
@@ -187,6 +196,7 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
         for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
     if ((rc = product(w_out, act, tmp, M, nthreads)) != 0) return rc;
+    if (red != NULL && (rc = exitlm_reduce_sum(red, tmp, M * D)) != 0) return rc;
     for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
     return 0;
 }

@@ -48,7 +48,7 @@ def bind(lib: ctypes.CDLL) -> None:
     """Declare the block entry points of the native library."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.exitlm_llama_block.argtypes = [p, i64, p, p, p, p, p, p, p, p, p, p, p, i64, i64, p,
-                                       ctypes.c_int]
+                                       ctypes.c_int, p]
     lib.exitlm_llama_block.restype = ctypes.c_int
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
@@ -97,9 +97,12 @@ class NativeBlock:
     every call (:meth:`serves`)."""
 
     def __init__(self, lib: ctypes.CDLL, dims: _Dims, block: torch.nn.Module,
-                 weights: list[tuple[_Weight, tuple[torch.Tensor, ...]]], scratch: Scratch
-                 ) -> None:
+                 weights: list[tuple[_Weight, tuple[torch.Tensor, ...]]], scratch: Scratch,
+                 reducer: Any = None) -> None:
         self.lib = lib
+        # a tensor-parallel shard's collectives (native_reduce.ShmReducer), kept alive here
+        self.reducer = reducer
+        self.reduce_ptr = None if reducer is None else reducer.pointer
         self.dims = dims
         attn, mlp = block.attn, block.mlp
         n1, n2 = block.norm_attn, block.norm_mlp
@@ -178,8 +181,10 @@ class NativeBlock:
         rc = self.lib.exitlm_llama_block(
             out.data_ptr(), m, *self._args, cos.data_ptr(), ssin.data_ptr(),
             keys.data_ptr(), values.data_ptr(), keys.stride(0), start,
-            self.scratch.pointer(need), threads)
+            self.scratch.pointer(need), threads, self.reduce_ptr)
         if rc != 0:
+            if self.reducer is not None and rc <= -20:
+                self.reducer._check(rc)  # the collective's own message
             raise RuntimeError(f"native block failed with code {rc}")
         return out if h.dtype == torch.float32 else out.to(h.dtype)
 
@@ -203,8 +208,17 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
     from exitlm.model.layers import Linear
 
     # exactly these classes: a parallel layout's subclasses (tensor-parallel row/column
-    # shards, exitlm.parallel) communicate inside their forward, which this call would skip
-    if any(type(lin) not in (Linear, FastLinear, QuantizedLinear)
+    # shards, exitlm.parallel) communicate inside their forward, which this call would skip -
+    # except a tensor-parallel shard whose output and MLP-out layers sum their partial
+    # products through one shared-memory reducer (``native_reduce``), which the call runs
+    reducer = getattr(attn.wo, "native_reducer", None)
+    plain = (Linear, FastLinear, QuantizedLinear)
+    sums = (lins[1], lins[3]) if reducer is not None else ()
+    if reducer is not None and (getattr(lins[3], "native_reducer", None) is not reducer
+                                or any(getattr(lin, "full_bias", None) is not None
+                                       for lin in sums)):
+        return None
+    if any((type(lin) not in plain and lin not in sums)
            or getattr(lin, "bias", None) is not None for lin in lins):
         return None
     if any(t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu"
@@ -215,4 +229,5 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
         return None
     dims = _Dims(attn.wo.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                  mlp.hidden, n1.eps, 1.0 / math.sqrt(attn.head_dim))
-    return NativeBlock(lib, dims, block, weights, scratch)  # type: ignore[arg-type]
+    return NativeBlock(lib, dims, block, weights, scratch,  # type: ignore[arg-type]
+                       reducer)

@@ -84,7 +84,8 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
         if mode == "tp":
             with guard("tensor-parallel decoding", rank=rank, timeout_s=timeout_s,
                        heartbeat=None):
-                res = generate(shard_model(model, rank, world), tokenizer, prompts,
+                res = generate(shard_model(model, rank, world, timeout_s=timeout_s),
+                               tokenizer, prompts,
                                strategy=strategy, stream=stream if rank == 0 else None,
                                threads=threads, **kwargs)
             return res if rank == 0 else None

@@ -3,10 +3,12 @@ directly applicable") on plain tensors with explicit gloo collectives.
 
 :func:`shard_model` turns a normally loaded model into rank ``r``'s shard of ``T``:
 
-* attention: the fused ``wqkv`` keeps rank ``r``'s ``H/T`` query heads and ``Hkv/T``
-  key/value heads (contiguous blocks, so every query head's GQA group stays on its rank), and
-  its cache holds only those key/value heads; ``wo`` keeps the matching input columns and
-  all-reduces its output (its bias is added once, after the sum);
+* attention: the fused ``wqkv`` keeps rank ``r``'s ``Hkv/T`` key/value heads and their query
+  heads (contiguous blocks, so every query head's GQA group stays on its rank), and its
+  cache holds only those key/value heads; ``wo`` keeps the matching input columns and
+  all-reduces its output (its bias is added once, after the sum). ``T`` need not divide the
+  heads (Megatron-LM asks it to): SmolLM2-135M's 3 key/value heads go 1 + 2 over 2 ranks
+  (:func:`split`), any ``T`` up to ``Hkv`` works;
 * MLP: the fused gate/up ``w_in`` keeps rank ``r``'s rows of each half, ``w_out`` the matching
   columns with an all-reduce;
 * exit heads like layers (an MLP head like an MLP, a block head like a block);
@@ -22,6 +24,12 @@ same bits, so every rank takes the same exit decisions and, with the same seed, 
 same tokens. Against one process the only difference is fp32 summation order (a sum of ``T``
 partial products instead of one product), ~1e-6 relative: greedy tokens are identical unless
 two logits (or a confidence and its threshold) lie that close.
+
+The sums and gathers of ranks on one machine go through shared memory
+(:mod:`exitlm.backend.native_reduce`, ``reduce.c``; rank-order sums, so still the same bits
+on every rank): a few microseconds where gloo took ~1 ms each, which made tensor-parallel
+decoding tens of times slower than one process. With the native kernels a shard's block is
+still one native call that runs both sums itself. Ranks on several machines use gloo.
 
 :func:`tp_generate` starts the processes itself; under ``torchrun`` every rank calls
 :func:`shard_model` and :func:`~exitlm.infer.api.generate` (``exitlm generate --tp T``).
@@ -40,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exitlm.backend.linear import FastLinear, linear
+from exitlm.backend.native_reduce import ShmReducer
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.infer.result import GenerationResult
 from exitlm.model.kv_cache import KVCache
@@ -47,39 +56,50 @@ from exitlm.model.layers import MLP, Attention, Block, attention_dtype
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
+from exitlm.parallel.infer.shm_group import shm_reducer
 
 TP_STRATEGIES = ("ar", "early-exit", "self-spec")
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise a :class:`ConfigError` naming ``--tp`` unless ``tp`` splits the model evenly."""
+    """Raise a :class:`ConfigError` naming ``--tp`` unless every rank gets at least one
+    key/value head (and so a whole group of query heads) and one MLP row."""
     if tp < 1:
         raise ConfigError(f"--tp {tp}: expected a positive number of processes")
-    sizes = {"attention heads": cfg.num_heads, "key/value heads": cfg.n_kv_heads,
-             "MLP width": cfg.hidden_dim}
-    for what, n in sizes.items():
-        if n % tp:
-            ok = [d for d in range(1, cfg.n_kv_heads + 1)
-                  if all(v % d == 0 for v in sizes.values())]
-            raise ConfigError(f"--tp {tp}: expected a divisor of the model's {what} ({n}); "
-                              f"this model splits into --tp {' / '.join(map(str, ok))}")
+    if tp > cfg.n_kv_heads:
+        raise ConfigError(f"--tp {tp}: expected at most the model's {cfg.n_kv_heads} key/value "
+                          f"heads (each rank keeps whole grouped-query groups)")
+
+
+def split(n: int, rank: int, tp: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous share ``[a, b)`` of ``n`` items over ``tp`` ranks: even when
+    ``tp`` divides ``n``, otherwise within one item of even (9 heads in 3 groups over 2
+    ranks: one group and two)."""
+    return rank * n // tp, (rank + 1) * n // tp
 
 
 class RowParallelLinear(FastLinear):
     """Rank ``r``'s input columns of a linear layer; the outputs are summed over the group
     (the bias, kept whole, is added once after the sum). Its product runs on the CPU
     backend's kernels (:func:`~exitlm.backend.linear.linear`, with the packed copy
-    :func:`~exitlm.backend.cpu.prepare_for_decoding` makes)."""
+    :func:`~exitlm.backend.cpu.prepare_for_decoding` makes); the sum goes through the
+    shared-memory reducer of the group's ranks when they have one (``native_reducer``, which
+    the native block then calls itself), else through gloo."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                 reducer: ShmReducer | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.full_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
+        self.native_reducer = reducer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.pack).contiguous()
-        dist.all_reduce(y, group=self.group)
+        if self.native_reducer is not None and y.dtype == torch.float32 and y.is_cpu:
+            self.native_reducer.sum_(y)
+        else:
+            dist.all_reduce(y, group=self.group)
         return y if self.full_bias is None else y + self.full_bias
 
 
@@ -97,33 +117,36 @@ def _column_split(lin: nn.Linear, blocks: list[tuple[int, int]]) -> None:
     lin.out_features = lin.weight.shape[0]
 
 
-def _row_split(lin: nn.Linear, a: int, b: int, group: Any) -> RowParallelLinear:
+def _row_split(lin: nn.Linear, a: int, b: int, group: Any,
+               reducer: ShmReducer | None) -> RowParallelLinear:
     w = lin.weight.detach()[:, a:b].contiguous()
     bias = None if lin.bias is None else lin.bias.detach().clone()
-    return RowParallelLinear(w, bias, group)
+    return RowParallelLinear(w, bias, group, reducer)
 
 
-def _shard_attention(attn: Attention, rank: int, tp: int, group: Any) -> None:
+def _shard_attention(attn: Attention, rank: int, tp: int, group: Any,
+                     reducer: ShmReducer | None) -> None:
     h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    hl, kl = h // tp, hkv // tp
-    q = (rank * hl * d, (rank + 1) * hl * d)
-    k = ((h + rank * kl) * d, (h + (rank + 1) * kl) * d)
-    v = ((h + hkv + rank * kl) * d, (h + hkv + (rank + 1) * kl) * d)
+    k0, k1 = split(hkv, rank, tp)  # this rank's key/value heads and their query groups
+    g = h // hkv
+    q = (k0 * g * d, k1 * g * d)
+    k = ((h + k0) * d, (h + k1) * d)
+    v = ((h + hkv + k0) * d, (h + hkv + k1) * d)
     _column_split(attn.wqkv, [q, k, v])
-    attn.wo = _row_split(attn.wo, q[0], q[1], group)
-    attn.num_heads, attn.num_kv_heads = hl, kl
+    attn.wo = _row_split(attn.wo, q[0], q[1], group, reducer)
+    attn.num_heads, attn.num_kv_heads = (k1 - k0) * g, k1 - k0
 
 
-def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any) -> None:
-    n = mlp.hidden // tp
-    own = (rank * n, (rank + 1) * n)
+def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any, reducer: ShmReducer | None) -> None:
+    own = split(mlp.hidden, rank, tp)
     blocks = [own, (mlp.hidden + own[0], mlp.hidden + own[1])] if mlp.gated else [own]
     _column_split(mlp.w_in, blocks)
-    mlp.w_out = _row_split(mlp.w_out, own[0], own[1], group)
-    mlp.hidden = n
+    mlp.w_out = _row_split(mlp.w_out, own[0], own[1], group, reducer)
+    mlp.hidden = own[1] - own[0]
 
 
-def _vocab_parallel_project(rank: int, tp: int, group: Any) -> Any:
+def _vocab_parallel_project(rank: int, tp: int, group: Any,
+                            reducer: ShmReducer | None) -> Any:
     """``project(h, weight)`` over rank ``rank``'s rows of ``weight`` with the logits
     all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows)."""
     shards: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
@@ -139,8 +162,11 @@ def _vocab_parallel_project(rank: int, tp: int, group: Any) -> Any:
             entry = (weakref.ref(weight), part.contiguous())
             shards[id(weight)] = entry
         local = linear(h, entry[1]).contiguous()  # (..., ceil(V/T))
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(parts, local, group=group)
+        if reducer is not None and local.dtype == torch.float32 and local.is_cpu:
+            parts = list(reducer.gather(local).unbind(0))
+        else:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=group)
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     return project
@@ -186,9 +212,15 @@ def check_float(model: EarlyExitLM) -> None:
                           "(load it with --dtype float32, float16 or bfloat16)")
 
 
-def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None) -> EarlyExitLM:
+def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
+                shm: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> EarlyExitLM:
     """A copy of ``model`` holding rank ``rank``'s tensor-parallel shard of ``tp`` (see the
-    module docstring); ``model`` itself is left as it is (unsharded tensors are shared)."""
+    module docstring); ``model`` itself is left as it is (unsharded tensors are shared).
+
+    Every rank of the group calls it (it is collective when ``tp > 1``): with ``shm`` and
+    every rank on this machine the sums and gathers go through shared memory
+    (:func:`~exitlm.parallel.infer.shm_group.shm_reducer`; ``EXITLM_TP_SHM=0`` turns it off),
+    else through gloo."""
     check_tp(model.config, tp)
     check_float(model)
     with torch.device("meta"):  # every tensor is replaced by the model's own below
@@ -197,14 +229,16 @@ def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None) -> Ea
     shard.eval().requires_grad_(False)
     if tp == 1:
         return shard
+    reducer = shm_reducer(rank, tp, group, timeout_s=timeout_s) if shm else None
     for mod in shard.modules():
         if isinstance(mod, Block):
-            _shard_attention(mod.attn, rank, tp, group)
+            _shard_attention(mod.attn, rank, tp, group, reducer)
         if isinstance(mod, MLP):
-            _shard_mlp(mod, rank, tp, group)
-    shard.project = _vocab_parallel_project(rank, tp, group)  # type: ignore[method-assign]
-    shard.new_cache = functools.partial(  # type: ignore[method-assign]
-        _local_cache, shard, model.config.n_kv_heads // tp)
+            _shard_mlp(mod, rank, tp, group, reducer)
+    shard.project = _vocab_parallel_project(rank, tp, group, reducer)  # type: ignore[method-assign]
+    k0, k1 = split(model.config.n_kv_heads, rank, tp)
+    shard.new_cache = functools.partial(_local_cache, shard, k1 - k0)  # type: ignore[method-assign]
+    shard._tp_reducer = reducer  # type: ignore[assignment]
     return shard
 
 
@@ -225,14 +259,14 @@ def check_strategy(strategy: str, options: dict[str, Any]) -> None:
 
 
 def _tp_main(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-             calls: list[dict[str, Any]]) -> None:
+             calls: list[dict[str, Any]], timeout_s: float) -> None:
     """Entry of a self-started tensor-parallel rank: the same generate calls as rank 0."""
     from exitlm.infer.api import generate
 
     with torch.device("meta"):
         model = EarlyExitLM(cfg)
     _assign(model, tensors)
-    shard = shard_model(model, rank, world)
+    shard = shard_model(model, rank, world, timeout_s=timeout_s)
     for call in calls:
         generate(shard, None, **call)
 
@@ -250,10 +284,10 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
     for call in calls:
         check_strategy(call.get("strategy", "ar"), call)
     calls = [{**c, "threads": threads} for c in calls]
-    workers = start_workers(_tp_main, (model.config, _tensors(model), calls), tp,
+    workers = start_workers(_tp_main, (model.config, _tensors(model), calls, timeout_s), tp,
                             timeout_s=timeout_s, threads=threads)
     try:
-        shard = shard_model(model, 0, tp)
+        shard = shard_model(model, 0, tp, timeout_s=timeout_s)
         with guard("tensor-parallel decoding", rank=0, timeout_s=timeout_s, heartbeat=None):
             results = [generate_on(shard, tokenizer, stream, c) for c in calls]
         workers.join(timeout_s)
