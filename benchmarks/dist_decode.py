@@ -2,7 +2,8 @@
 latency of pipeline-based early-exit inference (``--stages`` processes, EE-LLM Sec. 4), KV
 recomputation (one process) and tensor-parallel KV recomputation (``--tp`` processes) over
 confidence thresholds, batch 1, one thread per process, greedy, on a LayerSkip-trained model.
-Plain autoregressive decoding (one process) is the baseline. Prints one JSON object; progress
+Plain autoregressive decoding (one process) is the baseline; ``ar_tp`` is plain decoding over
+the ``--tp`` processes. Prints one JSON object; progress
 goes to stderr.
 
     python benchmarks/dist_decode.py --model runs/scratch-layerskip/model
@@ -119,8 +120,15 @@ def main() -> None:
                        **_summary(got, ref[thr])}
                 report["results"].append(row)
                 _note(f"pipeline @ {thr}: {row['ms_per_token']} ms/token")
-        every = [warm] + [c for thr in thresholds for c in calls(thr)]
+        ar_calls = [{"prompts": [p], "strategy": "ar", **base} for p in prompts]
+        every = [warm] + ar_calls + [c for thr in thresholds for c in calls(thr)]
         got_all = tp_run(model, every, tp=a.tp, threads=a.threads)[1:]
+        same = sum(x.sequences[0].token_ids == y.sequences[0].token_ids
+                   for x, y in zip(got_all[: len(prompts)], ar, strict=True))
+        report["ar_tp"] = {"processes": a.tp, **_summary(got_all[: len(prompts)], None),
+                           "same_tokens_as_ar": f"{same}/{len(prompts)}"}
+        _note(f"ar, tp={a.tp}: {report['ar_tp']['ms_per_token']} ms/token")
+        got_all = got_all[len(prompts):]
         for i, thr in enumerate(thresholds):
             got = got_all[i * len(prompts):(i + 1) * len(prompts)]
             row = {"method": "tp", "processes": a.tp, "threshold": thr,
