@@ -111,3 +111,21 @@ def test_tp4_self_spec_with_gqa() -> None:
     ref = generate(model, None, prompts, threads=1, **kw)
     got = tp_generate(model, None, prompts, tp=4, **kw)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
+
+
+def test_unseeded_sampling_draws_one_seed_for_every_rank() -> None:
+    """Sampling without ``--seed``: rank 0 draws the seed for all ranks. Before, each rank
+    drew its own, fed its shard other tokens than its peers (nonsense text) and, on a model
+    with an end token, stopped at another length and left its peers waiting."""
+    from exitlm.parallel.infer.tp_decode import draw_seed
+
+    torch.set_num_threads(1)
+    model = ee_model("linear", eos=(3,))
+    prompts = random_prompts()[:1]
+    kw = {"temperature": 1.0, "max_new_tokens": 24}
+    torch.manual_seed(11)
+    got = tp_generate(model, None, prompts, tp=2, timeout_s=30.0, **kw)
+    torch.manual_seed(11)
+    seed = draw_seed()
+    ref = generate(model, None, prompts, threads=1, seed=seed, **kw)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]

@@ -25,7 +25,7 @@ from exitlm.infer import generate
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.infer.launch import join_group
 from exitlm.parallel.infer.shm_group import shm_reducer
-from exitlm.parallel.infer.tp_decode import shard_model, split, tp_generate
+from exitlm.parallel.infer.tp_decode import agree_seed, shard_model, split, tp_generate
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
@@ -154,6 +154,9 @@ def _native_shard(rank: int, world: int, port: int, root: str) -> None:
         res = generate(shard, None, [random_prompts()[0]], max_new_tokens=10, ignore_eos=True,
                        threads=1)
         info["tokens"] = res.sequences[0].token_ids
+        torch.manual_seed(rank)  # each rank's own draw would differ
+        info["seed"] = agree_seed({"temperature": 1.0}, rank)["seed"]
+        info["kept"] = agree_seed({"temperature": 1.0, "seed": 5}, rank)["seed"]
         (Path(root) / f"{rank}.json").write_text(json.dumps(info))
     finally:
         dist.destroy_process_group()
@@ -161,7 +164,8 @@ def _native_shard(rank: int, world: int, port: int, root: str) -> None:
 
 def test_a_shards_block_is_one_native_call_with_its_sums(tmp_path: Path) -> None:
     """With the native kernels, a shard's blocks run ``block.c`` with the reducer (both sums
-    inside the call), one sequence decodes through them, and the tokens are one process's."""
+    inside the call), one sequence decodes through them, and the tokens are one process's;
+    :func:`agree_seed` gives every rank rank 0's seed."""
     run_processes(_native_shard, (2, free_port(), str(tmp_path)), 2, what="tensor-parallel ranks")
     infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [i["heads"] for i in infos] == [[2, 1], [4, 2]]
@@ -170,3 +174,5 @@ def test_a_shards_block_is_one_native_call_with_its_sums(tmp_path: Path) -> None
     ref = generate(_uneven_model(), None, [random_prompts()[0]], max_new_tokens=10,
                    ignore_eos=True, threads=1)
     assert infos[0]["tokens"] == infos[1]["tokens"] == ref.sequences[0].token_ids
+    # under torchrun, unseeded sampling gets rank 0's seed on every rank; a given one stays
+    assert infos[0]["seed"] == infos[1]["seed"] and infos[0]["kept"] == infos[1]["kept"] == 5

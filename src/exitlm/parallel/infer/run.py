@@ -27,6 +27,7 @@ from exitlm.parallel.infer.pipeline_ee import (
     stage_bounds,
 )
 from exitlm.parallel.infer.tp_decode import (
+    agree_seed,
     broadcast_weights,
     check_strategy,
     check_tp,
@@ -82,6 +83,7 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
     try:
         broadcast_weights(model)
         if mode == "tp":
+            kwargs = agree_seed(kwargs, rank)
             with guard("tensor-parallel decoding", rank=rank, timeout_s=timeout_s,
                        heartbeat=None):
                 res = generate(shard_model(model, rank, world, timeout_s=timeout_s),

@@ -249,6 +249,40 @@ def broadcast_weights(model: EarlyExitLM, group: Any = None) -> None:
         dist.broadcast(t.data, src=0, group=group)
 
 
+def draw_seed() -> int:
+    """A sampling seed from torch's global generator, as one process draws one for a
+    sequence without a seed (:func:`~exitlm.infer.sampling.make_generator`)."""
+    return int(torch.randint(0, 2**32, (1,)).item())
+
+
+def needs_seed(call: dict[str, Any]) -> bool:
+    """Whether ``generate(**call)`` samples without a seed: each rank would then draw its own,
+    feed its shard different tokens than its peers and mix them into nonsense (or stop at
+    another length and leave its peers waiting)."""
+    sampling = call.get("sampling")
+    temperature = call.get("temperature", sampling.temperature if sampling is not None else 0)
+    seed = call.get("seed", sampling.seed if sampling is not None else None)
+    return bool(temperature) and seed is None
+
+
+def with_seed(call: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``call`` sampling with ``seed`` (sequence ``i`` then uses ``seed + i``)."""
+    if "sampling" in call and call["sampling"] is not None and "seed" not in call:
+        return {**call, "sampling": call["sampling"].replace(seed=seed)}
+    return {**call, "seed": seed}
+
+
+def agree_seed(call: dict[str, Any], rank: int, group: Any = None) -> dict[str, Any]:
+    """Every rank of ``group`` calls this with the same ``call``: a call that samples without
+    a seed gets one seed, drawn by rank 0, on every rank."""
+    if not needs_seed(call):
+        return call
+    t = torch.tensor([draw_seed() if rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
+    return with_seed(call, int(t))
+
+
 def check_strategy(strategy: str, options: dict[str, Any]) -> None:
     """``--tp`` decodes with ``ar``, ``early-exit`` (KV recomputation) and ``self-spec``."""
     if strategy not in TP_STRATEGIES:
@@ -283,7 +317,9 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
     check_float(model)
     for call in calls:
         check_strategy(call.get("strategy", "ar"), call)
-    calls = [{**c, "threads": threads} for c in calls]
+    # rank 0 draws the seeds of unseeded sampling for every rank (needs_seed)
+    calls = [{**(with_seed(c, draw_seed()) if needs_seed(c) else c), "threads": threads}
+             for c in calls]
     workers = start_workers(_tp_main, (model.config, _tensors(model), calls, timeout_s), tp,
                             timeout_s=timeout_s, threads=threads)
     try:
