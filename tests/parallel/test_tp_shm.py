@@ -100,6 +100,34 @@ def test_a_missing_or_failed_peer_is_an_error_not_a_hang(tmp_path: Path) -> None
                     "a tensor-parallel peer failed (it marked the shared collective aborted)"]
 
 
+def _dies(rank: int, world: int, port: int, root: str) -> None:
+    import time
+
+    torch.set_num_threads(1)
+    join_group(rank, world, port, 60.0)
+    red = shm_reducer(rank, world, timeout_s=60.0)
+    assert red is not None
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # gone without a word: no abort, no collective
+    t0 = time.monotonic()
+    try:
+        red.sum_(torch.ones(4))
+        msg = "no error"
+    except RuntimeError as err:
+        msg = str(err)
+    (Path(root) / "0.json").write_text(json.dumps([msg, time.monotonic() - t0]))
+    os._exit(0)  # the group's peer is gone: skip its teardown
+
+
+def test_a_killed_peer_is_noticed_before_the_timeout(tmp_path: Path) -> None:
+    run_processes(_dies, (2, free_port(), str(tmp_path)), 2, what="shared-memory ranks",
+                  timeout=120)
+    msg, waited = json.loads((tmp_path / "0.json").read_text())
+    assert msg == "a tensor-parallel peer's process exited"
+    assert waited < 20  # not the 60 s timeout
+
+
 def test_split_is_contiguous_and_covers() -> None:
     assert [split(3, r, 2) for r in range(2)] == [(0, 1), (1, 3)]
     assert [split(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]

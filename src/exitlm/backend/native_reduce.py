@@ -12,6 +12,7 @@ module only maps a file and calls the kernels.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -20,20 +21,23 @@ from exitlm.backend import native
 
 FLAG_STRIDE = 16
 """int64 entries per rank's flag (``reduce.c``: one 128-byte line each)."""
+PID_SLOT = 2
+"""Where in its flag's line each rank writes its process id (``reduce.c``)."""
 DEFAULT_CAPACITY = 1 << 16
 """Floats per rank and buffer: a round moves at most this much; larger tensors take several
 rounds (a 64-row verification of a 576-wide model is 36864 floats, one round)."""
 
 _ERRORS = {-20: "a tensor-parallel peer did not reach the collective within {t:g} s",
            -21: "a tensor-parallel peer failed (it marked the shared collective aborted)",
-           -22: "bad arguments to the shared-memory collective"}
+           -22: "bad arguments to the shared-memory collective",
+           -23: "a tensor-parallel peer's process exited"}
 
 
 class _Region(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_void_p), ("data", ctypes.c_void_p),
                 ("cap", ctypes.c_int64), ("rank", ctypes.c_int64),
                 ("world", ctypes.c_int64), ("seq", ctypes.c_int64),
-                ("timeout_s", ctypes.c_double)]
+                ("timeout_s", ctypes.c_double), ("watch", ctypes.c_int64)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -72,9 +76,25 @@ class ShmReducer:
         flags = world * FLAG_STRIDE
         data = self._map[flags:].view(torch.float32)
         self._region = _Region(self._map.data_ptr(), data.data_ptr(), capacity, rank, world, 0,
-                               float(timeout_s))
+                               float(timeout_s), 0)
+        self._map[rank * FLAG_STRIDE + PID_SLOT] = os.getpid()
         self.pointer = ctypes.addressof(self._region)
         """The ``exitlm_reduce *`` the native block takes."""
+
+    def watch_peers(self) -> bool:
+        """Once every rank has mapped the region: let waits notice a peer whose process is
+        gone (SIGKILL, a crash) at once instead of at the timeout. Only where every peer's
+        process is visible from here (same process namespace); returns whether it is on."""
+        pids = [int(self._map[r * FLAG_STRIDE + PID_SLOT]) for r in range(self.world)]
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass  # exists
+        self._region.watch = 1
+        return True
 
     def _check(self, rc: int) -> None:
         if rc != 0:

@@ -16,14 +16,19 @@
  * only after it finished reading round s.
  *
  * Waiting spins with PAUSE, then yields the core (oversubscribed machines: more ranks than
- * cores), and gives up after the timeout or as soon as a peer marks itself failed (a
- * negative sequence number, exitlm_reduce_abort), so a dead rank never hangs the others.
+ * cores), and gives up after the timeout, as soon as a peer marks itself failed (a negative
+ * sequence number, exitlm_reduce_abort) or, with `watch`, once the awaited peer's process is
+ * gone (killed ranks cannot mark anything), so a dead rank never hangs the others.
  */
 
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
 #include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -43,11 +48,33 @@ typedef struct exitlm_reduce {
     float *data;
     int64_t cap, rank, world, seq;
     double timeout_s;
+    int64_t watch; /* 1: check that waited-for peers' processes still live (see peer_alive) */
 } exitlm_reduce;
 
 #define ERR_TIMEOUT (-20)
 #define ERR_PEER (-21)
 #define ERR_ARGS (-22)
+#define ERR_DEAD (-23)
+#define PID_SLOT 2 /* each rank's process id, in its flag's line */
+
+/* Whether process `pid` still runs: not gone and not a zombie (a killed worker whose parent,
+ * the rank waiting here, has not reaped it yet). Linux reads /proc; elsewhere kill(pid, 0). */
+static int peer_alive(int64_t pid) {
+    if (pid <= 0) return 1;
+#ifdef __linux__
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return errno != ENOENT;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *rp = strrchr(buf, ')');
+    return !(rp != NULL && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
+#else
+    return kill((pid_t)pid, 0) == 0 || errno != ESRCH;
+#endif
+}
 
 static double now_s(void) {
     struct timespec ts;
@@ -75,6 +102,9 @@ static int meet(exitlm_reduce *r, int64_t seq) {
                 double t = now_s();
                 if (deadline < 0) deadline = t + r->timeout_s;
                 else if (t > deadline) return ERR_TIMEOUT;
+                if (r->watch && !peer_alive(__atomic_load_n(&r->flags[p * FLAG_STRIDE + PID_SLOT],
+                                                            __ATOMIC_RELAXED)))
+                    return ERR_DEAD;
             }
         }
     }

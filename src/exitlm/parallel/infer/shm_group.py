@@ -85,4 +85,8 @@ def shm_reducer(rank: int, world: int, group: Any = None, *, timeout_s: float = 
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if path is not None:
         path.unlink(missing_ok=True)
-    return reducer if int(ok) == 1 else None
+    if int(ok) != 1:
+        return None
+    assert reducer is not None
+    reducer.watch_peers()  # every rank wrote its process id before the all-reduce
+    return reducer
