@@ -71,6 +71,12 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING
     return groups
 
 
+class EngineBroken(RuntimeError):
+    """The engine cannot serve any more requests (an engine over several processes whose
+    ranks failed, :class:`~exitlm.parallel.infer.tp_engine.TPEngine`); the message says why
+    and what to do."""
+
+
 class EngineFull(ConfigError):
     """The waiting queue is full (``max_queue``); try again later."""
 
@@ -229,9 +235,15 @@ class Engine:
         request that cannot be served (empty prompt, prompt + ``max_new_tokens`` beyond
         ``max_seq_len``, options the decoder cannot take) and :class:`EngineFull` when the
         queue is full."""
-        sampling = sampling or SamplingOptions()
-        ids = self._encode(prompt, chat)
-        opts = self._request_options(options, option_changes)
+        req = self._build(self._encode(prompt, chat), sampling or SamplingOptions(),
+                          self._request_options(options, option_changes), on_update,
+                          next(self._ids))
+        self._enqueue(req)
+        return req
+
+    def _build(self, ids: list[int], sampling: SamplingOptions, opts: Any,
+               on_update: Callable[[Update], None] | None, rid: int) -> Request:
+        """A validated request (see :meth:`submit`) with id ``rid``, not yet queued."""
         if not ids:
             raise ConfigError("the prompt is empty: every prompt needs at least one token "
                               "(add a BOS token)")
@@ -252,21 +264,36 @@ class Engine:
             raise ConfigError("stop strings need a tokenizer")
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.eos_ids)
-        req = Request(next(self._ids), list(ids), sampling, opts, seq, stop_ids, on_update,
+        req = Request(rid, list(ids), sampling, opts, seq, stop_ids, on_update,
                       t_submit=time.perf_counter())
         req.tracker = TextTracker(self.tokenizer, req.id, stop_strings=sampling.stop_strings,
                                   stream=None if self.tokenizer is None else self._piece_sink(req))
+        return req
+
+    def _enqueue(self, req: Request) -> None:
+        """Queue ``req`` for a row (:class:`EngineFull` beyond ``max_queue``)."""
         with self._lock:
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._waiting.append(req)
-        return req
 
     def cancel(self, request: Request) -> None:
         """Stop ``request`` at the next step boundary (its row is freed, finish reason
         ``cancelled``). Safe from any thread; a finished request is left alone."""
         with self._lock:
             self._cancel.add(request.id)
+
+    def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob | None]:
+        """Log-probabilities of ``ids`` under the final layer (the server's ``echo`` with
+        ``logprobs``); call it between steps, on the thread that steps."""
+        from exitlm.infer.score import score_tokens
+
+        return score_tokens(self.model, ids, top=top)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the engine cannot serve any more (``None``: it can); see :class:`EngineBroken`."""
+        return None
 
     def has_work(self) -> bool:
         with self._lock:

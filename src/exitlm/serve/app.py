@@ -8,7 +8,8 @@ Routes (OpenAI's and vLLM's):
   request may set;
 * ``POST /tokenize`` (``prompt``, or chat ``messages``) and ``POST /detokenize``
   (``tokens``);
-* ``GET /health``: ``{"status": "ok", "running": ..., "waiting": ...}`` (no API key);
+* ``GET /health``: ``{"status": "ok", "running": ..., "waiting": ...}`` (no API key); 503
+  with ``"status": "unavailable"`` and the reason once the engine cannot serve any more;
 * ``GET /metrics``: Prometheus text (:mod:`exitlm.serve.metrics`, no API key).
 """
 
@@ -112,10 +113,15 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": state.model_name, "strategy": state.strategy,
+    async def health() -> Any:
+        body = {"status": "ok", "model": state.model_name, "strategy": state.strategy,
                 "running": state.runner.running, "waiting": state.runner.waiting,
                 "engine_failures": state.runner.failures}
+        broken = state.engine.broken
+        if broken is not None:  # it will not recover: a supervisor should restart it
+            return JSONResponse({**body, "status": "unavailable", "reason": broken},
+                                status_code=503)
+        return body
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -3,6 +3,7 @@
     exitlm serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
     exitlm serve default-ee --strategy self-spec --num-speculations 3 --port 8080
     exitlm serve ./runs/ls/model --strategy early-exit --threshold 0.8 --api-key secret
+    exitlm serve default-ee --tp 2                 # two processes, each with half the model
 
 The model loads the way ``exitlm generate`` loads it (a strategy other than ``ar`` on a model
 without exits gets LayerSkip-style exits at every layer; a model without a tokenizer gets one
@@ -64,6 +65,11 @@ def register(subparsers: Any) -> None:
                    help="weights: float32/float16/bfloat16, or int8/int4 weight-only quantized")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding)")
+    p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
+                   help="tensor-parallel decoding over T processes started here (ar, "
+                        "early-exit, self-spec; one thread each unless --threads)")
+    p.add_argument("--dist-timeout", type=_non_negative, default=300.0, metavar="S",
+                   help="with --tp: seconds a process waits for another within a step")
     p.add_argument("--drain-timeout", type=_non_negative, default=30.0,
                    help="seconds a shutdown waits for requests in flight")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -89,10 +95,18 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args.threads)
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
-    engine = Engine(loaded.model, tokenizer, args.strategy,
-                    get_strategy(args.strategy).options(None, **overrides),
-                    max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                    max_queue=args.max_queue, threads=args.threads)
+    options = get_strategy(args.strategy).options(None, **overrides)
+    limits = {"max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
+              "max_queue": args.max_queue}
+    if args.tp > 1:
+        from exitlm.parallel.infer.tp_engine import tp_engine
+
+        engine: Engine = tp_engine(loaded.model, tokenizer, args.strategy, options, tp=args.tp,
+                                   threads=args.threads or 1, timeout_s=args.dist_timeout,
+                                   **limits)
+    else:
+        engine = Engine(loaded.model, tokenizer, args.strategy, options,
+                        threads=args.threads, **limits)
     state = ServerState(engine, tokenizer, args.served_model_name or args.model,
                         api_key=args.api_key or os.environ.get("EXITLM_API_KEY") or None,
                         drain_timeout=args.drain_timeout)
@@ -104,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(args.drain_timeout) + 2)
 
     def ready() -> None:
+        tp = f", tensor-parallel over {args.tp} processes" if args.tp > 1 else ""
         print(f"exitlm serve: listening on {url} (model {state.model_name!r}, strategy "
-              f"{state.strategy}, max batch {engine.max_batch}, context {state.context})",
+              f"{state.strategy}, max batch {engine.max_batch}, context {state.context}{tp})",
               file=sys.stderr, flush=True)
 
     with signals_end_quietly():

@@ -9,7 +9,7 @@ generator is closed, its ``finally`` cancels them). An engine failure is a 500, 
 one ``data: {"error": ...}`` event before ``[DONE]``.
 
 ``echo`` with ``logprobs`` (lm-evaluation-harness's log-likelihoods) scores the prompt with
-:func:`~exitlm.infer.score.score_tokens` at the final layer, on the engine thread; generated
+:meth:`~exitlm.infer.engine.Engine.score` at the final layer, on the engine thread; generated
 tokens carry the log-probabilities of the distribution that chose them (an early exit's, for
 a token that exited early).
 """
@@ -30,9 +30,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from exitlm.config import ConfigError
-from exitlm.infer.engine import EngineFull, Request, Update
+from exitlm.infer.engine import EngineBroken, EngineFull, Request, Update
 from exitlm.infer.result import TokenLogprob
-from exitlm.infer.score import score_tokens
 from exitlm.serve import formats
 from exitlm.serve.errors import APIError, bad_request
 from exitlm.serve.protocol import (
@@ -115,6 +114,8 @@ async def _serve(state: ServerState, http: HTTPRequest, plan: Plan) -> Response:
                        headers={"Retry-After": "1"}) from None
     except ConfigError as err:
         raise config_error(err) from None
+    except EngineBroken as err:
+        raise APIError(503, str(err), code="engine_unavailable") from None
     log = _log(http)
     log.update(n=plan.n, stream=plan.req.stream, prompt_tokens=sum(map(len, plan.prompts)))
     try:
@@ -134,9 +135,8 @@ async def _prompt_scores(state: ServerState, plan: Plan
                          ) -> list[list[TokenLogprob | None]] | None:
     if plan.echo_texts is None or plan.logprobs is None:
         return None
-    model, top = state.engine.model, plan.logprobs
-    return await state.runner.call(lambda: [score_tokens(model, ids, top=top)
-                                            for ids in plan.prompts])
+    engine, top = state.engine, plan.logprobs
+    return await state.runner.call(lambda: [engine.score(ids, top) for ids in plan.prompts])
 
 
 # ----- unstreamed -----------------------------------------------------------------------------
