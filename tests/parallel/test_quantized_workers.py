@@ -5,7 +5,8 @@ with the parent's kernels and int8-activation setting, so their tokens equal one
 Found by running them: the stage processes used to rebuild a plain model and assign the
 quantized buffers beside random weights (wrong tokens, silently), the PPD worker did not
 start, and moving the weights to shared memory left the parent's native blocks pointing at
-the old storage (its steps fell back to torch, other rounding)."""
+the old storage (its steps fell back to torch, other rounding). Tensor-parallel ranks take
+shards of the same quantized weights."""
 
 from __future__ import annotations
 
@@ -72,12 +73,24 @@ def test_pipeline_stages_on_quantized_weights() -> None:
     assert early > 0
 
 
-def test_tensor_parallel_refuses_quantized_weights() -> None:
-    from exitlm.config import ConfigError
-    from exitlm.parallel.infer.tp_decode import shard_model, tp_run
+def test_tensor_parallel_ranks_on_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--tp`` on quantized weights (it used to be refused): the self-started rank rebuilds
+    the quantized modules from the parent's buffers and keeps the parent's activation setting,
+    so with float32 activations its tokens are one process's (int8 activations and the other
+    strategies: tests/parallel/test_tp_quantized.py)."""
+    from exitlm.parallel.infer.tp_decode import tp_generate
 
-    model = _model("int4")
-    with pytest.raises(ConfigError, match="--tp splits float weights; this model holds int4"):
-        shard_model(model, 0, 2)
-    with pytest.raises(ConfigError, match="--dtype float32"):
-        tp_run(model, [{"prompts": [[1, 2]], "max_new_tokens": 2}], tp=2)
+    torch.set_num_threads(1)
+    monkeypatch.setenv("EXITLM_INT8_ACTIVATIONS", "0")
+    prev = native.set_int8_activations(False)  # exported to the spawned rank
+    try:
+        model = _model("int4")
+        kw = {"strategy": "early-exit", "threshold": 0.6, "max_new_tokens": NEW,
+              "ignore_eos": True}
+        got = tp_generate(model, None, _prompts()[:1], tp=2, **kw)
+        ref = generate(model, None, _prompts()[:1], threads=1, **kw)
+    finally:
+        native.set_int8_activations(prev)
+    assert got.sequences[0].token_ids == ref.sequences[0].token_ids
+    assert got.sequences[0].exit_layers == ref.sequences[0].exit_layers
+    assert min(got.sequences[0].exit_layers) < model.num_layers

@@ -130,6 +130,41 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, self.q[rows], self.scales[rows],
                                None if self.mins is None else self.mins[rows])
 
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Input columns ``[start, stop)`` as a weight of their own (contiguous copies): the
+        part of a row-parallel layer one tensor-parallel rank keeps (Megatron-LM's row split).
+
+        A group's scale (and min) belong to all of its 32 columns, so only whole groups can be
+        cut without quantizing again: both ends must be multiples of :data:`GROUP` (int4:
+        bytes ``[start / 2, stop / 2)`` of every row, 16 per group). The result then holds
+        exactly those columns' ``q``, ``scales`` and ``mins``, so it dequantizes to the same
+        columns of this weight and its products are partial sums of this weight's products.
+        """
+        k = self.shape[1]
+        if not 0 <= start < stop <= k or start % GROUP or stop % GROUP:
+            raise ValueError(f"QuantizedWeight.columns: [{start}, {stop}) of {k} columns does "
+                             f"not cut whole groups of {GROUP}")
+        g0, g1 = start // GROUP, stop // GROUP
+        per = 1 if self.kind == "int8" else 2  # elements per byte of q
+        q = self.q[:, start // per : stop // per].contiguous()
+        mins = None if self.mins is None else self.mins[:, g0:g1].contiguous()
+        return QuantizedWeight(self.kind, q, self.scales[:, g0:g1].contiguous(), mins)
+
+    def padded(self, rows: int) -> QuantizedWeight:
+        """This weight with zero rows added up to ``rows`` (``q``, scales and mins all zero,
+        so they dequantize, and multiply, to exactly 0): a vocabulary-parallel shard that the
+        vocabulary does not fill."""
+        n, _ = self.shape
+        if rows <= n:
+            return self
+        extra = rows - n
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+        return QuantizedWeight(self.kind, grow(self.q), grow(self.scales),
+                               None if self.mins is None else grow(self.mins))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``(N, K)`` weight: ``q * scale`` (int8) or ``nibble * scale + min`` (int4), each
         operation rounded in float32, then cast to ``dtype``."""

@@ -63,6 +63,16 @@ class _Quantized(nn.Module):
         ``load_state_dict`` may have replaced)."""
         return QuantizedWeight(self.kind, self.q, self.scales, self.mins)
 
+    def hold(self, weight: QuantizedWeight) -> None:
+        """Hold ``weight`` (of this module's kind) instead of the current one, as buffers of
+        the same names: a tensor-parallel shard keeps some of a layer's output rows."""
+        if weight.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} holds {self.kind} weights, not "
+                             f"{weight.kind}")
+        self.q, self.scales = weight.q, weight.scales
+        if weight.mins is not None:
+            self.mins = weight.mins
+
     def extra_repr(self) -> str:
         n, k = self.weight.shape
         return f"{k} -> {n}, {self.kind}, groups of {GROUP}"
@@ -115,6 +125,22 @@ def cat_rows(parts: list[Any]) -> torch.Tensor | QuantizedWeight:
                                torch.cat([p.scales for p in parts]), mins)
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float()
                       for p in parts])
+
+
+def weights_in(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    """The quantized weights that the buffers among ``tensors`` (named as in a state dict:
+    ``<module>.q``, ``.scales`` and, for int4, ``.mins``) describe, by module name; the kind
+    follows ``q``'s dtype (int8: ``int8``, uint8: ``int4``). Rebuilds a quantized model's
+    modules from its tensors alone, as a process that was handed them must."""
+    out = {}
+    for name, q in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf != "q" or f"{owner}.scales" not in tensors:
+            continue
+        kind = "int8" if q.dtype == torch.int8 else "int4"
+        out[owner] = QuantizedWeight(kind, q, tensors[f"{owner}.scales"],
+                                     tensors.get(f"{owner}.mins") if kind == "int4" else None)
+    return out
 
 
 def quantized_numel(model: nn.Module) -> int:

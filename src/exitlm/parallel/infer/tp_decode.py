@@ -16,7 +16,18 @@ directly applicable") on plain tensors with explicit gloo collectives.
   vocabulary-parallel: each rank multiplies its ``ceil(V/T)`` rows and the logits are
   all-gathered, so confidence checks and token choice see the full vocabulary on every rank
   (as EE-LLM gathers logits for its exits at inference);
-* norms, embeddings and the residual stream are replicated.
+* norms, embeddings and the residual stream are replicated;
+* int8/int4 weights (:mod:`exitlm.backend.quantized`, groups of 32 along the input) are split
+  as they are, never quantized again: output rows are rows of ``q``, ``scales`` and ``mins``;
+  input columns can only be cut between groups, so the MLP width is split in whole groups and
+  a head split that would cut a group is refused (:func:`check_quantized`). A shard then holds
+  exactly its slices of the one-process weights and computes their partial products on the
+  same quantized kernels (the native block included). Caveat: the native blocks' int8
+  activations (on by default, :func:`~exitlm.backend.native.int8_activations`) round every
+  product input to a step of ``absmax / 127``, so the last-bit difference of a two-part sum
+  (below) can cross a rounding step and move logits by ~1e-3 relative: greedy tokens then
+  part at near-ties (``default-ee`` int8, TP=2: at token 25 of 64, where one process's top
+  two logits lie 0.03 apart). With ``EXITLM_INT8_ACTIVATIONS=0`` they are one process's.
 
 The ordinary decoders (autoregressive, early exit with KV recomputation, self-speculative)
 then run unchanged on every rank with identical inputs: the collectives give every rank the
@@ -49,6 +60,14 @@ from torch import nn
 
 from exitlm.backend.linear import FastLinear, linear
 from exitlm.backend.native_reduce import ShmReducer
+from exitlm.backend.quant import GROUP, QuantizedWeight
+from exitlm.backend.quantized import (
+    QuantizedLinear,
+    cat_rows,
+    install,
+    quantized_project,
+    weights_in,
+)
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.infer.result import GenerationResult
 from exitlm.model.kv_cache import KVCache
@@ -95,12 +114,40 @@ class RowParallelLinear(FastLinear):
         self.native_reducer = reducer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.pack).contiguous()
-        if self.native_reducer is not None and y.dtype == torch.float32 and y.is_cpu:
-            self.native_reducer.sum_(y)
-        else:
-            dist.all_reduce(y, group=self.group)
+        y = _sum_over_group(linear(x, self.weight, None, self.pack).contiguous(),
+                            self.native_reducer, self.group)
         return y if self.full_bias is None else y + self.full_bias
+
+
+class QuantizedRowParallelLinear(QuantizedLinear):
+    """:class:`RowParallelLinear` of an int8/int4 layer: rank ``r``'s whole groups of input
+    columns (:meth:`~exitlm.backend.quant.QuantizedWeight.columns`), multiplied on the
+    quantized kernels (:func:`~exitlm.backend.quant.qlinear`, as
+    :class:`~exitlm.backend.quantized.QuantizedLinear` does) and summed over the group like
+    the float layer. It holds the weight as the same ``q`` / ``scales`` / ``mins`` buffers,
+    so the native block (``block.c``) takes it and runs the sum itself."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, group: Any,
+                 reducer: ShmReducer | None = None) -> None:
+        super().__init__(weight)
+        self.full_bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                                requires_grad=False)
+        self.group = group
+        self.native_reducer = reducer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _sum_over_group(super().forward(x).contiguous(), self.native_reducer, self.group)
+        return y if self.full_bias is None else y + self.full_bias
+
+
+def _sum_over_group(y: torch.Tensor, reducer: ShmReducer | None, group: Any) -> torch.Tensor:
+    """``y`` summed in place over the ranks of ``group``: through the shared-memory reducer
+    when the ranks have one (fp32 CPU tensors), else gloo's all-reduce."""
+    if reducer is not None and y.dtype == torch.float32 and y.is_cpu:
+        reducer.sum_(y)
+    else:
+        dist.all_reduce(y, group=group)
+    return y
 
 
 def _rows(t: torch.Tensor | None, blocks: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -109,18 +156,28 @@ def _rows(t: torch.Tensor | None, blocks: list[tuple[int, int]]) -> torch.Tensor
     return torch.cat([t.detach()[a:b] for a, b in blocks]).contiguous()
 
 
-def _column_split(lin: nn.Linear, blocks: list[tuple[int, int]]) -> None:
-    """Keep the output rows ``blocks`` of ``lin`` (a column-parallel layer)."""
-    lin.weight = nn.Parameter(_rows(lin.weight, blocks), requires_grad=False)  # type: ignore[arg-type]
+def _column_split(lin: nn.Linear | QuantizedLinear, blocks: list[tuple[int, int]]) -> None:
+    """Keep the output rows ``blocks`` of ``lin`` (a column-parallel layer); a quantized
+    layer keeps those rows of ``q``, ``scales`` and ``mins`` (every row is quantized on its
+    own, so any rows can be cut)."""
+    if isinstance(lin, QuantizedLinear):
+        w = lin.weight
+        lin.hold(cat_rows([w[a:b] for a, b in blocks]))  # type: ignore[arg-type]
+    else:
+        lin.weight = nn.Parameter(_rows(lin.weight, blocks), requires_grad=False)  # type: ignore[arg-type]
+        lin.out_features = lin.weight.shape[0]
     if lin.bias is not None:
         lin.bias = nn.Parameter(_rows(lin.bias, blocks), requires_grad=False)  # type: ignore[arg-type]
-    lin.out_features = lin.weight.shape[0]
 
 
-def _row_split(lin: nn.Linear, a: int, b: int, group: Any,
-               reducer: ShmReducer | None) -> RowParallelLinear:
-    w = lin.weight.detach()[:, a:b].contiguous()
+def _row_split(lin: nn.Linear | QuantizedLinear, a: int, b: int, group: Any,
+               reducer: ShmReducer | None) -> RowParallelLinear | QuantizedRowParallelLinear:
+    """Input columns ``[a, b)`` of ``lin`` (a row-parallel layer); those of a quantized layer
+    must cut whole groups of 32 (:func:`check_quantized` makes sure before sharding)."""
     bias = None if lin.bias is None else lin.bias.detach().clone()
+    if isinstance(lin, QuantizedLinear):
+        return QuantizedRowParallelLinear(lin.weight.columns(a, b), bias, group, reducer)
+    w = lin.weight.detach()[:, a:b].contiguous()
     return RowParallelLinear(w, bias, group, reducer)
 
 
@@ -139,6 +196,9 @@ def _shard_attention(attn: Attention, rank: int, tp: int, group: Any,
 
 def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any, reducer: ShmReducer | None) -> None:
     own = split(mlp.hidden, rank, tp)
+    if isinstance(mlp.w_out, QuantizedLinear):  # whole groups of 32 of w_out's input
+        g0, g1 = split(mlp.hidden // GROUP, rank, tp)
+        own = (g0 * GROUP, g1 * GROUP)
     blocks = [own, (mlp.hidden + own[0], mlp.hidden + own[1])] if mlp.gated else [own]
     _column_split(mlp.w_in, blocks)
     mlp.w_out = _row_split(mlp.w_out, own[0], own[1], group, reducer)
@@ -148,20 +208,34 @@ def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any, reducer: ShmReducer | N
 def _vocab_parallel_project(rank: int, tp: int, group: Any,
                             reducer: ShmReducer | None) -> Any:
     """``project(h, weight)`` over rank ``rank``'s rows of ``weight`` with the logits
-    all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows)."""
-    shards: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+    all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows). A quantized
+    output embedding keeps its rows of ``q``, ``scales`` and ``mins`` and multiplies on the
+    quantized kernels, as one process's output product does
+    (:func:`~exitlm.backend.quantized.quantized_project`); every logit is then computed
+    exactly as there."""
+    shards: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | QuantizedWeight]] = {}
 
-    def project(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def project(h: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         vocab = weight.shape[0]
-        entry = shards.get(id(weight))
-        if entry is None or entry[0]() is not weight:
+        # a quantized module builds a new QuantizedWeight on every access: key on its q
+        key = weight.q if isinstance(weight, QuantizedWeight) else weight
+        entry = shards.get(id(key))
+        if entry is None or entry[0]() is not key:
             n = math.ceil(vocab / tp)
-            part = weight.detach()[rank * n : min(vocab, (rank + 1) * n)]
-            if part.shape[0] < n:
-                part = torch.cat([part, part.new_zeros(n - part.shape[0], part.shape[1])])
-            entry = (weakref.ref(weight), part.contiguous())
-            shards[id(weight)] = entry
-        local = linear(h, entry[1]).contiguous()  # (..., ceil(V/T))
+            a, b = rank * n, min(vocab, (rank + 1) * n)
+            part: torch.Tensor | QuantizedWeight
+            if isinstance(weight, QuantizedWeight):
+                part = weight[a:b].padded(n)
+            else:
+                part = weight.detach()[a:b]
+                if part.shape[0] < n:
+                    part = torch.cat([part, part.new_zeros(n - part.shape[0], part.shape[1])])
+                part = part.contiguous()
+            entry = (weakref.ref(key), part)
+            shards[id(key)] = entry
+        w = entry[1]
+        local = (quantized_project(h, w) if isinstance(w, QuantizedWeight)
+                 else linear(h, w)).contiguous()  # (..., ceil(V/T))
         if reducer is not None and local.dtype == torch.float32 and local.is_cpu:
             parts = list(reducer.gather(local).unbind(0))
         else:
@@ -201,15 +275,33 @@ def _assign(model: EarlyExitLM, tensors: dict[str, torch.Tensor]) -> None:
             mod._buffers[attr] = t
 
 
-def check_float(model: EarlyExitLM) -> None:
-    """Raise a :class:`ConfigError` for a model with quantized weights: the shards split
-    float matrices by rows and columns."""
-    from exitlm.backend.quantized import is_quantized
-
-    kind = is_quantized(model)
-    if kind is not None:
-        raise ConfigError(f"--tp splits float weights; this model holds {kind} weights "
-                          "(load it with --dtype float32, float16 or bfloat16)")
+def check_quantized(model: nn.Module, tp: int) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``--tp`` where ``tp`` ranks cannot split
+    a quantized row-parallel layer as it is: a rank's input columns of the attention output
+    (its query heads' columns) must start on a group boundary (multiples of 32), and the MLP
+    width, split in whole groups, must give every rank at least one. SmolLM2's 64-wide heads
+    always fall on boundaries. Re-quantizing the cut groups would change the weights, and with
+    them the tokens, against one process."""
+    if tp < 2:
+        return
+    for name, mod in model.named_modules():
+        if isinstance(mod, Attention) and isinstance(mod.wo, QuantizedLinear):
+            group = (mod.num_heads // mod.num_kv_heads) * mod.head_dim  # columns per kv head
+            cuts = [split(mod.num_kv_heads, r, tp)[0] * group for r in range(1, tp)]
+            bad = next((c for c in cuts if c % GROUP), None)
+            if bad is not None:
+                raise ConfigError(
+                    f"--tp {tp}: {name}.wo is quantized in groups of {GROUP} along its input "
+                    f"width {mod.wo.in_features} ({mod.num_heads} heads x {mod.head_dim}), "
+                    f"which {tp} ranks would cut at column {bad}; choose another --tp or "
+                    "load the model with --dtype float32")
+        if isinstance(mod, MLP) and isinstance(mod.w_out, QuantizedLinear) and (
+                mod.hidden // GROUP < tp):
+            raise ConfigError(
+                f"--tp {tp}: {name}.w_out is quantized in groups of {GROUP} along its input "
+                f"width {mod.hidden}, {mod.hidden // GROUP} group(s) for {tp} ranks; choose "
+                f"--tp {max(1, mod.hidden // GROUP)} or less or load the model with --dtype "
+                "float32")
 
 
 def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
@@ -222,13 +314,19 @@ def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
     (:func:`~exitlm.parallel.infer.shm_group.shm_reducer`; ``EXITLM_TP_SHM=0`` turns it off),
     else through gloo."""
     check_tp(model.config, tp)
-    check_float(model)
+    tensors = _tensors(model)
     with torch.device("meta"):  # every tensor is replaced by the model's own below
         shard = EarlyExitLM(model.config)
-    _assign(shard, _tensors(model))
+    # quantized modules, rebuilt from their buffers alone (a rank that assigned them to a
+    # plain model still has meta float weights under the same module names: dropped)
+    for name, weight in weights_in(tensors).items():
+        install(shard, name, weight, tensors.get(f"{name}.bias"))
+        tensors.pop(f"{name}.weight", None)
+    _assign(shard, tensors)
     shard.eval().requires_grad_(False)
     if tp == 1:
         return shard
+    check_quantized(shard, tp)
     reducer = shm_reducer(rank, tp, group, timeout_s=timeout_s) if shm else None
     for mod in shard.modules():
         if isinstance(mod, Block):
@@ -314,7 +412,7 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
     are used here only). Every rank runs the same calls in order, so all take the same
     decisions."""
     check_tp(model.config, tp)
-    check_float(model)
+    check_quantized(model, tp)
     for call in calls:
         check_strategy(call.get("strategy", "ar"), call)
     # rank 0 draws the seeds of unseeded sampling for every rank (needs_seed)

@@ -50,7 +50,7 @@ from exitlm.parallel.infer.launch import (
 from exitlm.parallel.infer.tp_decode import (
     _assign,
     _tensors,
-    check_float,
+    check_quantized,
     check_strategy,
     check_tp,
     draw_seed,
@@ -279,7 +279,7 @@ def tp_engine(model: EarlyExitLM, tokenizer: Any, strategy: str, options: Any, *
     :class:`TPEngine` (``engine_kw``: :class:`~exitlm.infer.engine.Engine`'s ``max_batch``,
     ``max_seq_len``, ``max_queue``). :meth:`TPEngine.close` stops the followers."""
     check_tp(model.config, tp)
-    check_float(model)
+    check_quantized(model, tp)
     check_strategy(strategy, {"kv": getattr(options, "kv", "recompute")})
     if tp < 2:
         raise ConfigError(f"--tp {tp}: a tensor-parallel server needs at least 2 processes")
