@@ -18,12 +18,14 @@ llama.cpp's OpenAI server (``python -m llama_cpp.server``, which decodes one req
 time; ``--interrupt_requests False`` so that a new request waits instead of cutting the running
 one short) on the default model's GGUF, as a reference point. Every server process runs on
 one thread (``--threads 1``; llama.cpp ``--n_threads 1``); the clients are plain HTTP in this
-process.
+process. ``--tp N`` adds the default model served over N tensor-parallel processes (one thread
+each) against one process, both batched.
 
 Prints one JSON object on stdout; progress and a table go to stderr.
 
     python benchmarks/serve_load.py --layerskip runs/scratch-layerskip/model
     python benchmarks/serve_load.py --llama-cpp /tmp/llamaenv/bin/python --concurrency 1,4
+    python benchmarks/serve_load.py --tp 2 --only "tp"            # TP=2 vs one process
     python benchmarks/serve_load.py --quick                       # a smoke test
 """
 
@@ -210,8 +212,8 @@ def _level_note(name: str, r: dict[str, Any]) -> None:
          + (f", acceptance {r['draft_acceptance']:.0%}" if "draft_acceptance" in r else ""))
 
 
-def load_group(group: list[Target], levels: list[int], min_requests: int, max_tokens: int
-               ) -> list[dict[str, Any]]:
+def load_group(group: list[Target], levels: list[int], min_requests: int, max_tokens: int,
+               ratio: str = "throughput_vs_max_batch_1") -> list[dict[str, Any]]:
     """Load the servers of ``group`` (one configuration with different ``--max-batch``) level
     by level, one server after the other at each level: the servers wait idle while another
     one is measured, and a machine whose load drifts during the run shifts every server's
@@ -236,10 +238,9 @@ def load_group(group: list[Target], levels: list[int], min_requests: int, max_to
     finally:
         for server in servers:
             server.stop()
-    if len(group) == 2:  # the batched server's throughput over --max-batch 1's, per level
-        for batched, single in zip(*results, strict=True):
-            batched["throughput_vs_max_batch_1"] = round(
-                batched["throughput_tok_s"] / single["throughput_tok_s"], 2)
+    if len(group) == 2:  # the first server's throughput over the second's, per level
+        for first, second in zip(*results, strict=True):
+            first[ratio] = round(first["throughput_tok_s"] / second["throughput_tok_s"], 2)
     return [{"name": t.name, "command": t.cmd[1:], "startup_s": round(s, 2), "levels": r}
             for t, s, r in zip(group, started, results, strict=True)]
 
@@ -265,6 +266,12 @@ def targets(args: argparse.Namespace) -> list[list[Target]]:
         out.append([Target(f"{label} max-batch {batch}",
                            [*exitlm, model, *strat, "--max-batch", str(batch), *common],
                            model, lengths, extra) for batch in (args.max_batch, 1)])
+    if args.tp > 1:  # the same server over --tp processes (one thread each) and in one
+        tp = [Target(f"default/ar tp {n} max-batch {args.max_batch}",
+                     [*exitlm, "default", "--max-batch", str(args.max_batch),
+                      *(["--tp", str(n)] if n > 1 else []), *common],
+                     "default", long_prompts, {"ignore_eos": True}) for n in (args.tp, 1)]
+        out.append(tp)
     if args.llama_cpp:
         from exitlm.io.default_model import default_gguf_path
         from exitlm.io.loader import load_model
@@ -298,6 +305,9 @@ def main() -> None:
     p.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="a Python with llama-cpp-python[server]: adds llama.cpp's server on "
                         "the same GGUF")
+    p.add_argument("--tp", type=int, default=1,
+                   help="also serve the default model over this many tensor-parallel "
+                        "processes (one thread each) next to one process")
     p.add_argument("--only", default=None, help="run only targets whose name contains this")
     p.add_argument("--quick", action="store_true", help="1 and 2 clients, 4 tokens")
     args = p.parse_args()
@@ -308,7 +318,9 @@ def main() -> None:
     for group in targets(args):
         group = [t for t in group if args.only is None or args.only in t.name]
         if group:
-            runs += load_group(group, levels, args.min_requests, args.max_tokens)
+            tp = " tp " in group[0].name
+            runs += load_group(group, levels, args.min_requests, args.max_tokens,
+                               "throughput_vs_one_process" if tp else "throughput_vs_max_batch_1")
     print(json.dumps({
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
