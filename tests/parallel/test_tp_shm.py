@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _ee_models import random_prompts
 
+from _byte_models import sharp_model
 from _dist import free_port, run_processes
 from exitlm.backend import native
 from exitlm.config import ExitConfig, ModelConfig
@@ -137,16 +138,9 @@ def test_split_is_contiguous_and_covers() -> None:
 def _uneven_model() -> EarlyExitLM:
     """SmolLM2's shape in miniature: 3 key/value heads of 2 query heads each, an MLP width
     that 2 does not divide, LayerSkip exits."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=29, dim=36, num_layers=4, num_heads=6, num_kv_heads=3,
-                      hidden_dim=51, max_seq_len=96, exits=ExitConfig(every_layer=True,
-                                                                      norm="final"))
-    model = EarlyExitLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.4)
-    return model
+    return sharp_model(ModelConfig(vocab_size=29, dim=36, num_layers=4, num_heads=6,
+                                   num_kv_heads=3, hidden_dim=51, max_seq_len=96,
+                                   exits=ExitConfig(every_layer=True, norm="final")))
 
 
 CASES = [("ar", {}), ("early-exit", {"threshold": 0.6}),

@@ -115,8 +115,10 @@ static float *slot(exitlm_reduce *r, int64_t seq, int64_t rank) {
     return r->data + ((seq & 1) * r->world + rank) * r->cap;
 }
 
-/* x (n floats) <- the sum over ranks of every rank's x, added in rank order. */
-int exitlm_reduce_sum(exitlm_reduce *r, float *x, int64_t n) {
+/* Every rank publishes x (n floats) in rounds of at most `cap`; after each round either
+ * sum (non-NULL) receives the rank-order sum of the round's slots or gather (non-NULL,
+ * (world, n) rank-major) their copies. */
+static int exchange(exitlm_reduce *r, const float *x, int64_t n, float *sum, float *gather) {
     if (r == NULL || n < 0 || r->cap <= 0) return ERR_ARGS;
     for (int64_t off = 0; off < n; off += r->cap) {
         const int64_t len = n - off < r->cap ? n - off : r->cap;
@@ -124,29 +126,29 @@ int exitlm_reduce_sum(exitlm_reduce *r, float *x, int64_t n) {
         memcpy(slot(r, seq, r->rank), x + off, (size_t)len * sizeof(float));
         int rc = meet(r, seq);
         if (rc != 0) return rc;
-        float *out = x + off;
-        memcpy(out, slot(r, seq, 0), (size_t)len * sizeof(float));
-        for (int64_t p = 1; p < r->world; p++) {
-            const float *s = slot(r, seq, p);
-            for (int64_t i = 0; i < len; i++) out[i] += s[i];
+        if (sum != NULL) {
+            float *out = sum + off;
+            memcpy(out, slot(r, seq, 0), (size_t)len * sizeof(float));
+            for (int64_t p = 1; p < r->world; p++) {
+                const float *s = slot(r, seq, p);
+                for (int64_t i = 0; i < len; i++) out[i] += s[i];
+            }
+        } else {
+            for (int64_t p = 0; p < r->world; p++)
+                memcpy(gather + p * n + off, slot(r, seq, p), (size_t)len * sizeof(float));
         }
     }
     return 0;
 }
 
+/* x (n floats) <- the sum over ranks of every rank's x, added in rank order. */
+int exitlm_reduce_sum(exitlm_reduce *r, float *x, int64_t n) {
+    return exchange(r, x, n, x, NULL);
+}
+
 /* out (world, n) <- every rank's x (n floats), rank-major. */
 int exitlm_reduce_gather(exitlm_reduce *r, const float *x, int64_t n, float *out) {
-    if (r == NULL || n < 0 || r->cap <= 0) return ERR_ARGS;
-    for (int64_t off = 0; off < n; off += r->cap) {
-        const int64_t len = n - off < r->cap ? n - off : r->cap;
-        const int64_t seq = ++r->seq;
-        memcpy(slot(r, seq, r->rank), x + off, (size_t)len * sizeof(float));
-        int rc = meet(r, seq);
-        if (rc != 0) return rc;
-        for (int64_t p = 0; p < r->world; p++)
-            memcpy(out + p * n + off, slot(r, seq, p), (size_t)len * sizeof(float));
-    }
-    return 0;
+    return exchange(r, x, n, NULL, out);
 }
 
 /* Mark this rank failed: peers waiting for it return ERR_PEER at once. */
