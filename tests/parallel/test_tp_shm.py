@@ -48,6 +48,20 @@ def _collectives(rank: int, world: int, port: int, root: str) -> None:
             got = red.sum_(x.clone())
             out[f"sum{n}"] = got.tolist()
             out[f"gather{n}"] = red.gather(x.view(-1, 5) if n % 5 == 0 else x).tolist()
+        # fp16 / bf16 partial sums and logits go through shared memory too (added in fp32)
+        from exitlm.parallel.infer import tp_decode
+
+        def no_gloo(*_a: object, **_k: object) -> None:
+            raise AssertionError("gloo used")
+
+        dist.all_reduce, dist.all_gather = no_gloo, no_gloo  # type: ignore[assignment]
+        for dtype in (torch.float16, torch.bfloat16):
+            part = _part(rank, 40).clamp(-1e3, 1e3).to(dtype)
+            summed = tp_decode._sum_over_group(part.clone(), red, None)
+            out[f"sum_{dtype}"] = summed.float().tolist()
+            got = tp_decode._gather_over_group(part, world, red, None)
+            out[f"gather_{dtype}"] = [g.float().tolist() for g in got]
+            assert all(g.dtype == dtype for g in got)
         # every rank is past the set-up once a collective ran: rank 0 removed the file
         out["file_left"] = os.path.exists(red.path)
         (Path(root) / f"{rank}.json").write_text(json.dumps(out))
@@ -67,6 +81,12 @@ def test_sums_are_rank_ordered_and_equal_on_every_rank(tmp_path: Path) -> None:
             assert o[f"sum{n}"] == want.tolist()  # bit for bit, on every rank
             stacked = torch.tensor(o[f"gather{n}"]).reshape(world, n)
             assert torch.equal(stacked, torch.stack(parts))
+    for dtype in (torch.float16, torch.bfloat16):
+        parts = [_part(r, 40).clamp(-1e3, 1e3).to(dtype) for r in range(world)]
+        want = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(dtype).float()
+        for o in outs:
+            assert o[f"sum_{dtype}"] == want.tolist()
+            assert o[f"gather_{dtype}"] == [x.float().tolist() for x in parts]
     assert not any(o["file_left"] for o in outs)  # rank 0 removed the file after set-up
 
 

@@ -142,12 +142,29 @@ class QuantizedRowParallelLinear(QuantizedLinear):
 
 def _sum_over_group(y: torch.Tensor, reducer: ShmReducer | None, group: Any) -> torch.Tensor:
     """``y`` summed in place over the ranks of ``group``: through the shared-memory reducer
-    when the ranks have one (fp32 CPU tensors), else gloo's all-reduce."""
-    if reducer is not None and y.dtype == torch.float32 and y.is_cpu:
-        reducer.sum_(y)
+    when the ranks have one (CPU tensors; fp16/bf16 partial sums are added in fp32 and
+    rounded once), else gloo's all-reduce."""
+    if reducer is not None and y.is_cpu and y.dtype in _SHM_DTYPES:
+        if y.dtype == torch.float32:
+            reducer.sum_(y)
+        else:
+            y.copy_(reducer.sum_(y.float()))
     else:
         dist.all_reduce(y, group=group)
     return y
+
+
+def _gather_over_group(local: torch.Tensor, tp: int, reducer: ShmReducer | None,
+                       group: Any) -> list[torch.Tensor]:
+    """Every rank's ``local`` in rank order (fp16/bf16 travel as fp32: exact)."""
+    if reducer is not None and local.is_cpu and local.dtype in _SHM_DTYPES:
+        return [t.to(local.dtype) for t in reducer.gather(local.float()).unbind(0)]
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local, group=group)
+    return parts
+
+
+_SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _rows(t: torch.Tensor | None, blocks: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -236,11 +253,7 @@ def _vocab_parallel_project(rank: int, tp: int, group: Any,
         w = entry[1]
         local = (quantized_project(h, w) if isinstance(w, QuantizedWeight)
                  else linear(h, w)).contiguous()  # (..., ceil(V/T))
-        if reducer is not None and local.dtype == torch.float32 and local.is_cpu:
-            parts = list(reducer.gather(local).unbind(0))
-        else:
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=group)
+        parts = _gather_over_group(local, tp, reducer, group)
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     return project
