@@ -1,6 +1,7 @@
 """Smoke tests of the decoding benchmarks across processes, on the random ``debug`` preset with
 tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theorem 4.1) and
-``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds). They
+``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds),
+``benchmarks/tp_decode.py --quick`` (TP against one process per weight format). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -44,11 +45,23 @@ def test_dist_decode_quick() -> None:
         assert r["ms_per_token"] > 0
         if r["method"] != "recompute":  # the same tokens as one process, prompt for prompt
             assert r["same_tokens_as_recompute"] == "2/2", r
+    assert out["ar_tp"]["same_tokens_as_ar"] == "2/2"
+
+
+def test_tp_decode_quick() -> None:
+    out = _run("tp_decode.py", "--quick", "--model", "debug", "--dtypes", "float32,int8")
+    assert [r["dtype"] for r in out["results"]] == ["float32", "int8"]
+    for r in out["results"]:
+        assert r["one_process_tokens_per_s"][0] > 0 and r["tp2_tokens_per_s"][0] > 0
+        assert r["ratio_of_medians"] > 0 and r["ratio_vs_best_one_process"] > 0
+        assert r["one_process_2_threads_tokens_per_s"][0] > 0
+    assert out["results"][0]["same_tokens"] is True  # fp32 on the test prompt
 
 
 def test_bad_model_is_one_line() -> None:
     for script, args in (("dist_decode.py", ["--quick", "--model", "nosuchmodel"]),
-                         ("ppd_processes.py", ["nosuchmodel"])):
+                         ("ppd_processes.py", ["nosuchmodel"]),
+                         ("tp_decode.py", ["--quick", "--model", "nosuchmodel"])):
         proc = subprocess.run([sys.executable, str(BENCH / script), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, script
