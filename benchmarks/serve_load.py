@@ -19,7 +19,7 @@ time; ``--interrupt_requests False`` so that a new request waits instead of cutt
 one short) on the default model's GGUF, as a reference point. Every server process runs on
 one thread (``--threads 1``; llama.cpp ``--n_threads 1``); the clients are plain HTTP in this
 process. ``--tp N`` adds the default model served over N tensor-parallel processes (one thread
-each) against one process, both batched.
+each) against one process with one thread and with N threads, all batched.
 
 Prints one JSON object on stdout; progress and a table go to stderr.
 
@@ -213,7 +213,8 @@ def _level_note(name: str, r: dict[str, Any]) -> None:
 
 
 def load_group(group: list[Target], levels: list[int], min_requests: int, max_tokens: int,
-               ratio: str = "throughput_vs_max_batch_1") -> list[dict[str, Any]]:
+               ratios: tuple[str, ...] = ("throughput_vs_max_batch_1",)
+               ) -> list[dict[str, Any]]:
     """Load the servers of ``group`` (one configuration with different ``--max-batch``) level
     by level, one server after the other at each level: the servers wait idle while another
     one is measured, and a machine whose load drifts during the run shifts every server's
@@ -238,9 +239,10 @@ def load_group(group: list[Target], levels: list[int], min_requests: int, max_to
     finally:
         for server in servers:
             server.stop()
-    if len(group) == 2:  # the first server's throughput over the second's, per level
-        for first, second in zip(*results, strict=True):
-            first[ratio] = round(first["throughput_tok_s"] / second["throughput_tok_s"], 2)
+    # the first server's throughput over each other's, per level (named by ``ratios``)
+    for name, other in zip(ratios, results[1:], strict=False):
+        for first, second in zip(results[0], other, strict=True):
+            first[name] = round(first["throughput_tok_s"] / second["throughput_tok_s"], 2)
     return [{"name": t.name, "command": t.cmd[1:], "startup_s": round(s, 2), "levels": r}
             for t, s, r in zip(group, started, results, strict=True)]
 
@@ -267,11 +269,18 @@ def targets(args: argparse.Namespace) -> list[list[Target]]:
                            [*exitlm, model, *strat, "--max-batch", str(batch), *common],
                            model, lengths, extra) for batch in (args.max_batch, 1)])
     if args.tp > 1:  # the same server over --tp processes (one thread each) and in one
-        tp = [Target(f"default/ar tp {n} max-batch {args.max_batch}",
-                     [*exitlm, "default", "--max-batch", str(args.max_batch),
-                      *(["--tp", str(n)] if n > 1 else []), *common],
-                     "default", long_prompts, {"ignore_eos": True}) for n in (args.tp, 1)]
-        out.append(tp)
+        # process with one thread and with --tp threads (the same cores used the other way)
+        base = [*exitlm, "default", "--max-batch", str(args.max_batch), "--port", "0",
+                "--log-level", "warning"]
+        out.append([
+            Target(f"default/ar tp {args.tp} max-batch {args.max_batch}",
+                   [*base, "--tp", str(args.tp), "--threads", "1"], "default", long_prompts,
+                   {"ignore_eos": True}),
+            Target(f"default/ar tp 1 max-batch {args.max_batch}",
+                   [*base, "--threads", "1"], "default", long_prompts, {"ignore_eos": True}),
+            Target(f"default/ar tp 1 threads {args.tp} max-batch {args.max_batch}",
+                   [*base, "--threads", str(args.tp)], "default", long_prompts,
+                   {"ignore_eos": True})])
     if args.llama_cpp:
         from exitlm.io.default_model import default_gguf_path
         from exitlm.io.loader import load_model
@@ -319,8 +328,9 @@ def main() -> None:
         group = [t for t in group if args.only is None or args.only in t.name]
         if group:
             tp = " tp " in group[0].name
-            runs += load_group(group, levels, args.min_requests, args.max_tokens,
-                               "throughput_vs_one_process" if tp else "throughput_vs_max_batch_1")
+            ratios = (("throughput_vs_one_process", "throughput_vs_one_process_threaded")
+                      if tp else ("throughput_vs_max_batch_1",))
+            runs += load_group(group, levels, args.min_requests, args.max_tokens, ratios)
     print(json.dumps({
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
