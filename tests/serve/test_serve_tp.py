@@ -128,6 +128,22 @@ def _follower(pid: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+def test_followers_leave_signals_to_rank_0(tp_servers: dict[str, Server],
+                                           reference: Reference) -> None:
+    """A terminal's Ctrl-C (and systemd's SIGTERM) reaches every process of the server; the
+    follower ignores them, so rank 0 can drain its requests through it (before, a group
+    SIGINT killed the follower and the request in flight failed)."""
+    server = tp_servers["ar"]
+    follower = _follower(server.proc.pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(follower, sig)
+        time.sleep(0.3)
+        assert _complete(server, PROMPTS[0], max_tokens=12, temperature=0) == \
+            reference.run(PROMPTS[0], max_new_tokens=12).text
+    assert _follower(server.proc.pid) == follower
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
 def test_a_killed_follower_makes_errors_not_hangs(checkpoint: Path) -> None:
     server = start_all({"tp": ([str(checkpoint), "--served-model-name", "tiny", "--tp", "2",
                                *TIMEOUT], None)})["tp"]

@@ -17,6 +17,7 @@ stalls ends the job with a :class:`~exitlm.parallel.health.ParallelError` instea
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -62,7 +63,14 @@ def join_torchrun(timeout_s: float) -> tuple[int, int]:
 
 def _child(index: int, fn: Callable[..., None], world: int, port: int, timeout_s: float,
            threads: int, args: tuple[Any, ...]) -> None:
-    """Entry of a spawned worker: rank ``index + 1`` joins the group and runs ``fn``."""
+    """Entry of a spawned worker: rank ``index + 1`` joins the group and runs ``fn``.
+
+    Workers ignore SIGINT and SIGTERM: a terminal's Ctrl-C (and systemd's stop) reaches every
+    process of the job, and a server's rank 0 must be able to drain its requests through
+    them. Rank 0 ends them (a stop command, or ``Workers.kill``); if rank 0 dies, their next
+    transfer fails and they exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     rank = index + 1
     join_group(rank, world, port, timeout_s)
