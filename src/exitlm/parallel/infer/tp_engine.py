@@ -25,6 +25,7 @@ collectives aborted, so rank 0's step fails at once with a message rather than a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -251,8 +252,9 @@ def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Ten
             if kind == STOP:
                 return
             if kind == SCORE:
-                for ev in events:
-                    engine.score(ev["ids"], ev["top"])
+                for ev in events:  # a bad request fails on rank 0 too, which tells the client
+                    with contextlib.suppress(ConfigError):
+                        engine.score(ev["ids"], ev["top"])
                 continue
             for ev in events:
                 if ev["op"] == "submit":
