@@ -103,6 +103,8 @@ def _stalls(rank: int, world: int, port: int, root: str) -> None:
                     red.sum_(torch.ones(4))
                 except RuntimeError as err:
                     msgs.append(str(err))
+                # the abort must be what ends the second wait, however slow the machine
+                red._region.timeout_s = 60.0
                 dist.barrier()
         else:
             dist.barrier()  # rank 0 gave up waiting
