@@ -245,22 +245,20 @@ def test_a_quantized_shards_blocks_are_native_calls_with_their_sums(kind: str,
 
 
 def test_sliced_weights_are_held_as_quantized_buffers() -> None:
-    """One rank's shard (TP=1 needs no group) keeps the model's quantized modules, rebuilt
-    from their buffers alone - also from a model that holds them beside meta float weights,
-    as a spawned rank assigns them."""
-    from exitlm.parallel.infer.tp_decode import _assign, _tensors
+    """One rank's shard (TP=1 needs no group) keeps the model's quantized modules on the
+    model's own buffers - made in this process, and as a spawned rank makes it from the
+    model's tensors (:func:`~exitlm.io.materialize.model_tensors`)."""
+    from exitlm.io.materialize import model_tensors
+    from exitlm.parallel.infer.tp_decode import rank_shard
 
     model = _model("int4", "block-heads")
-    with torch.device("meta"):
-        plain = EarlyExitLM(model.config)
-    _assign(plain, _tensors(model))  # q/scales/mins land beside meta weights
-    for source in (model, plain):
-        shard = shard_model(source, 0, 1)
+    for shard in (shard_model(model, 0, 1),
+                  rank_shard(model.config, model_tensors(model), 0, 1, 30.0)):
         wo = shard.layers[1].attn.wo
         assert isinstance(wo, QuantizedLinear) and isinstance(wo.weight, QuantizedWeight)
         assert wo.q.data_ptr() == model.layers[1].attn.wo.q.data_ptr()  # no copy
         assert isinstance(shard.exits["2"].proj, QuantizedLinear)
-        assert not any(t.is_meta for t in _tensors(shard).values())
+        assert not any(t.is_meta for t in (*shard.parameters(), *shard.buffers()))
         tokens = torch.tensor([_prompts()[0]])
         with torch.no_grad():
             assert torch.equal(shard(tokens).logits, model(tokens).logits)

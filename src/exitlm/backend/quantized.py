@@ -127,22 +127,6 @@ def cat_rows(parts: list[Any]) -> torch.Tensor | QuantizedWeight:
                       for p in parts])
 
 
-def weights_in(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
-    """The quantized weights that the buffers among ``tensors`` (named as in a state dict:
-    ``<module>.q``, ``.scales`` and, for int4, ``.mins``) describe, by module name; the kind
-    follows ``q``'s dtype (int8: ``int8``, uint8: ``int4``). Rebuilds a quantized model's
-    modules from its tensors alone, as a process that was handed them must."""
-    out = {}
-    for name, q in tensors.items():
-        owner, _, leaf = name.rpartition(".")
-        if leaf != "q" or f"{owner}.scales" not in tensors:
-            continue
-        kind = "int8" if q.dtype == torch.int8 else "int4"
-        out[owner] = QuantizedWeight(kind, q, tensors[f"{owner}.scales"],
-                                     tensors.get(f"{owner}.mins") if kind == "int4" else None)
-    return out
-
-
 def quantized_numel(model: nn.Module) -> int:
     """Number of weights ``model`` holds quantized (not counted by ``parameters()``)."""
     return sum(m.weight.shape.numel() for m in model.modules() if isinstance(m, _Quantized))

@@ -273,9 +273,13 @@ class Engine:
     def _enqueue(self, req: Request) -> None:
         """Queue ``req`` for a row (:class:`EngineFull` beyond ``max_queue``)."""
         with self._lock:
-            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._check_room()
             self._waiting.append(req)
+
+    def _check_room(self) -> None:
+        """Raise :class:`EngineFull` when ``max_queue`` requests wait (under the lock)."""
+        if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
 
     def cancel(self, request: Request) -> None:
         """Stop ``request`` at the next step boundary (its row is freed, finish reason

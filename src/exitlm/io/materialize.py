@@ -154,7 +154,9 @@ def _install_quantized(model: nn.Module, name: str, weight: QuantizedWeight) -> 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
-    setattr(module, leaf, nn.Parameter(tensor, requires_grad=True))
+    # a tensor made under torch.inference_mode (a decoding model's re-strided weights, which
+    # rebuild_model may be handed in-process) cannot require grad
+    setattr(module, leaf, nn.Parameter(tensor, requires_grad=not tensor.is_inference()))
 
 
 def _init_fresh(model: EarlyExitLM, names: list[str], dtype: torch.dtype) -> None:

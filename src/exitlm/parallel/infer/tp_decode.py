@@ -49,7 +49,6 @@ still one native call that runs both sums itself. Ranks on several machines use 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import weakref
 from typing import Any
@@ -61,15 +60,10 @@ from torch import nn
 from exitlm.backend.linear import FastLinear, linear
 from exitlm.backend.native_reduce import ShmReducer
 from exitlm.backend.quant import GROUP, QuantizedWeight
-from exitlm.backend.quantized import (
-    QuantizedLinear,
-    cat_rows,
-    install,
-    quantized_project,
-    weights_in,
-)
+from exitlm.backend.quantized import QuantizedLinear, cat_rows, quantized_project
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.infer.result import GenerationResult
+from exitlm.io.materialize import model_tensors, rebuild_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import MLP, Attention, Block, attention_dtype
 from exitlm.model.transformer import EarlyExitLM
@@ -270,24 +264,6 @@ def _local_cache(model: EarlyExitLM, kv_heads: int, batch_size: int,
                    device=device or ref.device)
 
 
-def _tensors(model: EarlyExitLM) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` by name (tied ones under each name)."""
-    named = itertools.chain(model.named_parameters(remove_duplicate=False),
-                            model.named_buffers(remove_duplicate=False))
-    return {n: t.detach() for n, t in named}
-
-
-def _assign(model: EarlyExitLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Put ``tensors`` (parameters and buffers by name) into ``model`` as they are."""
-    for name, t in tensors.items():
-        mod_name, _, attr = name.rpartition(".")
-        mod = model.get_submodule(mod_name)
-        if attr in mod._parameters:
-            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
-        else:
-            mod._buffers[attr] = t
-
-
 def check_quantized(model: nn.Module, tp: int) -> None:
     """Raise a one-line :class:`ConfigError` naming ``--tp`` where ``tp`` ranks cannot split
     a quantized row-parallel layer as it is: a rank's input columns of the attention output
@@ -318,36 +294,42 @@ def check_quantized(model: nn.Module, tp: int) -> None:
 
 
 def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
-                shm: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> EarlyExitLM:
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> EarlyExitLM:
     """A copy of ``model`` holding rank ``rank``'s tensor-parallel shard of ``tp`` (see the
     module docstring); ``model`` itself is left as it is (unsharded tensors are shared).
 
-    Every rank of the group calls it (it is collective when ``tp > 1``): with ``shm`` and
-    every rank on this machine the sums and gathers go through shared memory
+    Every rank of the group calls it (it is collective when ``tp > 1``): with every rank on
+    this machine the sums and gathers go through shared memory
     (:func:`~exitlm.parallel.infer.shm_group.shm_reducer`; ``EXITLM_TP_SHM=0`` turns it off),
     else through gloo."""
     check_tp(model.config, tp)
-    tensors = _tensors(model)
-    with torch.device("meta"):  # every tensor is replaced by the model's own below
-        shard = EarlyExitLM(model.config)
-    # quantized modules, rebuilt from their buffers alone (a rank that assigned them to a
-    # plain model still has meta float weights under the same module names: dropped)
-    for name, weight in weights_in(tensors).items():
-        install(shard, name, weight, tensors.get(f"{name}.bias"))
-        tensors.pop(f"{name}.weight", None)
-    _assign(shard, tensors)
+    return _shard(rebuild_model(model.config, model_tensors(model), "tensor-parallel shard"),
+                  rank, tp, group, timeout_s)
+
+
+def rank_shard(cfg: ModelConfig, tensors: dict[str, torch.Tensor], rank: int, tp: int,
+               timeout_s: float) -> EarlyExitLM:
+    """:func:`shard_model` in a spawned rank, from the model's
+    :func:`~exitlm.io.materialize.model_tensors` (rebuilt once, then sharded in place)."""
+    return _shard(rebuild_model(cfg, tensors, f"tensor-parallel rank {rank}"), rank, tp, None,
+                  timeout_s)
+
+
+def _shard(shard: EarlyExitLM, rank: int, tp: int, group: Any,
+           timeout_s: float) -> EarlyExitLM:
+    """Turn ``shard`` (a private copy) into rank ``rank``'s shard, in place."""
     shard.eval().requires_grad_(False)
     if tp == 1:
         return shard
     check_quantized(shard, tp)
-    reducer = shm_reducer(rank, tp, group, timeout_s=timeout_s) if shm else None
+    reducer = shm_reducer(rank, tp, group, timeout_s=timeout_s)
     for mod in shard.modules():
         if isinstance(mod, Block):
             _shard_attention(mod.attn, rank, tp, group, reducer)
         if isinstance(mod, MLP):
             _shard_mlp(mod, rank, tp, group, reducer)
     shard.project = _vocab_parallel_project(rank, tp, group, reducer)  # type: ignore[method-assign]
-    k0, k1 = split(model.config.n_kv_heads, rank, tp)
+    k0, k1 = split(shard.config.n_kv_heads, rank, tp)
     shard.new_cache = functools.partial(_local_cache, shard, k1 - k0)  # type: ignore[method-assign]
     shard._tp_reducer = reducer  # type: ignore[assignment]
     return shard
@@ -356,8 +338,8 @@ def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
 def broadcast_weights(model: EarlyExitLM, group: Any = None) -> None:
     """Give every rank rank 0's parameters and buffers (a preset's random weights differ
     per process; checkpoints are equal anyway, and this checks nothing else)."""
-    for t in _tensors(model).values():
-        dist.broadcast(t.data, src=0, group=group)
+    for t in model_tensors(model).values():
+        dist.broadcast(t, src=0, group=group)
 
 
 def draw_seed() -> int:
@@ -408,10 +390,7 @@ def _tp_main(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.T
     """Entry of a self-started tensor-parallel rank: the same generate calls as rank 0."""
     from exitlm.infer.api import generate
 
-    with torch.device("meta"):
-        model = EarlyExitLM(cfg)
-    _assign(model, tensors)
-    shard = shard_model(model, rank, world, timeout_s=timeout_s)
+    shard = rank_shard(cfg, tensors, rank, world, timeout_s)
     for call in calls:
         generate(shard, None, **call)
 
@@ -431,7 +410,7 @@ def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads:
     # rank 0 draws the seeds of unseeded sampling for every rank (needs_seed)
     calls = [{**(with_seed(c, draw_seed()) if needs_seed(c) else c), "threads": threads}
              for c in calls]
-    workers = start_workers(_tp_main, (model.config, _tensors(model), calls, timeout_s), tp,
+    workers = start_workers(_tp_main, (model.config, model_tensors(model), calls, timeout_s), tp,
                             timeout_s=timeout_s, threads=threads)
     try:
         shard = shard_model(model, 0, tp, timeout_s=timeout_s)

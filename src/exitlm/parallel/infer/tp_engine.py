@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from exitlm.config import ConfigError, ModelConfig
-from exitlm.infer.engine import Engine, EngineBroken, EngineFull, Request, Update
+from exitlm.infer.engine import Engine, EngineBroken, Request, Update
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import TokenLogprob
+from exitlm.io.materialize import model_tensors
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.health import ParallelError
 from exitlm.parallel.infer.launch import (
@@ -49,12 +50,11 @@ from exitlm.parallel.infer.launch import (
     start_workers,
 )
 from exitlm.parallel.infer.tp_decode import (
-    _assign,
-    _tensors,
     check_quantized,
     check_strategy,
     check_tp,
     draw_seed,
+    rank_shard,
     shard_model,
 )
 from exitlm.parallel.pipeline.p2p import IDLE_WAIT
@@ -95,16 +95,12 @@ def receive(timeout_s: float) -> tuple[int, list[dict[str, Any]]]:
     return kind, json.loads(bytes(body.tolist()))
 
 
-def _sampling_json(s: SamplingOptions) -> dict[str, Any]:
-    return {f.name: (list(v) if isinstance(v := getattr(s, f.name), tuple | frozenset) else v)
-            for f in dataclasses.fields(s)}
+def _to_json(d: dict[str, Any]) -> dict[str, Any]:
+    """Options as JSON values (tuples and sets as lists; :func:`_from_json` turns back)."""
+    return {k: list(v) if isinstance(v, tuple | frozenset) else v for k, v in d.items()}
 
 
-def _sampling_from(d: dict[str, Any]) -> SamplingOptions:
-    return SamplingOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-
-def _options_from(d: dict[str, Any]) -> dict[str, Any]:
+def _from_json(d: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
@@ -119,50 +115,46 @@ class TPEngine(Engine):
         self.mirror = mirror
         self.workers = workers
         self.timeout_s = timeout_s
-        self._staged: list[Request] = []
-        self._staged_cancel: set[int] = set()
-        self._events: list[dict[str, Any]] = []
+        self._staged: list[Request] = []  # submitted since the last step
+        self._events: list[dict[str, Any]] = []  # their submits and the cancels, in order
         self._broken: str | None = None
         self._closed = False
 
-    def submit(self, prompt: Any, sampling: SamplingOptions | None = None, options: Any = None,
-               *, chat: bool = False, on_update: Any = None, **option_changes: Any) -> Request:
-        """:meth:`Engine.submit`, staged until the next step (unseeded sampling gets a seed
-        here, the same on every rank)."""
+    def submit(self, prompt: Any, sampling: SamplingOptions | None = None, *args: Any,
+               **kwargs: Any) -> Request:
+        """:meth:`Engine.submit`, staged until the next step (:meth:`_enqueue`); unseeded
+        sampling gets a seed here, the same on every rank."""
         if self._broken is not None:
             raise EngineBroken(self._broken)
         sampling = sampling or SamplingOptions()
         if not sampling.greedy and sampling.seed is None:
             sampling = sampling.replace(seed=draw_seed())
-        ids = self._encode(prompt, chat)
-        opts = self._request_options(options, option_changes)
-        req = self._build(ids, sampling, opts, on_update, next(self._ids))
-        own = {name: getattr(opts, name) for name in self.strategy.per_request}
+        return super().submit(prompt, sampling, *args, **kwargs)
+
+    def _enqueue(self, req: Request) -> None:
+        """Stage ``req`` and its submit event for the next step (not the waiting queue: a
+        step running now must not admit it before the followers know of it)."""
+        own = {name: getattr(req.options, name) for name in self.strategy.per_request}
         with self._lock:
-            if (self.max_queue is not None
-                    and len(self._waiting) + len(self._staged) >= self.max_queue):
-                raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._check_room()
             self._staged.append(req)
-            self._events.append({"op": "submit", "id": req.id, "ids": ids,
-                                 "sampling": _sampling_json(sampling),
-                                 "options": {k: list(v) if isinstance(v, tuple) else v
-                                             for k, v in own.items()}})
-        return req
+            self._events.append({"op": "submit", "id": req.id, "ids": req.prompt_ids,
+                                 "sampling": _to_json(dataclasses.asdict(req.sampling)),
+                                 "options": _to_json(own)})
 
     def cancel(self, request: Request) -> None:
         with self._lock:
-            self._staged_cancel.add(request.id)
             self._events.append({"op": "cancel", "id": request.id})
 
     def has_work(self) -> bool:
         if self._broken is not None:
             return False
         with self._lock:
-            return bool(self._waiting or self.running or self._staged or self._staged_cancel)
+            return bool(self._waiting or self.running or self._events)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._staged)
+        return len(self._waiting) + len(self._staged)  # staged ones wait for the next step
 
     @property
     def broken(self) -> str | None:
@@ -174,9 +166,8 @@ class TPEngine(Engine):
         with self._lock:
             events, self._events = self._events, []
             staged, self._staged = self._staged, []
-            cancels, self._staged_cancel = self._staged_cancel, set()
             self._waiting.extend(staged)
-            self._cancel |= cancels
+            self._cancel |= {ev["id"] for ev in events if ev["op"] == "cancel"}
         try:
             self.mirror.send(STEP, events)
             return super().step()
@@ -214,7 +205,6 @@ class TPEngine(Engine):
             queued = [*self._waiting, *self._staged]
             self._waiting.clear()
             self._staged.clear()
-            self._staged_cancel.clear()
             self._events.clear()
         now = time.perf_counter()
         for r in queued:
@@ -241,10 +231,7 @@ def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Ten
            tokenizer: Any, strategy: str, options: Any, engine_kw: dict[str, Any],
            timeout_s: float) -> None:
     """Entry of a follower rank: rank 0's engine, replayed on this rank's shard."""
-    with torch.device("meta"):
-        model = EarlyExitLM(cfg)
-    _assign(model, tensors)
-    shard = shard_model(model, rank, world, timeout_s=timeout_s)
+    shard = rank_shard(cfg, tensors, rank, world, timeout_s)
     engine = Engine(shard, tokenizer, strategy, options, **engine_kw)
     try:
         while True:
@@ -258,9 +245,9 @@ def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Ten
                 continue
             for ev in events:
                 if ev["op"] == "submit":
-                    opts = engine._request_options(None, _options_from(ev["options"]))
-                    req = engine._build(ev["ids"], _sampling_from(ev["sampling"]), opts,
-                                        None, ev["id"])
+                    opts = engine._request_options(None, _from_json(ev["options"]))
+                    req = engine._build(ev["ids"], SamplingOptions(**_from_json(ev["sampling"])),
+                                        opts, None, ev["id"])
                     engine._waiting.append(req)
                 else:
                     engine._cancel.add(ev["id"])
@@ -287,7 +274,7 @@ def tp_engine(model: EarlyExitLM, tokenizer: Any, strategy: str, options: Any, *
         raise ConfigError(f"--tp {tp}: a tensor-parallel server needs at least 2 processes")
     follower_kw = {k: v for k, v in engine_kw.items() if k != "max_queue"}
     follower_kw["threads"] = threads
-    workers = start_workers(follow, (model.config, _tensors(model), tokenizer, strategy,
+    workers = start_workers(follow, (model.config, model_tensors(model), tokenizer, strategy,
                                      options, follower_kw, timeout_s), tp,
                             timeout_s=timeout_s, threads=threads)
     try:
