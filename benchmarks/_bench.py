@@ -1,12 +1,13 @@
 """Helpers shared by the benchmark scripts (run as ``python benchmarks/NAME.py``, which puts
-this folder on ``sys.path``): progress notes on stderr, nearest-rank percentiles, and bad
-input reported in one line."""
+this folder on ``sys.path``): progress notes on stderr, nearest-rank percentiles, held-out
+prompts fitted to a model's context, and bad input reported in one line."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 
 def note(msg: str) -> None:
@@ -20,6 +21,16 @@ def percentile(xs: list[float], q: float) -> float:
         return 0.0
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def held_out_prompt_ids(tokenizer: Any, n: int, context: int, new_tokens: int,
+                        keep: int = 128) -> list[list[int]]:
+    """Token ids of ``n`` held-out standard-library prompts (``exitlm bench``'s), each cut to
+    its last ``keep`` tokens and to what leaves room for ``new_tokens`` in ``context``."""
+    from exitlm.infer.bench import builtin_prompts
+
+    keep = max(1, min(keep, context - new_tokens - 1))
+    return [tokenizer.encode(p)[-keep:] for p in builtin_prompts(n)]
 
 
 @contextlib.contextmanager

@@ -18,24 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from _bench import one_line_errors
+from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
-from exitlm.infer.bench import builtin_prompts
 from exitlm.infer.cli import load_for_strategy, tokenizer_for
 from exitlm.infer.result import GenerationResult
 from exitlm.parallel.infer.pipeline_ee import pipeline
 from exitlm.parallel.infer.tp_decode import tp_run
-
-
-def _note(msg: str) -> None:
-    print(f"[dist_decode] {msg}", file=sys.stderr, flush=True)
 
 
 def _summary(results: list[GenerationResult], ref: list[GenerationResult] | None
@@ -81,8 +75,7 @@ def main() -> None:
     loaded = load_for_strategy(a.model, torch.float32, "early-exit")
     model = loaded.model.eval()
     tok = tokenizer_for(loaded, a.model)
-    keep = min(128, model.config.max_seq_len - a.max_new_tokens - 1)  # the prompts' ends
-    prompts = [tok.encode(p)[-keep:] for p in builtin_prompts(a.prompts)]
+    prompts = held_out_prompt_ids(tok, a.prompts, model.config.max_seq_len, a.max_new_tokens)
     base: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "ignore_eos": True}
     exits = {} if a.exit_layers is None else {
         "exit_layers": tuple(int(x) for x in a.exit_layers.split(","))}
@@ -102,7 +95,8 @@ def main() -> None:
         ar = [generate(model, None, [p], strategy="ar", threads=a.threads, **base)
               for p in [prompts[0], *prompts]][1:]
         report["ar"] = _summary(ar, None)
-        _note(f"ar: {report['ar']['ms_per_token']} ms/token ({time.perf_counter() - t0:.0f} s)")
+        note(f"[dist_decode] ar: {report['ar']['ms_per_token']} ms/token "
+             f"({time.perf_counter() - t0:.0f} s)")
         ref: dict[float, list[GenerationResult]] = {}
         generate(model, None, threads=a.threads, **warm)
         for thr in thresholds:
@@ -110,7 +104,7 @@ def main() -> None:
             row = {"method": "recompute", "processes": 1, "threshold": thr,
                    **_summary(ref[thr], None)}
             report["results"].append(row)
-            _note(f"recompute @ {thr}: {row['ms_per_token']} ms/token")
+            note(f"[dist_decode] recompute @ {thr}: {row['ms_per_token']} ms/token")
         with pipeline(model, a.stages, threads=a.threads):
             generate(model, None, threads=a.threads, kv="pipeline", **warm)
             for thr in thresholds:
@@ -119,7 +113,7 @@ def main() -> None:
                 row = {"method": "pipeline", "processes": a.stages, "threshold": thr,
                        **_summary(got, ref[thr])}
                 report["results"].append(row)
-                _note(f"pipeline @ {thr}: {row['ms_per_token']} ms/token")
+                note(f"[dist_decode] pipeline @ {thr}: {row['ms_per_token']} ms/token")
         ar_calls = [{"prompts": [p], "strategy": "ar", **base} for p in prompts]
         every = [warm] + ar_calls + [c for thr in thresholds for c in calls(thr)]
         got_all = tp_run(model, every, tp=a.tp, threads=a.threads)[1:]
@@ -127,14 +121,14 @@ def main() -> None:
                    for x, y in zip(got_all[: len(prompts)], ar, strict=True))
         report["ar_tp"] = {"processes": a.tp, **_summary(got_all[: len(prompts)], None),
                            "same_tokens_as_ar": f"{same}/{len(prompts)}"}
-        _note(f"ar, tp={a.tp}: {report['ar_tp']['ms_per_token']} ms/token")
+        note(f"[dist_decode] ar, tp={a.tp}: {report['ar_tp']['ms_per_token']} ms/token")
         got_all = got_all[len(prompts):]
         for i, thr in enumerate(thresholds):
             got = got_all[i * len(prompts):(i + 1) * len(prompts)]
             row = {"method": "tp", "processes": a.tp, "threshold": thr,
                    **_summary(got, ref[thr])}
             report["results"].append(row)
-            _note(f"tp @ {thr}: {row['ms_per_token']} ms/token")
+            note(f"[dist_decode] tp @ {thr}: {row['ms_per_token']} ms/token")
     print(json.dumps(report, indent=2))
 
 

@@ -21,21 +21,15 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from _bench import one_line_errors
+from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
-from exitlm.infer.bench import builtin_prompts
 from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
 from exitlm.parallel.infer.tp_decode import tp_run
-
-
-def _note(msg: str) -> None:
-    print(f"[tp_decode] {msg}", file=sys.stderr, flush=True)
 
 
 def _rate(results: list[Any]) -> float:
@@ -67,8 +61,8 @@ def main() -> None:
         loaded = load_for_strategy(a.model, DTYPES[dtype], "ar")
         model = loaded.model.eval()
         tok = tokenizer_for(loaded, a.model)
-        keep = max(1, min(128, model.config.max_seq_len - a.max_new_tokens - 1))
-        prompts = [tok.encode(p)[-keep:] for p in builtin_prompts(a.prompts)]
+        prompts = held_out_prompt_ids(tok, a.prompts, model.config.max_seq_len,
+                                      a.max_new_tokens)
         calls = [{"prompts": [p], "max_new_tokens": a.max_new_tokens, "ignore_eos": True}
                  for p in prompts]
         one: list[float] = []
@@ -95,10 +89,10 @@ def main() -> None:
                "ratio_vs_best_one_process": round(statistics.median(many) / best_one, 2),
                "same_tokens": same}
         report["results"].append(row)
-        _note(f"{dtype}: one process {row['one_process_tokens_per_s']} (with {a.tp} threads "
-              f"{row[f'one_process_{a.tp}_threads_tokens_per_s']}), TP={a.tp} "
-              f"{row[f'tp{a.tp}_tokens_per_s']} tok/s, same tokens: {same} "
-              f"({time.perf_counter() - t0:.0f} s)")
+        note(f"[tp_decode] {dtype}: one process {row['one_process_tokens_per_s']} (with "
+             f"{a.tp} threads {row[f'one_process_{a.tp}_threads_tokens_per_s']}), TP={a.tp} "
+             f"{row[f'tp{a.tp}_tokens_per_s']} tok/s, same tokens: {same} "
+             f"({time.perf_counter() - t0:.0f} s)")
     print(json.dumps(report, indent=2))
 
 
