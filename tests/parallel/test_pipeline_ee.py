@@ -181,10 +181,12 @@ def test_idle_pipeline_outlives_its_timeout() -> None:
     assert again == first and len(first) == 6
 
 
-def test_sends_do_not_pile_up() -> None:
+def test_sends_do_not_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """gloo calls a send complete only once it is waited on: every step waits for the sends of
     the steps before it (they used to pile up with their tensors for the pipeline's lifetime,
-    memory growing with every token)."""
+    memory growing with every token). Stages on one machine use shared memory unless told
+    otherwise: this is the transport of stages on several machines."""
+    monkeypatch.setenv("EXITLM_SHM", "0")
     torch.set_num_threads(1)
     model = ee_model("linear")
     kw = {"strategy": "early-exit", "kv": "pipeline", "threshold": 0.5, "max_new_tokens": 30,

@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread")
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("kernels.c", "block.c", "reduce.c"))
+_SOURCES = tuple(Path(__file__).with_name(f)
+                 for f in ("kernels.c", "block.c", "reduce.c", "channel.c"))
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -72,8 +73,8 @@ def _cc_version(cc: str) -> str:
 
 
 def _build(cc: str) -> Path:
-    """Compile the C sources (``kernels.c``, ``block.c``, ``reduce.c``) unless a library for
-    these sources, flags, compiler and platform exists."""
+    """Compile the C sources (``kernels.c``, ``block.c``, ``reduce.c``, ``channel.c``)
+    unless a library for these sources, flags, compiler and platform exists."""
     key = hashlib.sha256()
     parts = [src.read_bytes() for src in _SOURCES]
     for part in (*parts, " ".join(CFLAGS).encode(), _cc_version(cc).encode(),
@@ -123,10 +124,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_int8_activations.argtypes = []
     lib.exitlm_int8_activations.restype = _INT
     lib.exitlm_set_int8_activations(int(_env_int8_activations()))
-    from exitlm.backend import native_block, native_reduce
+    from exitlm.backend import native_block, native_channel, native_reduce
 
     native_block.bind(lib)
     native_reduce.bind(lib)
+    native_channel.bind(lib)
 
 
 _OFF = ("0", "false", "no", "off")

@@ -2,8 +2,9 @@
 between stages; stage 0 is :mod:`exitlm.parallel.infer.pipeline_ee`, whose docstring describes
 the method.
 
-Messages (all point-to-point, gloo, every receive waited on with a timeout, see
-:class:`~exitlm.parallel.pipeline.p2p.P2P`), stage ``s`` -> ``s+1``:
+Messages (all point-to-point, every receive waited on with a timeout; through shared memory
+between the stages of one machine, :class:`~exitlm.parallel.infer.shm_p2p.ChannelP2P`, else
+gloo, :class:`~exitlm.parallel.pipeline.p2p.P2P`), stage ``s`` -> ``s+1``:
 
 * a command header, float64 ``[command, rows n, prompt length T, number of checks]``;
   ``STOP`` ends here (each stage passes it on and returns);
@@ -36,6 +37,8 @@ from exitlm.infer.decoder import last_positions
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S
+from exitlm.parallel.infer.shm_group import shm_channels
+from exitlm.parallel.infer.shm_p2p import ChannelP2P
 from exitlm.parallel.pipeline.p2p import P2P
 
 STOP, PREFILL, STEP = 0, 1, 2
@@ -126,11 +129,17 @@ def exit_decisions(model: EarlyExitLM, h: torch.Tensor, layer: int, cache: KVCac
 
 
 class Links:
-    """The transfers of one stage (the messages of the module docstring)."""
+    """The transfers of one stage (the messages of the module docstring). Every stage builds
+    its links at the same point (a collective): stages of one machine talk through
+    shared-memory channels (:mod:`exitlm.parallel.infer.shm_p2p`), others - or with
+    ``EXITLM_SHM=0`` - through gloo."""
 
     def __init__(self, rank: int, world: int, timeout_s: float, model: EarlyExitLM) -> None:
         self.rank, self.world = rank, world
-        self.p2p = P2P(timeout_s, torch.device("cpu"), setting="--dist-timeout")
+        ends = shm_channels(rank, world)
+        self.p2p: P2P | ChannelP2P = (
+            P2P(timeout_s, torch.device("cpu"), setting="--dist-timeout") if ends is None
+            else ChannelP2P(rank, ends, timeout_s))
         self.dim = model.config.dim
         self.vocab = model.config.vocab_size
         self.dtype = model.embed_tokens.weight.dtype

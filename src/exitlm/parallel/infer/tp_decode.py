@@ -300,7 +300,7 @@ def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
 
     Every rank of the group calls it (it is collective when ``tp > 1``): with every rank on
     this machine the sums and gathers go through shared memory
-    (:func:`~exitlm.parallel.infer.shm_group.shm_reducer`; ``EXITLM_TP_SHM=0`` turns it off),
+    (:func:`~exitlm.parallel.infer.shm_group.shm_reducer`; ``EXITLM_SHM=0`` turns it off),
     else through gloo."""
     check_tp(model.config, tp)
     return _shard(rebuild_model(model.config, model_tensors(model), "tensor-parallel shard"),
