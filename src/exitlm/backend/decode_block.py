@@ -108,10 +108,13 @@ class LeanBlock(Block):
             and not torch.is_grad_enabled() and not h.requires_grad
         ):
             nb = self.native
-            if nb is not None and not nb.serves(self, cache, slot) and nb.moved():
+            serves = nb is not None and nb.serves(self, cache, slot)
+            if nb is not None and not serves and nb.moved():
                 # weights moved to other storage (shared memory): point a new call at them
                 nb = self.native = build_native_block(nb.lib, self, nb.scratch)
-            if nb is not None and nb.serves(self, cache, slot):
+                serves = nb is not None and nb.serves(self, cache, slot)
+            if serves:
+                assert nb is not None
                 out = nb(h, rope, cache.keys[slot][0], cache.values[slot][0], plan.start,
                          BLAS.threads_override or 1)
                 fill = cache.fill[slot]

@@ -191,13 +191,17 @@ class KVCache:
                 f"positions must have shape (batch={self.batch_size}, T), got "
                 f"{tuple(positions.shape)}"
             )
-        end = int(positions.max()) + 1
+        one = positions.numel() == 1  # one sequence's next token: the common decoding step
+        end = (int(positions) if one else int(positions.max())) + 1
         if end > self.max_seq_len:
             raise ValueError(
                 f"KV cache overflow: position {end - 1} does not fit max_seq_len "
                 f"{self.max_seq_len}; allocate a larger cache (max_seq_len) or generate fewer "
                 "tokens"
             )
+        if one:
+            return WritePlan(end=end, start=end - 1, length=1, index=None,
+                             new_fill=torch.tensor([end]))
         t = positions.shape[1]
         first = positions[:, :1]
         aligned = bool(

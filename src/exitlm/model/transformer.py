@@ -120,6 +120,7 @@ class EarlyExitLM(nn.Module):
             self.register_buffer("rope_inv_freq", inv, persistent=False)
         else:
             self.rope_inv_freq = None
+        self._rope_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.apply(self._init_weights)
 
     # ----- initialisation ------------------------------------------------------------------
@@ -170,18 +171,44 @@ class EarlyExitLM(nn.Module):
         """Rotary angles, cache write plan and attention mask for a forward at ``positions``."""
         rope = None
         if self.rope_inv_freq is not None:
-            angles = positions[..., None].to(self.rope_inv_freq) * self.rope_inv_freq  # (B,T,D/2)
             ref = self.embed_tokens.weight
-            rope = rope_tables(angles, attention_dtype(ref.dtype, ref.device))  # (B, T, 1, D)
+            cos, ssin = self._rope_table(positions, attention_dtype(ref.dtype, ref.device))
+            rope = (cos[positions], ssin[positions])  # (B, T, 1, D)
         plan = cache.plan(positions) if cache is not None else None
         mask = None
-        t = positions.shape[1]
-        if plan is not None:
+        b, t = positions.shape
+        if plan is not None and not (b == 1 and t == 1):  # one position: nothing after it
             last = positions[:, -1]
             if not (t == 1 and bool((last == plan.end - 1).all())):
                 slots = torch.arange(plan.end, device=positions.device)
                 mask = slots[None, None, None, :] <= positions[:, None, :, None]  # (B,1,T,S)
         return StepContext(positions, rope, plan, mask)
+
+    def _rope_table(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables ``(N, 1, D)`` covering ``positions`` (:func:`rope_tables` of every
+        position ``< N``, computed once and grown by doubling): indexing them gives the bits
+        computing the angles of ``positions`` gives (elementwise arithmetic), in a fraction of
+        the operations - a decoding step builds its context once per token."""
+        inv = self.rope_inv_freq
+        assert inv is not None
+        if positions.numel() == 1:
+            low = need = int(positions)
+        else:
+            lo, hi = torch.aminmax(positions)
+            low, need = int(lo), int(hi)
+        if low < 0:
+            raise ValueError(f"negative position {low}")
+        need += 1
+        got = self._rope_cache.get(dtype)
+        if got is None or got[0] is not inv or got[1].shape[0] < need:
+            n = max(256, 1 << (need - 1).bit_length())
+            with torch.no_grad():
+                angles = torch.arange(n, device=inv.device)[None, :, None].to(inv) * inv
+                cos, ssin = rope_tables(angles, dtype)  # (1, n, 1, D)
+            got = (inv, cos[0], ssin[0])
+            self._rope_cache[dtype] = got
+        return got[1], got[2]
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings ``(B, T, D)``, plus learned position embeddings for GPT-2."""
