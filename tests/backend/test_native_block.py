@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
-from exitlm.backend import native
+from exitlm.backend import decode_block, native
 from exitlm.backend.cpu import prepare_for_decoding
-from exitlm.backend.decode_block import LeanBlock
+from exitlm.backend.decode_block import LeanBlock, LeanLM
 from exitlm.backend.native_block import Scratch, build_native_block
 from exitlm.backend.quantized import QuantizedLinear, quantize_model
 from exitlm.config import ExitConfig, ModelConfig
@@ -92,16 +92,23 @@ def test_prepared_models_decode_through_native_blocks(kind: str | None) -> None:
     assert all(isinstance(b, LeanBlock) and b.native is not None for b in fast.layers)
     calls = 0
     real = type(fast.layers[0].native).__call__
+    real_chain = decode_block.run_chain
 
     def counting(self, *a, **kw):
         nonlocal calls
         calls += 1
         return real(self, *a, **kw)
 
+    def counting_chain(blocks, *a, **kw):  # runs of blocks in one call (LeanLM)
+        nonlocal calls
+        calls += len(blocks)
+        return real_chain(blocks, *a, **kw)
+
     prompts = [[3, 7, 1, 9, 4], [5, 2, 8]]
     kw = {"max_new_tokens": 16, "threads": 1}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(fast.layers[0].native), "__call__", counting)
+        mp.setattr(decode_block, "run_chain", counting_chain)
         ar = generate(fast, None, prompts[0], **kw).token_ids
         assert calls >= 15 * 3
         ss = generate(fast, None, prompts[0], strategy="self-spec", exit_layer=1,
@@ -176,3 +183,51 @@ def test_fp16_model_decodes_through_the_native_block() -> None:
         model.layers[0].norm_attn.weight.mul_(2)  # an fp16 norm weight changed in place
     cache = model.new_cache(1, 96)
     assert not model.layers[0].native.serves(model.layers[0], cache, 0)
+
+
+@pytest.mark.parametrize("kind", (None, "int8"))
+@torch.no_grad()
+def test_a_chain_of_blocks_gives_the_bits_of_its_blocks_one_by_one(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LeanLM runs consecutive native blocks in one call: the hidden states, every layer's
+    keys/values and the cache's fill equal those of the blocks called one at a time, for one
+    position and for a verification-sized chunk; a block with a hook of its own breaks the
+    chain (its hook runs)."""
+    model = prepare_for_decoding(_model(kind))
+    assert type(model) is LeanLM
+    chains: list[int] = []
+    real_chain = decode_block.run_chain
+
+    def counting_chain(blocks, *a, **kw):
+        chains.append(len(blocks))
+        return real_chain(blocks, *a, **kw)
+
+    monkeypatch.setattr(decode_block, "run_chain", counting_chain)
+    n = model.num_layers
+    gen = torch.Generator().manual_seed(5)
+    for start, m in ((0, 1), (4, 1), (5, 6)):
+        h = torch.randn(1, m, 64, generator=gen)
+        caches = [model.new_cache(1, 96), model.new_cache(1, 96)]
+        for i, t in enumerate((*caches[0].keys, *caches[0].values)):  # earlier positions
+            t[:, :, :start] = torch.randn(t[:, :, :start].shape, generator=gen)
+            (*caches[1].keys, *caches[1].values)[i].copy_(t)
+        for c in caches:
+            c.fill[:] = start
+        pos = torch.arange(start, start + m)[None]
+        chained = model.run_layers(h, 0, n, cache=caches[0], ctx=model.context(pos, caches[0]))
+        assert chains and chains[-1] == n
+        one_by_one = EarlyExitLM.run_layers(model, h, 0, n, cache=caches[1],
+                                            ctx=model.context(pos, caches[1]))
+        assert torch.equal(chained, one_by_one)
+        for a, b in zip((*caches[0].keys, *caches[0].values), (*caches[1].keys,
+                                                               *caches[1].values), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(caches[0].fill, caches[1].fill)
+    chains.clear()
+    seen: list[int] = []
+    handle = model.layers[1].register_forward_hook(lambda *_: seen.append(1))
+    try:
+        generate(model, None, [1, 2, 3], max_new_tokens=3, threads=1)
+    finally:
+        handle.remove()
+    assert seen and not chains

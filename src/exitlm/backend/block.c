@@ -200,3 +200,29 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
     for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
     return 0;
 }
+
+/* One layer of a chain (exitlm_llama_blocks): what exitlm_llama_block takes per layer. */
+typedef struct {
+    const exitlm_block_dims *d;
+    const float *norm1, *norm2;
+    const exitlm_weight *wqkv, *wo, *w_in, *w_out;
+    float *kc, *vc;
+    int64_t head_stride;
+    struct exitlm_reduce *red;
+} exitlm_layer;
+
+/* h (M, dim) <- layers[n-1](...layers[0](h)): consecutive blocks of one sequence in one call,
+ * each exactly as exitlm_llama_block computes it (the same function, in order), so a chain
+ * gives the bits of its layers called one by one. scratch: the largest need of the layers. */
+int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
+                        const float *cos_t, const float *ssin, int64_t start, float *scratch,
+                        int nthreads) {
+    for (int64_t i = 0; i < n; i++) {
+        const exitlm_layer *L = &layers[i];
+        int rc = exitlm_llama_block(h, M, L->d, L->norm1, L->norm2, L->wqkv, L->wo, L->w_in,
+                                    L->w_out, cos_t, ssin, L->kc, L->vc, L->head_stride, start,
+                                    scratch, nthreads, L->red);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}

@@ -38,7 +38,7 @@ from torch import nn
 
 from exitlm.backend import native
 from exitlm.backend.blas import BLAS, gemv_bound, thread_split
-from exitlm.backend.decode_block import LeanBlock, lean_capable
+from exitlm.backend.decode_block import LeanBlock, LeanLM, lean_capable
 from exitlm.backend.layout import Packed, pack, restride
 from exitlm.backend.linear import FastLinear, linear
 from exitlm.backend.native_block import Scratch, build_native_block
@@ -160,6 +160,8 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
             module.__class__ = LeanBlock if nb is not None or lean_capable(module) else Block
             if isinstance(module, LeanBlock):
                 module.native = nb
+    if type(model) is EarlyExitLM and lib is not None:
+        model.__class__ = LeanLM  # runs of native blocks in one call
     ref = _reference_weight(model)
     backend = DecodingBackend(pack_rows,
                               ref.dtype if ref is not None else torch.float32,

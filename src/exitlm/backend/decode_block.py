@@ -1,4 +1,5 @@
-"""The lean per-layer decoding step for the stock Llama-family block: :class:`LeanBlock`.
+"""The lean per-layer decoding step for the stock Llama-family block: :class:`LeanBlock`,
+and runs of such blocks in one native call: :class:`LeanLM`.
 
 With the native library (:mod:`exitlm.backend.native`) the whole block runs in one call of
 ``block.c`` (:mod:`exitlm.backend.native_block`) for fp32, fp16-stored, int8 and int4
@@ -14,15 +15,18 @@ sequence (self-speculative verification, KV recomputation), with their mask.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS
 from exitlm.backend.linear import FastLinear, linear
-from exitlm.backend.native_block import NativeBlock, build_native_block
+from exitlm.backend.native_block import NativeBlock, build_native_block, run_chain
 from exitlm.backend.quant import ROW_THRESHOLD
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
+from exitlm.model.transformer import EarlyExitLM, StepContext
 
 LEAN_ROWS = 16
 """The most tokens of one sequence that :meth:`LeanBlock.decode_step` runs (verification of
@@ -189,3 +193,60 @@ class LeanBlock(Block):
         y = mm(x, l_in)
         hidden = mlp.hidden
         return h + mm(F.silu(y[..., :hidden]) * y[..., hidden:], l_out).view(h.shape)
+
+
+class LeanLM(EarlyExitLM):
+    """An :class:`~exitlm.model.transformer.EarlyExitLM` whose :meth:`run_layers` hands a
+    run of consecutive native blocks of one fp32 sequence to one native call
+    (:func:`~exitlm.backend.native_block.run_chain`) instead of calling the layers one by
+    one: the per-layer Python of :class:`LeanBlock` (~15 us: module call, checks, argument
+    marshalling) is as much as a small model's layer computes (the 8-layer, dim-128
+    ``scratch-layerskip``: ~25 us per layer, ~10 us of it in C). The chain computes every
+    layer with the function a single block call uses, so the bits are the same.
+
+    :func:`~exitlm.backend.cpu.prepare_for_decoding` gives a model this class in place (its
+    ``__class__``). Anything the chain does not take - layer dropout, batches, more than
+    :data:`NATIVE_ROWS` positions, other dtypes, a block with hooks of its own or without a
+    native call that serves this cache - goes through the layers as before. Like the
+    sub-module calls of a lean block, the block calls a chain leaves out are not seen by
+    hooks registered globally (``register_module_forward_hook``).
+    """
+
+    def run_layers(self, h: torch.Tensor, start: int, end: int,
+                   positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                   ctx: StepContext | None = None,
+                   active: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        if (
+            end - start > 1 and active is None and cache is not None and ctx is not None
+            and ctx.rope is not None and ctx.plan is not None and ctx.plan.index is None
+            and h.dtype is torch.float32 and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
+            and (ctx.mask is None) == (h.shape[1] == 1) and h.is_cpu
+            and start >= 0 and end <= self.config.num_layers
+            and not torch.is_grad_enabled() and not h.requires_grad
+        ):
+            chain = self._chain(start, end, cache)
+            if chain is not None:
+                out = run_chain(chain[0], h, ctx.rope, chain[1], ctx.plan.start,
+                                BLAS.threads_override or 1)
+                fill = cache.fill[start:end]  # (layers, 1): what each block's write records
+                torch.maximum(fill, ctx.plan.new_fill, out=fill)
+                return out
+        return super().run_layers(h, start, end, positions, cache, ctx, active)
+
+    def _chain(self, start: int, end: int, cache: KVCache
+               ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The native calls of layers ``[start, end)`` and their cache rows, or None unless
+        every one is a hook-free :class:`LeanBlock` whose native call serves ``cache``."""
+        layers = self.layers._modules
+        blocks: list[NativeBlock] = []
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(start, end):
+            layer = layers[str(i)]
+            if type(layer) is not LeanBlock or layer._forward_hooks or layer._forward_pre_hooks:
+                return None
+            nb = layer.native
+            if nb is None or not nb.serves(layer, cache, i):
+                return None
+            blocks.append(nb)
+            rows.append((cache.keys[i][0], cache.values[i][0]))
+        return blocks, rows

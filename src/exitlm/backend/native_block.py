@@ -44,12 +44,23 @@ class _Dims(ctypes.Structure):
                 ("attn_scale", ctypes.c_float)]
 
 
+class _Layer(ctypes.Structure):
+    """One layer of a chain (``block.c``'s ``exitlm_layer``)."""
+
+    _fields_ = [("d", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("wqkv", ctypes.c_void_p), ("wo", ctypes.c_void_p), ("w_in", ctypes.c_void_p),
+                ("w_out", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("head_stride", ctypes.c_int64), ("red", ctypes.c_void_p)]
+
+
 def bind(lib: ctypes.CDLL) -> None:
     """Declare the block entry points of the native library."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.exitlm_llama_block.argtypes = [p, i64, p, p, p, p, p, p, p, p, p, p, p, i64, i64, p,
                                        ctypes.c_int, p]
     lib.exitlm_llama_block.restype = ctypes.c_int
+    lib.exitlm_llama_blocks.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.exitlm_llama_blocks.restype = ctypes.c_int
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
 
@@ -128,6 +139,22 @@ class NativeBlock:
         self.scratch = scratch
         self._args = (ctypes.byref(dims), self.norms[0].data_ptr(), self.norms[1].data_ptr(),
                       *(ctypes.byref(w) for w in self.structs))
+        self._layers: dict[tuple[int, int, int], _Layer] = {}
+        self.shape = (dims.dim, dims.heads, dims.kv_heads, dims.head_dim, dims.hidden)
+
+    def layer(self, keys: torch.Tensor, values: torch.Tensor) -> _Layer:
+        """This block as one layer of a chain (:func:`run_chain`) writing into ``keys`` /
+        ``values`` ``(Hkv, S, hd)`` (kept for each cache row it met; a few at most)."""
+        key = (keys.data_ptr(), values.data_ptr(), keys.stride(0))
+        got = self._layers.get(key)
+        if got is None:
+            if len(self._layers) > 64:  # caches come and go: forget the old ones
+                self._layers.clear()
+            got = _Layer(ctypes.addressof(self.dims), self.norms[0].data_ptr(),
+                         self.norms[1].data_ptr(), *(ctypes.addressof(w) for w in self.structs),
+                         key[0], key[1], key[2], self.reduce_ptr)
+            self._layers[key] = got
+        return got
 
     def serves(self, block: torch.nn.Module, cache: Any, slot: int) -> bool:
         """Whether the call computes ``block`` on ``cache``'s slot: the same sub-modules,
@@ -187,6 +214,37 @@ class NativeBlock:
                 self.reducer._check(rc)  # the collective's own message
             raise RuntimeError(f"native block failed with code {rc}")
         return out if h.dtype == torch.float32 else out.to(h.dtype)
+
+
+def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              rows: list[tuple[torch.Tensor, torch.Tensor]], start: int, threads: int
+              ) -> torch.Tensor:
+    """Consecutive float32 blocks of one sequence in one native call: the output of
+    ``blocks[-1](...blocks[0](h))`` ``(1, M, D)``, block ``i`` writing its keys/values into
+    ``rows[i]`` (one cache row each). ``exitlm_llama_blocks`` runs each layer with the same
+    function as :meth:`NativeBlock.__call__`, so a chain gives the bits of its blocks called
+    one by one, without a Python round trip per layer (~15 us each)."""
+    first = blocks[0]
+    m = h.shape[1]
+    out = h.contiguous().clone()
+    cos, ssin = rope
+    if not cos.is_contiguous():
+        cos = cos.contiguous()
+    if not ssin.is_contiguous():
+        ssin = ssin.contiguous()
+    lib = first.lib
+    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, start + m)
+               for b in {b.shape: b for b in blocks}.values())
+    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
+                                                                          strict=True)))
+    rc = lib.exitlm_llama_blocks(out.data_ptr(), m, len(blocks), layers, cos.data_ptr(),
+                                 ssin.data_ptr(), start, first.scratch.pointer(need), threads)
+    if rc != 0:
+        for b in blocks:
+            if b.reducer is not None and rc <= -20:
+                b.reducer._check(rc)  # the collective's own message
+        raise RuntimeError(f"native block failed with code {rc}")
+    return out
 
 
 def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratch
