@@ -11,8 +11,11 @@
  * M, on which other rows share the call, on the tile a pair lands in, nor on the thread count.
  * Every (m, n) pair owns its accumulators and performs, in the same order, the same operations:
  *
- *   f32 / f16 : acc (8 lanes) = 0;  for each 8-wide chunk c of K: acc = fma(w_c, x_c, acc);
- *               y = hsum8(acc);  then for each tail element k (K % 8): y = fma(x_k, w_k, y).
+ *   f32 / f16 : acc_0..acc_3 (8 lanes each) = 0;  for each 8-wide chunk c of K (c = 0, 1, ...):
+ *               acc_{c % 4} = fma(w_c, x_c, acc_{c % 4});
+ *               y = hsum8((acc_0 + acc_1) + (acc_2 + acc_3));  then for each tail element k
+ *               (K % 8): y = fma(x_k, w_k, y).  Four chains keep the FMA latency off a
+ *               one-row product's path, so it can stream one weight row after the other.
  *   q8        : acc = 0;  for each group g of 32: gs = 0; for c in 0..3: gs = fma(q_c, x_c, gs);
  *               acc = fma(gs, scale_g, acc);   y = hsum8(acc).
  *   q4        : as q8 with the nibbles in place of q, and after the scale step
@@ -154,16 +157,20 @@ static void quantize_x(const float *x, int64_t K, int8_t *xq, float *xd) {
 /* ------------------------------------------------------------------ scalar fallback */
 
 static float pair_dense(int kind, const float *x, const void *wrow, int64_t K) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[4][8] = {{0}};
     int64_t K8 = K & ~(int64_t)7;
     const float *wf = (const float *)wrow;
     const uint16_t *wh = (const uint16_t *)wrow;
-    for (int64_t k = 0; k < K8; k += 8)
+    for (int64_t k = 0; k < K8; k += 8) {
+        float *a = acc[(k / 8) & 3];
         for (int l = 0; l < 8; l++) {
             float w = kind == K_F32 ? wf[k + l] : half_to_float(wh[k + l]);
-            acc[l] = fmaf(w, x[k + l], acc[l]);
+            a[l] = fmaf(w, x[k + l], a[l]);
         }
-    float s = hsum8_scalar(acc);
+    }
+    float sum[8];
+    for (int l = 0; l < 8; l++) sum[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+    float s = hsum8_scalar(sum);
     for (int64_t k = K8; k < K; k++) {
         float w = kind == K_F32 ? wf[k] : half_to_float(wh[k]);
         s = fmaf(x[k], w, s);
@@ -267,31 +274,37 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
     return _cvtsh_ss(((const uint16_t *)w)[off]);
 }
 
-/* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0. */
+/* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0.  Each pair keeps
+ * four accumulators, chunk c of K going to accumulator c % 4 (see the header). */
 AI void dense_tile(const int kind, const int nb, const int mb, const float *x, const void *w,
                    float *y, int64_t K, int64_t ldy) {
-    __m256 acc[NBMAX][MBMAX];
+    __m256 acc[NBMAX][MBMAX][4];
     for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t K8 = K & ~(int64_t)7;
-    const int64_t esz = kind == K_F32 ? 4 : 2;
-    for (int64_t k = 0; k < K8; k += 8) {
-        __m256 wv[NBMAX];
-        if (PF_DENSE_BYTES && (k & (esz == 4 ? 15 : 31)) == 0)
-            for (int i = 0; i < nb; i++)
-                _mm_prefetch((const char *)w + (i * K + k) * esz + PF_DENSE_BYTES,
-                             _MM_HINT_T0);
-        for (int i = 0; i < nb; i++) wv[i] = load_w(kind, w, i * K + k);
-        for (int j = 0; j < mb; j++) {
-            __m256 xv = _mm256_loadu_ps(x + j * K + k);
-            for (int i = 0; i < nb; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+        for (int j = 0; j < mb; j++)
+            for (int c = 0; c < 4; c++) acc[i][j][c] = _mm256_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
+    int64_t k = 0;
+    for (; k + 32 <= K8; k += 32)
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < nb; i++) {
+                __m256 wv = load_w(kind, w, i * K + k + 8 * c);
+                for (int j = 0; j < mb; j++)
+                    acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * K + k + 8 * c),
+                                                   acc[i][j][c]);
+            }
+    for (int c = 0; k < K8; k += 8, c++)
+        for (int i = 0; i < nb; i++) {
+            __m256 wv = load_w(kind, w, i * K + k);
+            for (int j = 0; j < mb; j++)
+                acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * K + k), acc[i][j][c]);
         }
-    }
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
-            float s = hsum8(acc[i][j]);
-            for (int64_t k = K8; k < K; k++)
-                s = fmaf(x[j * K + k], scalar_w(kind, w, i * K + k), s);
+            __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][j][0], acc[i][j][1]),
+                                     _mm256_add_ps(acc[i][j][2], acc[i][j][3]));
+            float s = hsum8(a);
+            for (int64_t t = K8; t < K; t++)
+                s = fmaf(x[j * K + t], scalar_w(kind, w, i * K + t), s);
             y[j * ldy + i] = s;
         }
 }
@@ -446,10 +459,13 @@ static const qa_fn QA_TABLE[2][3][MBMAX] = {TABLE(qa_, 2), TABLE(qa_, 3)};
 
 /* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
  * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
- * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC). */
+ * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC).  Dense kinds read one
+ * weight row at a time: on that Zen 1 core a one-row fp32 product streamed ~27 GB/s with four
+ * rows interleaved (one accumulator each) and ~39 GB/s row after row with four accumulators
+ * (llama.cpp's order of access); more than 3 x rows would spill the 4 x mb accumulators. */
 static int tile_cfg[6][2][2] = {
-    /* f32 */ {{4, 1}, {4, 3}},
-    /* f16 */ {{4, 1}, {1, 8}},
+    /* f32 */ {{1, 1}, {1, 3}},
+    /* f16 */ {{1, 1}, {1, 3}},
     /* q8  */ {{4, 1}, {1, 8}},
     /* q4  */ {{4, 1}, {1, 8}},
     /* q8 with int8 activations */ {{2, 1}, {2, 2}},
