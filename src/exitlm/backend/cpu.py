@@ -71,6 +71,12 @@ class _Embedding:
     pack: Packed | None
 
 
+_NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
+NATIVE_HEAD_ROWS = 64
+"""The most rows of an output-embedding product exitlm's kernels take (decoding steps,
+verification, batches); longer ones (logits over whole sequences) take ``linear``."""
+
+
 @dataclass
 class DecodingBackend:
     """What :func:`prepare_for_decoding` applied to one model (``model._decoding_backend``).
@@ -102,15 +108,17 @@ class DecodingBackend:
         one of the model's output embeddings."""
         if isinstance(weight, QuantizedWeight):
             return quantized_project(h, weight)
-        if (weight.dtype is torch.float16 and h.dtype is torch.float16 and h.is_cpu
+        if (weight.dtype in _NATIVE_HEADS and h.dtype is weight.dtype and h.is_cpu
                 and weight.is_cpu and weight.is_contiguous() and not torch.is_grad_enabled()
+                and h.numel() <= NATIVE_HEAD_ROWS * h.shape[-1]
                 and native.library() is not None):
-            # fp16 output embeddings (SmolLM2's tied 49152 x 576): exitlm's kernel reads the
-            # fp16 rows one after the other (~40 GB/s against ~24 for torch's fp16 GEMV) and
-            # gives every row the same bits whatever the number of rows (AR, verification)
+            # fp32/fp16 output embeddings (SmolLM2's tied 49152 x 576) through exitlm's
+            # kernels: they read the rows one after the other (fp32 ~39 GB/s against ~34 for
+            # OpenBLAS' GEMV, fp16 ~40 against ~24 for torch's) and give every row the same
+            # bits whatever the number of rows (plain steps, verification, small batches)
             flat = h.reshape(-1, h.shape[-1]).float()
-            out = native.gemm_f16(flat, weight.detach(), BLAS.threads_override or 1)
-            return out.to(torch.float16).reshape(*h.shape[:-1], weight.shape[0])
+            out = _NATIVE_HEADS[weight.dtype](flat, weight.detach(), BLAS.threads_override or 1)
+            return out.to(h.dtype).reshape(*h.shape[:-1], weight.shape[0])
         for head in self.heads:
             if head.weight is weight:
                 return linear(h, weight, None, head.pack)
@@ -154,14 +162,17 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
     lib = native.library()
     in_blocks = {id(m) for b in model.modules() if type(b) in (Block, LeanBlock)
                  for m in b.modules()} if lib is not None else set()
+    # output embeddings are read by rows too when the native kernels run them (project)
+    heads = {id(m) for m in _head_modules(model)} if lib is not None else set()
     for module in model.modules():
         if type(module) is Linear:
             module.__class__ = FastLinear
         if isinstance(module, FastLinear):  # also a parallel layout's FastLinear subclasses
             # the native block reads its weights by rows
-            module.prepare(pack_rows=pack_rows, row_major=id(module) in in_blocks)
+            module.prepare(pack_rows=pack_rows,
+                           row_major=id(module) in in_blocks or id(module) in heads)
         elif isinstance(module, nn.Linear | nn.Embedding):
-            restride(module.weight)
+            restride(module.weight, row_major=id(module) in heads)
     scratch = state.scratch if state is not None else Scratch()
     for module in model.modules():
         if type(module) in (Block, LeanBlock):
@@ -184,6 +195,17 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
             model.project = backend.project  # type: ignore[method-assign]
     model._decoding_backend = backend  # type: ignore[assignment]
     return model
+
+
+def _head_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding ``model``'s output embeddings (see :func:`_output_embeddings`)."""
+    if not isinstance(model, EarlyExitLM):
+        return []
+    mods: list[nn.Module] = [m for m in (model.lm_head, *(e.proj for e in model.exits.values()))
+                             if m is not None]
+    if model.lm_head is None or model.config.exits.output == "tied_embedding":
+        mods.append(model.embed_tokens)
+    return mods
 
 
 def _output_embeddings(model: EarlyExitLM, old: DecodingBackend | None,
