@@ -185,7 +185,33 @@ def test_fp16_model_decodes_through_the_native_block() -> None:
     assert not model.layers[0].native.serves(model.layers[0], cache, 0)
 
 
-@pytest.mark.parametrize("kind", (None, "int8"))
+def test_rounding_to_half_is_torchs() -> None:
+    """The chain's float16 rounding of the residual stream (kernels.c float_to_half) is
+    torch's float -> float16 cast, bit for bit: normals, subnormals, ties, overflow, NaN."""
+    lib = native.library()
+    gen = torch.Generator().manual_seed(8)
+    bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), generator=gen, dtype=torch.int64)
+    x = torch.cat([
+        bits.to(torch.int32).view(torch.float32),  # every exponent, NaNs and infinities
+        torch.randn(100_000, generator=gen) * 10.0 ** torch.randint(-9, 6, (100_000,),
+                                                                    generator=gen),
+        # exact ties and their neighbours around every half-precision value
+        torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float(),
+        torch.tensor([65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0001,
+                      3 * 2.0**-26, 2.0**-14, -0.0, float("inf"), -float("inf")]),
+    ])
+    halves = x.to(torch.float16).float()
+    mids = (halves[:-1] + halves[1:]) / 2  # halfway between neighbours (exact in fp32)
+    x = torch.cat([x, mids[torch.isfinite(mids)]])
+    got = x.clone()
+    lib.exitlm_round_to_half(got.data_ptr(), got.numel())
+    want = x.to(torch.float16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", (None, "int8", "fp16"))
 @torch.no_grad()
 def test_a_chain_of_blocks_gives_the_bits_of_its_blocks_one_by_one(
         kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,8 +219,9 @@ def test_a_chain_of_blocks_gives_the_bits_of_its_blocks_one_by_one(
     keys/values and the cache's fill equal those of the blocks called one at a time, for one
     position and for a verification-sized chunk; a block with a hook of its own breaks the
     chain (its hook runs)."""
-    model = prepare_for_decoding(_model(kind))
+    model = prepare_for_decoding(_model(None).half() if kind == "fp16" else _model(kind))
     assert type(model) is LeanLM
+    dtype = torch.float16 if kind == "fp16" else torch.float32
     chains: list[int] = []
     real_chain = decode_block.run_chain
 
@@ -206,7 +233,7 @@ def test_a_chain_of_blocks_gives_the_bits_of_its_blocks_one_by_one(
     n = model.num_layers
     gen = torch.Generator().manual_seed(5)
     for start, m in ((0, 1), (4, 1), (5, 6)):
-        h = torch.randn(1, m, 64, generator=gen)
+        h = torch.randn(1, m, 64, generator=gen).to(dtype)
         caches = [model.new_cache(1, 96), model.new_cache(1, 96)]
         for i, t in enumerate((*caches[0].keys, *caches[0].values)):  # earlier positions
             t[:, :, :start] = torch.randn(t[:, :, :start].shape, generator=gen)

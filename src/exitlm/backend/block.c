@@ -213,16 +213,22 @@ typedef struct {
 
 /* h (M, dim) <- layers[n-1](...layers[0](h)): consecutive blocks of one sequence in one call,
  * each exactly as exitlm_llama_block computes it (the same function, in order), so a chain
- * gives the bits of its layers called one by one. scratch: the largest need of the layers. */
+ * gives the bits of its layers called one by one. scratch: the largest need of the layers.
+ * half_stream: round h to float16 after every block (exitlm_round_to_half), as a float16
+ * model's blocks called one by one do. */
+void exitlm_round_to_half(float *x, int64_t n);
+
 int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
                         const float *cos_t, const float *ssin, int64_t start, float *scratch,
-                        int nthreads) {
+                        int nthreads, int half_stream) {
     for (int64_t i = 0; i < n; i++) {
         const exitlm_layer *L = &layers[i];
         int rc = exitlm_llama_block(h, M, L->d, L->norm1, L->norm2, L->wqkv, L->wo, L->w_in,
                                     L->w_out, cos_t, ssin, L->kc, L->vc, L->head_stride, start,
                                     scratch, nthreads, L->red);
         if (rc != 0) return rc;
+        /* a float16 model hands each block its input rounded to float16 */
+        if (half_stream) exitlm_round_to_half(h, M * L->d->dim);
     }
     return 0;
 }

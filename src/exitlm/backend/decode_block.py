@@ -197,12 +197,13 @@ class LeanBlock(Block):
 
 class LeanLM(EarlyExitLM):
     """An :class:`~exitlm.model.transformer.EarlyExitLM` whose :meth:`run_layers` hands a
-    run of consecutive native blocks of one fp32 sequence to one native call
+    run of consecutive native blocks of one fp32 or fp16 sequence to one native call
     (:func:`~exitlm.backend.native_block.run_chain`) instead of calling the layers one by
     one: the per-layer Python of :class:`LeanBlock` (~15 us: module call, checks, argument
     marshalling) is as much as a small model's layer computes (the 8-layer, dim-128
     ``scratch-layerskip``: ~25 us per layer, ~10 us of it in C). The chain computes every
-    layer with the function a single block call uses, so the bits are the same.
+    layer with the function a single block call uses (an fp16 stream rounded to fp16 between
+    layers, as the single calls return it), so the bits are the same.
 
     :func:`~exitlm.backend.cpu.prepare_for_decoding` gives a model this class in place (its
     ``__class__``). Anything the chain does not take - layer dropout, batches, more than
@@ -219,7 +220,8 @@ class LeanLM(EarlyExitLM):
         if (
             end - start > 1 and active is None and cache is not None and ctx is not None
             and ctx.rope is not None and ctx.plan is not None and ctx.plan.index is None
-            and h.dtype is torch.float32 and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
+            and (h.dtype is torch.float32 or h.dtype is torch.float16)
+            and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
             and (ctx.mask is None) == (h.shape[1] == 1) and h.is_cpu
             and start >= 0 and end <= self.config.num_layers
             and not torch.is_grad_enabled() and not h.requires_grad

@@ -121,6 +121,38 @@ __attribute__((unused)) static inline float hsum8_scalar(const float a[8]) {
     return t0 + t1;
 }
 
+/* The nearest half-precision value of f (ties to even; NaN -> a quiet NaN, beyond the half
+ * range -> infinity): the rounding of torch's float -> float16 cast. */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   /* NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* >= 65520: infinity */
+    uint32_t h, rem, halfway;
+    if (ax >= 0x38800000u) { /* a normal half (>= 2^-14): drop 13 mantissa bits */
+        h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13));
+        rem = ax & 0x1fffu;
+        halfway = 0x1000u;
+    } else if (ax < 0x33000000u) { /* below 2^-25: rounds to zero */
+        return (uint16_t)sign;
+    } else { /* a subnormal half: units of 2^-24 */
+        const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, shift = 126u - (ax >> 23);
+        h = mant >> shift;
+        rem = mant & ((1u << shift) - 1u);
+        halfway = 1u << (shift - 1u);
+    }
+    if (rem > halfway || (rem == halfway && (h & 1u))) h++; /* a carry may reach the exponent */
+    return (uint16_t)(sign | h);
+}
+
+/* x[i] <- the float value of x[i] rounded to half precision (exactly torch's
+ * x.to(float16).float()), for n floats: what a float16 model's residual stream goes through
+ * between two blocks (exitlm_llama_blocks). */
+void exitlm_round_to_half(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = half_to_float(float_to_half(x[i]));
+}
+
 /* xs[g][l] = ((x[32g+l] + x[32g+8+l]) + x[32g+16+l]) + x[32g+24+l]  (both builds) */
 static void group_sums(const float *x, int64_t K, float *xs) {
     int64_t G = K / 32;

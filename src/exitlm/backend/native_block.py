@@ -59,8 +59,11 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_llama_block.argtypes = [p, i64, p, p, p, p, p, p, p, p, p, p, p, i64, i64, p,
                                        ctypes.c_int, p]
     lib.exitlm_llama_block.restype = ctypes.c_int
-    lib.exitlm_llama_blocks.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.exitlm_llama_blocks.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int,
+                                        ctypes.c_int]
     lib.exitlm_llama_blocks.restype = ctypes.c_int
+    lib.exitlm_round_to_half.argtypes = [p, i64]
+    lib.exitlm_round_to_half.restype = None
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
 
@@ -219,14 +222,17 @@ class NativeBlock:
 def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               rows: list[tuple[torch.Tensor, torch.Tensor]], start: int, threads: int
               ) -> torch.Tensor:
-    """Consecutive float32 blocks of one sequence in one native call: the output of
+    """Consecutive blocks of one sequence (float32 or float16 residual stream) in one native
+    call: the output of
     ``blocks[-1](...blocks[0](h))`` ``(1, M, D)``, block ``i`` writing its keys/values into
     ``rows[i]`` (one cache row each). ``exitlm_llama_blocks`` runs each layer with the same
     function as :meth:`NativeBlock.__call__`, so a chain gives the bits of its blocks called
     one by one, without a Python round trip per layer (~15 us each)."""
     first = blocks[0]
     m = h.shape[1]
-    out = h.contiguous().clone()
+    # a float16 model's residual stream: fp32 in each block, rounded to fp16 between blocks
+    half = h.dtype == torch.float16
+    out = h.float() if half else h.contiguous().clone()
     cos, ssin = rope
     if not cos.is_contiguous():
         cos = cos.contiguous()
@@ -238,13 +244,14 @@ def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tens
     layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
                                                                           strict=True)))
     rc = lib.exitlm_llama_blocks(out.data_ptr(), m, len(blocks), layers, cos.data_ptr(),
-                                 ssin.data_ptr(), start, first.scratch.pointer(need), threads)
+                                 ssin.data_ptr(), start, first.scratch.pointer(need), threads,
+                                 int(half))
     if rc != 0:
         for b in blocks:
             if b.reducer is not None and rc <= -20:
                 b.reducer._check(rc)  # the collective's own message
         raise RuntimeError(f"native block failed with code {rc}")
-    return out
+    return out.to(torch.float16) if half else out
 
 
 def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratch
