@@ -96,9 +96,7 @@ def main() -> None:
 
     def keep(method: str, thr: float, got: list[GenerationResult]) -> None:
         runs.setdefault((method, thr), []).append(got)
-        ms = 1e3 * sum(r.timings.decode_s for r in got) / max(
-            1, sum(r.timings.decode_tokens for r in got))
-        note(f"[dist_decode] {method} @ {thr}: {ms:.2f} ms/token")
+        note(f"[dist_decode] {method} @ {thr}: {_summary(got, None)['ms_per_token']} ms/token")
 
     # the methods take turns, round after round (the machine's load drifts over minutes);
     # each cell reports its best round

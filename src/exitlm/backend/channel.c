@@ -24,14 +24,9 @@
  */
 
 #define _GNU_SOURCE
-#include <errno.h>
 #include <limits.h>
-#include <sched.h>
-#include <signal.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
-#include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef __linux__
@@ -76,29 +71,9 @@ typedef struct exitlm_chan {
     int64_t watch;  /* 1: a wait checks that the peer's process still lives */
 } exitlm_chan;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Whether process `pid` still runs: not gone and not a zombie (see reduce.c). */
-static int alive(int64_t pid) {
-    if (pid <= 0) return 1;
-#ifdef __linux__
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
-    FILE *f = fopen(path, "r");
-    if (f == NULL) return errno != ENOENT;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    const char *rp = strrchr(buf, ')');
-    return !(rp != NULL && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
-#else
-    return kill((pid_t)pid, 0) == 0 || errno != ESRCH;
-#endif
-}
+/* reduce.c: the monotonic clock and the check that a peer's process still runs */
+double exitlm_now_s(void);
+int exitlm_process_alive(int64_t pid);
 
 static void nap(int64_t *word, int64_t seen, double max_s) {
 #ifdef __linux__
@@ -127,14 +102,14 @@ static int wait_above(exitlm_chan *c, int word, int64_t target, double timeout_s
     const int peer_abort = c->sender ? H_RECEIVER_ABORT : H_SENDER_ABORT;
     const int peer_pid = c->sender ? H_RECEIVER_PID : H_SENDER_PID;
     int64_t *waiting = &h[c->sender ? H_SENDER_WAITING : H_RECEIVER_WAITING];
-    const double start = now_s();
+    const double start = exitlm_now_s();
     for (int64_t spins = 0;; spins++) {
         if (__atomic_load_n(w, __ATOMIC_ACQUIRE) > target) return 0;
         if (__atomic_load_n(&h[peer_abort], __ATOMIC_RELAXED)) return ERR_PEER;
         RELAX();
-        if ((spins & 255) == 255 && now_s() - start > SPIN_S) break;
+        if ((spins & 255) == 255 && exitlm_now_s() - start > SPIN_S) break;
     }
-    double checked = now_s();
+    double checked = exitlm_now_s();
     for (;;) {
         __atomic_store_n(waiting, 1, __ATOMIC_SEQ_CST);
         const int64_t v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
@@ -143,14 +118,14 @@ static int wait_above(exitlm_chan *c, int word, int64_t target, double timeout_s
             __atomic_store_n(waiting, 0, __ATOMIC_RELAXED);
             return ERR_PEER;
         }
-        const double t = now_s();
+        const double t = exitlm_now_s();
         if (timeout_s >= 0 && t - start > timeout_s) {
             __atomic_store_n(waiting, 0, __ATOMIC_RELAXED);
             return ERR_TIMEOUT;
         }
         if (c->watch && t - checked > CHECK_S) {
             checked = t;
-            if (!alive(__atomic_load_n(&h[peer_pid], __ATOMIC_RELAXED))) {
+            if (!exitlm_process_alive(__atomic_load_n(&h[peer_pid], __ATOMIC_RELAXED))) {
                 __atomic_store_n(waiting, 0, __ATOMIC_RELAXED);
                 return ERR_DEAD;
             }

@@ -198,29 +198,30 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
 
 
 def _head_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding ``model``'s output embeddings (see :func:`_output_embeddings`)."""
+    """The modules holding ``model``'s output embeddings: its LM head and own exit matrices
+    and, when tied or used by the exits, the input embedding."""
     if not isinstance(model, EarlyExitLM):
         return []
     mods: list[nn.Module] = [m for m in (model.lm_head, *(e.proj for e in model.exits.values()))
                              if m is not None]
-    if model.lm_head is None or model.config.exits.output == "tied_embedding":
+    if isinstance(model.embed_tokens.weight, torch.Tensor) and (
+            model.lm_head is None or model.config.exits.output == "tied_embedding"):
         mods.append(model.embed_tokens)
     return mods
 
 
 def _output_embeddings(model: EarlyExitLM, old: DecodingBackend | None,
                        pack_rows: bool) -> list[FastLinear | _Embedding]:
-    """The weights the model's ``project`` multiplies with: its LM head and own exit
-    matrices (:class:`FastLinear` layers, packed with them) and, when tied or used by the
-    exits, the input embedding with a packed copy of its own (as a linear layer's)."""
+    """The weights the model's ``project`` multiplies with (:func:`_head_modules`): linear
+    layers, packed with them, and the input embedding with a packed copy of its own (as a
+    linear layer's)."""
     heads: list[FastLinear | _Embedding] = []
-    for lin in (model.lm_head, *(e.proj for e in model.exits.values())):
-        if isinstance(lin, FastLinear):
-            heads.append(lin)
-    if isinstance(model.embed_tokens.weight, torch.Tensor) and (
-            model.lm_head is None or model.config.exits.output == "tied_embedding"):
-        w = model.embed_tokens.weight
-        before = next((h.pack for h in old.heads if isinstance(h, _Embedding)), None) \
-            if old is not None else None
-        heads.append(_Embedding(w, pack(w, before, rows=pack_rows)))
+    for mod in _head_modules(model):
+        if isinstance(mod, FastLinear):
+            heads.append(mod)
+        elif mod is model.embed_tokens:
+            w = mod.weight
+            before = next((h.pack for h in old.heads if isinstance(h, _Embedding)), None) \
+                if old is not None else None
+            heads.append(_Embedding(w, pack(w, before, rows=pack_rows)))
     return heads

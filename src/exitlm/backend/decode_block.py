@@ -38,6 +38,23 @@ that verification of up to 64 drafts and long KV recomputations round exactly li
 steps, int8 activations included (:func:`~exitlm.backend.native.int8_activations`)."""
 
 
+def native_step(h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None, plan: WritePlan | None, mask: torch.Tensor | None
+                ) -> bool:
+    """Whether a forward of ``h`` can take the native blocks: one sequence, a cache write
+    without row index, 1 row without mask or 2..:data:`NATIVE_ROWS` with one (always causal
+    over the cache slots: EarlyExitLM.context), an fp32 or fp16 stream on the CPU, no
+    gradient. (The torch lean step has the same conditions with up to :data:`LEAN_ROWS`
+    fp32 rows.)"""
+    return (
+        plan is not None and cache is not None and rope is not None and plan.index is None
+        and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
+        and (mask is None) == (h.shape[1] == 1)
+        and (h.dtype is torch.float32 or h.dtype is torch.float16) and h.is_cpu
+        and not torch.is_grad_enabled() and not h.requires_grad
+    )
+
+
 def lean_capable(block: Block) -> bool:
     """Whether :class:`LeanBlock`'s step computes exactly what ``block``'s sub-modules would:
     the stock Llama-family modules (RMSNorm, rotary attention, SwiGLU, no biases) with
@@ -101,16 +118,9 @@ class LeanBlock(Block):
         plan: WritePlan | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # one sequence, a cache write without row index, 1 row without mask or 2-95 with
-        # one (always causal over the cache slots: EarlyExitLM.context), fp32 on the CPU (or
-        # fp16 for the native block), no gradient; the torch lean step takes up to 16 rows
-        if (
-            plan is not None and cache is not None and rope is not None and plan.index is None
-            and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
-            and (mask is None) == (h.shape[1] == 1)
-            and (h.dtype is torch.float32 or h.dtype is torch.float16) and h.is_cpu
-            and not torch.is_grad_enabled() and not h.requires_grad
-        ):
+        # the native block (fp32/fp16), else the torch lean step (fp32, up to 16 rows)
+        if native_step(h, rope, cache, plan, mask):
+            assert cache is not None and plan is not None and rope is not None
             nb = self.native
             serves = nb is not None and nb.serves(self, cache, slot)
             if nb is not None and not serves and nb.moved():
@@ -218,14 +228,11 @@ class LeanLM(EarlyExitLM):
                    ctx: StepContext | None = None,
                    active: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         if (
-            end - start > 1 and active is None and cache is not None and ctx is not None
-            and ctx.rope is not None and ctx.plan is not None and ctx.plan.index is None
-            and (h.dtype is torch.float32 or h.dtype is torch.float16)
-            and h.shape[0] == 1 and h.shape[1] <= NATIVE_ROWS
-            and (ctx.mask is None) == (h.shape[1] == 1) and h.is_cpu
+            end - start > 1 and active is None and ctx is not None
             and start >= 0 and end <= self.config.num_layers
-            and not torch.is_grad_enabled() and not h.requires_grad
+            and native_step(h, ctx.rope, cache, ctx.plan, ctx.mask)
         ):
+            assert cache is not None and ctx.plan is not None and ctx.rope is not None
             chain = self._chain(start, end, cache)
             if chain is not None:
                 out = run_chain(chain[0], h, ctx.rope, chain[1], ctx.plan.start,

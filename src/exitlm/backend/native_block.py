@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -200,23 +201,32 @@ class NativeBlock:
         """The block's output for ``h`` ``(1, M, D)`` at positions ``start..start+M-1``,
         writing keys/values into ``keys``/``values`` ``(Hkv, S, hd)`` (one cache row)."""
         m = h.shape[1]
-        # the residual stream of an fp16 model is computed in fp32 and rounded back
-        out = h.float() if h.dtype != torch.float32 else h.contiguous().clone()
-        cos, ssin = rope
-        if not cos.is_contiguous():
-            cos = cos.contiguous()
-        if not ssin.is_contiguous():
-            ssin = ssin.contiguous()
+        out, cos, ssin = _inputs(h, rope)
         need = self.lib.exitlm_block_scratch(ctypes.byref(self.dims), m, start + m)
         rc = self.lib.exitlm_llama_block(
             out.data_ptr(), m, *self._args, cos.data_ptr(), ssin.data_ptr(),
             keys.data_ptr(), values.data_ptr(), keys.stride(0), start,
             self.scratch.pointer(need), threads, self.reduce_ptr)
-        if rc != 0:
-            if self.reducer is not None and rc <= -20:
-                self.reducer._check(rc)  # the collective's own message
-            raise RuntimeError(f"native block failed with code {rc}")
+        _check(rc, (self,))
         return out if h.dtype == torch.float32 else out.to(h.dtype)
+
+
+def _inputs(h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 residual stream a native call updates in place (a copy of ``h``; an fp16
+    model's stream is computed in fp32 and rounded back) and contiguous rotary tables."""
+    out = h.float() if h.dtype != torch.float32 else h.contiguous().clone()
+    cos, ssin = rope
+    return out, cos.contiguous(), ssin.contiguous()
+
+
+def _check(rc: int, blocks: Iterable[NativeBlock]) -> None:
+    """Raise for a failed native call; a collective's failure with its own message."""
+    if rc != 0:
+        for b in blocks:
+            if b.reducer is not None and rc <= -20:
+                b.reducer._check(rc)
+        raise RuntimeError(f"native block failed with code {rc}")
 
 
 def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -232,12 +242,7 @@ def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tens
     m = h.shape[1]
     # a float16 model's residual stream: fp32 in each block, rounded to fp16 between blocks
     half = h.dtype == torch.float16
-    out = h.float() if half else h.contiguous().clone()
-    cos, ssin = rope
-    if not cos.is_contiguous():
-        cos = cos.contiguous()
-    if not ssin.is_contiguous():
-        ssin = ssin.contiguous()
+    out, cos, ssin = _inputs(h, rope)
     lib = first.lib
     need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, start + m)
                for b in {b.shape: b for b in blocks}.values())
@@ -246,11 +251,7 @@ def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tens
     rc = lib.exitlm_llama_blocks(out.data_ptr(), m, len(blocks), layers, cos.data_ptr(),
                                  ssin.data_ptr(), start, first.scratch.pointer(need), threads,
                                  int(half))
-    if rc != 0:
-        for b in blocks:
-            if b.reducer is not None and rc <= -20:
-                b.reducer._check(rc)  # the collective's own message
-        raise RuntimeError(f"native block failed with code {rc}")
+    _check(rc, blocks)
     return out.to(torch.float16) if half else out
 
 

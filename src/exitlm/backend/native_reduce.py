@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -56,6 +57,19 @@ def region_bytes(world: int, capacity: int = DEFAULT_CAPACITY) -> int:
     return 8 * world * FLAG_STRIDE + 2 * world * capacity * 4
 
 
+def processes_visible(pids: Iterable[int]) -> bool:
+    """Whether every process of ``pids`` can be seen from here (the same process namespace):
+    only then may a wait watch a peer's process (``reduce.c``, ``channel.c``)."""
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # exists
+    return True
+
+
 class ShmReducer:
     """Rank ``rank``'s handle on the shared region in ``path`` (``region_bytes(world,
     capacity)`` bytes, zero-filled by its creator). The file may be unlinked once every rank
@@ -85,14 +99,9 @@ class ShmReducer:
         """Once every rank has mapped the region: let waits notice a peer whose process is
         gone (SIGKILL, a crash) at once instead of at the timeout. Only where every peer's
         process is visible from here (same process namespace); returns whether it is on."""
-        pids = [int(self._map[r * FLAG_STRIDE + PID_SLOT]) for r in range(self.world)]
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass  # exists
+        if not processes_visible(int(self._map[r * FLAG_STRIDE + PID_SLOT])
+                                 for r in range(self.world)):
+            return False
         self._region.watch = 1
         return True
 

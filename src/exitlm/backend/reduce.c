@@ -48,7 +48,7 @@ typedef struct exitlm_reduce {
     float *data;
     int64_t cap, rank, world, seq;
     double timeout_s;
-    int64_t watch; /* 1: check that waited-for peers' processes still live (see peer_alive) */
+    int64_t watch; /* 1: check that waited-for peers' processes still live (see exitlm_process_alive) */
 } exitlm_reduce;
 
 #define ERR_TIMEOUT (-20)
@@ -58,8 +58,9 @@ typedef struct exitlm_reduce {
 #define PID_SLOT 2 /* each rank's process id, in its flag's line */
 
 /* Whether process `pid` still runs: not gone and not a zombie (a killed worker whose parent,
- * the rank waiting here, has not reaped it yet). Linux reads /proc; elsewhere kill(pid, 0). */
-static int peer_alive(int64_t pid) {
+ * the rank waiting here, has not reaped it yet). Linux reads /proc; elsewhere kill(pid, 0).
+ * Also the peer check of the pipeline channels (channel.c). */
+int exitlm_process_alive(int64_t pid) {
     if (pid <= 0) return 1;
 #ifdef __linux__
     char path[64], buf[512];
@@ -76,7 +77,8 @@ static int peer_alive(int64_t pid) {
 #endif
 }
 
-static double now_s(void) {
+/* Monotonic seconds (also channel.c's clock). */
+double exitlm_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -99,10 +101,10 @@ static int meet(exitlm_reduce *r, int64_t seq) {
             }
             sched_yield();
             if ((spins & 63) == 0) {
-                double t = now_s();
+                double t = exitlm_now_s();
                 if (deadline < 0) deadline = t + r->timeout_s;
                 else if (t > deadline) return ERR_TIMEOUT;
-                if (r->watch && !peer_alive(__atomic_load_n(&r->flags[p * FLAG_STRIDE + PID_SLOT],
+                if (r->watch && !exitlm_process_alive(__atomic_load_n(&r->flags[p * FLAG_STRIDE + PID_SLOT],
                                                             __ATOMIC_RELAXED)))
                     return ERR_DEAD;
             }

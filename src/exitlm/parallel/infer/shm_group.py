@@ -27,7 +27,12 @@ import torch.distributed as dist
 from exitlm.backend import native
 from exitlm.backend.native_channel import DEFAULT_CAPACITY as CHANNEL_CAPACITY
 from exitlm.backend.native_channel import ShmChannel, channel_bytes
-from exitlm.backend.native_reduce import DEFAULT_CAPACITY, ShmReducer, region_bytes
+from exitlm.backend.native_reduce import (
+    DEFAULT_CAPACITY,
+    ShmReducer,
+    processes_visible,
+    region_bytes,
+)
 
 _NAME_BYTES = 512
 _TOKEN_AT = 64  # byte offset of the token: a word that neither protocol uses (reduce.c's
@@ -134,19 +139,7 @@ def shm_channels(rank: int, world: int, group: Any = None, *,
                 for i, (a, b) in enumerate(pairs) if rank in (a, b)}
 
     ends = _shared_file(rank, len(pairs) * channel_bytes(capacity), "pp", group, open_ends)
-    if ends is not None and _all_visible(ends):
+    if ends is not None and processes_visible(end.peer_pid() for end in ends.values()):
         for end in ends.values():
             end.watch_peer()
     return ends
-
-
-def _all_visible(ends: dict[tuple[int, int], ShmChannel]) -> bool:
-    """Whether every peer's process can be seen from here (same process namespace)."""
-    for end in ends.values():
-        try:
-            os.kill(end.peer_pid(), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-    return True

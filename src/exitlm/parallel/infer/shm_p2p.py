@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 
 from exitlm.backend.native_channel import DEAD, PEER, TIMEOUT, ChannelError, ShmChannel
-from exitlm.parallel.pipeline.p2p import PipelineError
+from exitlm.parallel.pipeline.p2p import PipelineError, transfer_failed, transfer_timed_out
 
 
 class ChannelP2P:
@@ -83,12 +83,7 @@ class ChannelP2P:
 
     def _error(self, err: ChannelError, what: str) -> PipelineError:
         if err.code == TIMEOUT:
-            return PipelineError(
-                f"pipeline transfer of {what} did not complete within "
-                f"{self.timeout.total_seconds():g} s ({self.setting}): is that rank stopped "
-                "or stuck?", hint=f"see that rank's log; raise {self.setting} if it is only "
-                "slow")
+            return transfer_timed_out(what, self.timeout.total_seconds(), self.setting)
         if err.code in (PEER, DEAD):
-            return PipelineError(f"pipeline transfer of {what} failed; did that rank die? "
-                                 f"(see its log): {err}")
+            return transfer_failed(what, err)
         return PipelineError(f"pipeline transfer of {what} failed: {err}")

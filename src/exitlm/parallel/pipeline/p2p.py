@@ -31,6 +31,21 @@ def message_tag(mb: int, slice_index: int, num_slices: int, grad: bool) -> int:
     return ((mb * num_slices + slice_index) << 1) | int(grad)
 
 
+def transfer_timed_out(what: str, timeout_s: float, setting: str) -> PipelineError:
+    """The error of a transfer of ``what`` that missed its ``timeout_s`` deadline (gloo here,
+    shared-memory channels in :mod:`exitlm.parallel.infer.shm_p2p`)."""
+    return PipelineError(
+        f"pipeline transfer of {what} did not complete within {timeout_s:g} s ({setting}): "
+        "is that rank stopped or stuck?",
+        hint=f"see that rank's log; raise {setting} if it is only slow")
+
+
+def transfer_failed(what: str, err: Exception) -> PipelineError:
+    """The error of a transfer of ``what`` whose peer went away (``err`` says how)."""
+    return PipelineError(f"pipeline transfer of {what} failed; did that rank die? "
+                         f"(see its log): {err}")
+
+
 class P2P:
     """Sends and receives of one stage, to global ranks."""
 
@@ -88,13 +103,9 @@ class P2P:
         except RuntimeError as err:
             if "timed out" in str(err).lower():
                 raise self._timed_out(what) from err  # gloo's text stays in the chain
-            raise PipelineError(f"pipeline transfer of {what} failed; did that rank die? "
-                                f"(see its log): {err}") from err
+            raise transfer_failed(what, err) from err
         if ok is False:
             raise self._timed_out(what)
 
     def _timed_out(self, what: str) -> PipelineError:
-        return PipelineError(
-            f"pipeline transfer of {what} did not complete within "
-            f"{self.timeout.total_seconds():g} s ({self.setting}): is that rank stopped or "
-            "stuck?", hint=f"see that rank's log; raise {self.setting} if it is only slow")
+        return transfer_timed_out(what, self.timeout.total_seconds(), self.setting)
