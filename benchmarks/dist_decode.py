@@ -66,6 +66,8 @@ def main() -> None:
                     help="rounds of all methods in turn; each cell reports its best round")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny budgets")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: expected 1 or more rounds")
     if a.quick:
         a.prompts, a.max_new_tokens, a.thresholds, a.repeats = 2, 16, "0.8,1.0", 1
     if ("/" in a.model or a.model.startswith(".")) and not Path(a.model).is_dir():

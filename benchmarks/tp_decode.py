@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each side")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny budgets")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: expected 1 or more runs")
     if a.quick:
         a.prompts, a.max_new_tokens, a.repeats = 1, 8, 1
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
