@@ -232,3 +232,97 @@ int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *laye
     }
     return 0;
 }
+
+/* ---- Self-speculative drafting in one call (LayerSkip Sec. 4.3.1) ----------------------- */
+
+/* Row `id` of a token embedding of any format, as exitlm dequantizes it on lookup
+ * (quant.py): f32 copied, q8 `q * scale`, q4 `nibble * scale + min` (each op rounded; this
+ * file is compiled in ISO C mode, so no contraction into fused multiply-adds). */
+static int embed_row(const exitlm_weight *e, int64_t id, float *out) {
+    const int64_t K = e->k, G = K / 32;
+    if (id < 0 || id >= e->n) return -4;
+    switch (e->fmt) {
+    case 0: memcpy(out, (const float *)e->w + id * K, K * sizeof(float)); return 0;
+    case 2: {
+        const int8_t *q = (const int8_t *)e->w + id * K;
+        const float *s = e->scales + id * G;
+        for (int64_t k = 0; k < K; k++) out[k] = (float)q[k] * s[k / 32];
+        return 0;
+    }
+    case 3: {
+        const uint8_t *q = (const uint8_t *)e->w + id * (K / 2);
+        const float *s = e->scales + id * G, *mn = e->mins + id * G;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < 16; j++) {
+                const uint8_t b = q[g * 16 + j];
+                out[g * 32 + j] = (float)(b & 15) * s[g] + mn[g];
+                out[g * 32 + j + 16] = (float)(b >> 4) * s[g] + mn[g];
+            }
+        return 0;
+    }
+    default: return -3;
+    }
+}
+
+/* An output embedding's logits with float32 activations: the products exitlm's Python side
+ * uses for heads (decoding backend, quantized_project), never int8 activations. */
+static int head_product(const exitlm_weight *w, const float *x, float *y, int nthreads) {
+    switch (w->fmt) {
+    case 0: return exitlm_gemm_f32(x, (const float *)w->w, y, 1, w->n, w->k, nthreads);
+    case 1: return exitlm_gemm_f16(x, (const uint16_t *)w->w, y, 1, w->n, w->k, nthreads);
+    case 2: return exitlm_gemm_q8(x, (const int8_t *)w->w, w->scales, y, 1, w->n, w->k, nthreads);
+    case 3:
+        return exitlm_gemm_q4(x, (const uint8_t *)w->w, w->scales, w->mins, y, 1, w->n, w->k,
+                              nthreads);
+    default: return -3;
+    }
+}
+
+/* Index of the largest of y[0..n-1], the first one on ties, a NaN before any number (what
+ * torch.argmax returns). */
+static int64_t argmax(const float *y, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++) {
+        if (isnan(y[best])) break;
+        if (isnan(y[i]) || y[i] > y[best]) best = i;
+    }
+    return best;
+}
+
+/* Greedy self-drafting of one sequence: from token `token` at position `start`, n drafts
+ * through the first `n_layers` layers and the exit's RMSNorm + output embedding, and the
+ * exit query of every step (the hidden state after the last of those layers), i.e. what
+ * SelfSpecDecoder._draft computes with one Python round trip per layer run, head and pick:
+ *
+ *   for j = 0..n:  h = embed(token_j); h = layers(h) at position start + j (writing their
+ *                  cache); exit_query[j] = h; if j < n: token_{j+1} = drafts[j] =
+ *                  argmax(head(rms_norm(h))).
+ *
+ * cos_table, ssin_table: rotary tables (rows by position, head_dim each) covering
+ * start + n. work: dim + head->n floats. The layers are computed by exitlm_llama_block as a
+ * chain computes them (same bits); the norm is this file's rms_norm, whose summation order
+ * differs from torch's mean, so a draft's logits may differ from the Python loop's in the
+ * last bits (drafts are proposals: verification decides every emitted token). */
+int exitlm_draft_greedy(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer *layers,
+                        const float *cos_table, const float *ssin_table, int64_t start,
+                        const exitlm_weight *embed, const float *norm, float eps,
+                        const exitlm_weight *head, float *exit_query, int64_t *drafts,
+                        float *work, float *scratch, int nthreads) {
+    if (n_layers < 1) return -5;
+    const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
+    if (embed->k != D || head->k != D) return -5;
+    float *xn = work, *logits = work + D;
+    for (int64_t j = 0;; j++) {
+        float *h = exit_query + j * D;
+        int rc = embed_row(embed, token, h);
+        if (rc != 0) return rc;
+        const int64_t pos = start + j;
+        rc = exitlm_llama_blocks(h, 1, n_layers, layers, cos_table + pos * hd,
+                                 ssin_table + pos * hd, pos, scratch, nthreads, 0);
+        if (rc != 0) return rc;
+        if (j == n) return 0;
+        rms_norm(h, norm, eps, xn, D);
+        if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
+        token = drafts[j] = argmax(logits, head->n);
+    }
+}

@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS
 from exitlm.backend.linear import FastLinear, linear
-from exitlm.backend.native_block import NativeBlock, build_native_block, run_chain
+from exitlm.backend.native_block import (
+    NativeBlock,
+    build_native_block,
+    draft_greedy,
+    run_chain,
+    weight_struct,
+)
 from exitlm.backend.quant import ROW_THRESHOLD
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import MLP, Attention, Block, Norm, apply_rope
@@ -241,6 +247,56 @@ class LeanLM(EarlyExitLM):
                 torch.maximum(fill, ctx.plan.new_fill, out=fill)
                 return out
         return super().run_layers(h, start, end, positions, cache, ctx, active)
+
+    def draft_greedy(self, token: int, n: int, exit_layer: int, cache: KVCache, start: int,
+                     vocab: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy self-drafting of one sequence in one native call (LayerSkip Sec. 4.3.1;
+        :func:`~exitlm.backend.native_block.draft_greedy`): from ``token`` at position
+        ``start``, ``n`` drafts through layers ``1..exit_layer``, the final norm and the first
+        ``vocab`` rows of the output embedding (the shared LM head LayerSkip exits through),
+        writing those layers' cache at ``start .. start + n``. Returns the drafts ``(n,)``
+        and the exit queries ``(n + 1, D)``, or None when the call does not take this model
+        or cache (then draft step by step): a float32 stream (fp32, int8 or int4 weights)
+        with rotary positions, an exit without a head of its own, an RMSNorm final norm, a
+        token embedding exitlm's kernels read, no hooks on the modules the call replaces,
+        one sequence, no gradient.
+
+        The drafts are what the step-by-step loop picks except where two logits tie within
+        the last bits: the norm's sum runs in another order than torch's mean. The exit
+        queries (the chain, the embedding) are the same bits."""
+        if torch.is_grad_enabled() or self.rope_inv_freq is None or n < 0:
+            return None
+        route = self.exit_route(exit_layer)
+        norm, emb = self.norm, self.embed_tokens
+        if route.head is not None or self.embed_positions is not None:
+            return None
+        if type(norm) is not Norm or norm.kind != "rmsnorm":
+            return None
+        w_norm = norm._parameters["weight"]
+        if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
+            return None
+        for m in (emb, norm):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
+        embed = weight_struct(emb.weight)
+        head_weight = self.output_embedding()
+        head = weight_struct(head_weight[:vocab])
+        if embed is None or head is None or embed[0].fmt == 1 or head[0].fmt == 1:
+            return None  # float16 models keep a float16 stream
+        keys = cache.keys
+        if not keys or keys[0].shape[0] != 1 or start + n + 1 > keys[0].shape[2]:
+            return None
+        chain = self._chain(0, exit_layer, cache)
+        if chain is None:
+            return None
+        cos, ssin = self._rope_table(torch.tensor(start + n), torch.float32)
+        if not (cos.is_contiguous() and ssin.is_contiguous()):
+            return None
+        out = draft_greedy(chain[0], chain[1], token, n, (cos, ssin), start, embed, w_norm,
+                           norm.eps, head, BLAS.threads_override or 1)
+        fill = cache.fill[:exit_layer]
+        fill.clamp_(min=start + n + 1)
+        return out
 
     def _chain(self, start: int, end: int, cache: KVCache
                ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:

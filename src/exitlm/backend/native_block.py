@@ -67,6 +67,9 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_round_to_half.restype = None
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
+    lib.exitlm_draft_greedy.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p,
+                                        p, p, p, p, ctypes.c_int]
+    lib.exitlm_draft_greedy.restype = ctypes.c_int
 
 
 def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
@@ -297,3 +300,35 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
                  mlp.hidden, n1.eps, 1.0 / math.sqrt(attn.head_dim))
     return NativeBlock(lib, dims, block, weights, scratch,  # type: ignore[arg-type]
                        reducer)
+
+
+def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
+                 token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
+                 embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor, eps: float,
+                 head: tuple[_Weight, tuple[torch.Tensor, ...]], threads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy self-drafting (LayerSkip Sec. 4.3.1) of one float32 sequence in one native call
+    (``exitlm_draft_greedy``): from ``token`` at position ``start``, ``n`` drafts through the
+    chain ``blocks`` (the first ``E`` layers, writing ``rows``), the exit's RMSNorm (weight
+    ``norm``) and output embedding ``head``. Returns the drafts ``(n,)`` int64 and the exit
+    queries ``(n + 1, D)`` (the hidden state after layer ``E`` of every step). ``tables``:
+    the model's rotary tables, one row of ``head_dim`` per position, covering
+    ``start + n``."""
+    first = blocks[0]
+    lib = first.lib
+    dim = first.dims.dim
+    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), 1, start + n + 1)
+               for b in {b.shape: b for b in blocks}.values())
+    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
+                                                                          strict=True)))
+    exit_query = torch.empty(n + 1, dim, dtype=torch.float32)
+    drafts = torch.empty(n, dtype=torch.int64)
+    work = torch.empty(dim + head[0].n, dtype=torch.float32)
+    cos, ssin = tables
+    rc = lib.exitlm_draft_greedy(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
+                                 start, ctypes.byref(embed[0]), norm.data_ptr(), eps,
+                                 ctypes.byref(head[0]), exit_query.data_ptr(),
+                                 drafts.data_ptr(), work.data_ptr(), first.scratch.pointer(need),
+                                 threads)
+    _check(rc, blocks)
+    return drafts, exit_query

@@ -37,6 +37,7 @@ from typing import Annotated
 
 import torch
 
+from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import (
     Batch,
@@ -56,6 +57,10 @@ from exitlm.schema import PositiveInt, Range, UnitFloat, check
 MAX_SPECULATIONS = 64
 """The most draft tokens a round may hold (bounds the cache slots a round writes)."""
 Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
+LAZY_HEAD_BYTES = 4 << 20
+"""LM heads of at least this size are verified one position at a time (one more head call
+per accepted draft, ~50 us of Python each, against a head row read per rejected draft that
+an all-rows product wastes: 4 MiB is ~0.1 ms at this machine's ~40 GB/s)."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +149,11 @@ class SelfSpecDecoder(Decoder):
         n_draft = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
         self.head = DraftHead(model, self.e, n_draft)
         self.block = model.exit_route(self.e).has_block
-        # fp32 GEMM with a few rows costs nearly a GEMV per row on CPU, so greedy verification
-        # projects one position at a time and stops at the first rejection (_accept_greedy_lazy)
-        self.lazy = self.device.type == "cpu" and self.dtype == torch.float32
+        # a large LM head costs nearly a GEMV per row on CPU, so greedy verification projects
+        # one position at a time and stops at the first rejection (_accept_greedy_lazy); a
+        # small one (byte vocabularies) costs less than the Python of a call per position
+        self.lazy = (self.device.type == "cpu" and self.dtype == torch.float32
+                     and _nbytes(model.output_embedding()) >= LAZY_HEAD_BYTES)
         self.learned = model.config.pos == "learned"
 
     def resolved_options(self) -> dict[str, object]:
@@ -190,6 +197,9 @@ class SelfSpecDecoder(Decoder):
         row ``i`` keeps drafting while ``j < limits[i]`` and it is sure enough."""
         model, cache, dev = self.model, batch.cache, self.device
         b, n = len(batch), max(limits)
+        native = self._draft_native(batch, n)
+        if native is not None:
+            return native
         counts = list(limits)
         out = torch.zeros(b, max(n, 1), dtype=torch.long, device=dev)
         exit_query = torch.empty(b, n + 1, model.config.dim, dtype=self.dtype, device=dev)
@@ -214,6 +224,28 @@ class SelfSpecDecoder(Decoder):
             j += 1
             n = max(counts)
         return _Drafts(out[:, :n], counts, q_probs, exit_query)
+
+    def _draft_native(self, batch: Batch, n: int) -> _Drafts | None:
+        """The round's drafts from one native call, where the model offers one
+        (:meth:`~exitlm.backend.decode_block.LeanLM.draft_greedy`) and the round needs
+        nothing the call leaves out: one greedy sequence, no draft threshold, an exit without
+        a block of its own. The per-step Python of the loop (context, embedding, layer chain,
+        exit head, pick: ~100 us a draft token) is as much as a small model's draft layers
+        compute. Same drafts as the loop except on last-bit ties (the call's norm sums in
+        another order); verification decides the output either way."""
+        draft = getattr(self.model, "draft_greedy", None)
+        if draft is None or len(batch) != 1 or self.block or self.device.type != "cpu":
+            return None
+        seq = batch.seqs[0]
+        if not seq.sampling.greedy or seq.options.draft_threshold is not None:
+            return None
+        start = int(batch.cache.lengths[0])
+        got = draft(seq.last, n, self.e, batch.cache, start,
+                    self.head.vocab)
+        if got is None:
+            return None
+        tokens, exit_query = got
+        return _Drafts(tokens[None], [n], {}, exit_query[None])
 
     def _pick(self, batch: Batch, logits: torch.Tensor, j: int, counts: list[int],
               q_probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
@@ -279,6 +311,13 @@ class SelfSpecDecoder(Decoder):
         toks = drafts.tokens[i, :a].tolist()
         num_layers = self.model.num_layers
         return Emit([*toks, final], [self.e] * a + [num_layers], (n_i + 1) * num_layers)
+
+
+def _nbytes(weight: torch.Tensor | QuantizedWeight) -> int:
+    """Bytes a product with ``weight`` reads."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.nbytes()
+    return weight.numel() * weight.element_size()
 
 
 def _accept_greedy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,

@@ -1,0 +1,149 @@
+"""Greedy self-drafting in one native call (LeanLM.draft_greedy, block.c's
+exitlm_draft_greedy) against the step-by-step loop it replaces, and self-speculative
+decoding through it against plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _byte_models import sharp_model
+from exitlm.backend import native
+from exitlm.backend.cpu import prepare_for_decoding
+from exitlm.backend.decode_block import LeanLM
+from exitlm.backend.quantized import quantize_model
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.infer import generate
+from exitlm.model.transformer import EarlyExitLM
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+
+KINDS = (None, "int8", "int4")
+
+
+def _model(kind: str | None, exits: ExitConfig | None = None) -> EarlyExitLM:
+    model = sharp_model(ModelConfig(
+        vocab_size=48, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=96, exits=exits or ExitConfig(every_layer=True, norm="final")))
+    model = model if kind is None else quantize_model(model, kind)
+    return prepare_for_decoding(model)
+
+
+def _caches(model: EarlyExitLM, start: int, seed: int):
+    """Two caches holding the same random keys/values before ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [model.new_cache(1, 96), model.new_cache(1, 96)]
+    for i, t in enumerate((*caches[0].keys, *caches[0].values)):
+        t[:, :, :start] = torch.randn(t[:, :, :start].shape, generator=gen)
+        (*caches[1].keys, *caches[1].values)[i].copy_(t)
+    for c in caches:
+        c.fill[:] = start
+        c.lengths = torch.tensor([start])
+    return caches
+
+
+def _loop(model: EarlyExitLM, token: int, n: int, exit_layer: int, cache, start: int,
+          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What SelfSpecDecoder._draft computes for one greedy sequence, step by step."""
+    drafts, queries = [], []
+    for j in range(n + 1):
+        pos = torch.tensor([[start + j]])
+        ctx = model.context(pos, cache)
+        h = EarlyExitLM.run_layers(model, model.embed(torch.tensor([[token]]), pos), 0,
+                                   exit_layer, cache=cache, ctx=ctx)
+        queries.append(h[0, 0])
+        if j < n:
+            feats, weight = model.exit_features(h, exit_layer, cache=cache, ctx=ctx)
+            token = int(torch.argmax(model.project(feats, weight[:vocab])[0, 0]))
+            drafts.append(token)
+    return torch.tensor(drafts, dtype=torch.long), torch.stack(queries)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_native_drafts_equal_the_step_by_step_loop(kind: str | None) -> None:
+    """Drafts, exit queries (bit for bit), the draft layers' keys/values and fill equal the
+    loop's; the layers after the exit are left alone. Whole vocabulary and a restricted
+    draft vocabulary, at several offsets, 0 to 6 drafts."""
+    model = _model(kind)
+    assert type(model) is LeanLM
+    for seed, (start, n, exit_layer, vocab) in enumerate(
+            ((0, 4, 2, 48), (7, 6, 1, 48), (30, 3, 3, 20), (11, 0, 2, 48))):
+        native_cache, loop_cache = _caches(model, start, seed)
+        token = 5 + seed
+        got = model.draft_greedy(token, n, exit_layer, native_cache, start, vocab)
+        assert got is not None
+        drafts, queries = got
+        want_drafts, want_queries = _loop(model, token, n, exit_layer, loop_cache, start, vocab)
+        assert drafts.tolist() == want_drafts.tolist()
+        assert all(t < vocab for t in drafts.tolist())
+        assert torch.equal(queries, want_queries)
+        for a, b in zip((*native_cache.keys, *native_cache.values),
+                        (*loop_cache.keys, *loop_cache.values), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(native_cache.fill, loop_cache.fill)
+        assert native_cache.fill[:exit_layer].eq(start + n + 1).all()
+        assert native_cache.fill[exit_layer:].eq(start).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_self_speculative_decoding_through_native_drafts_equals_plain_decoding(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy self-spec takes the native drafts (counted) and emits plain decoding's tokens
+    with the loop's acceptance; a draft threshold or sampling keeps the loop."""
+    model = _model(kind)
+    calls: list[int] = []
+    real = LeanLM.draft_greedy
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LeanLM, "draft_greedy", counting)
+    prompt = [3, 7, 1, 9, 4]
+    kw = {"max_new_tokens": 24, "threads": 1, "ignore_eos": True}
+    ar = generate(model, None, prompt, **kw).token_ids
+    for e, d in ((1, 3), (2, 4), (3, 6)):
+        calls.clear()
+        res = generate(model, None, prompt, strategy="self-spec", exit_layer=e,
+                       num_speculations=d, **kw)
+        assert res.token_ids == ar
+        assert calls and all(calls)
+        with monkeypatch.context() as mp:  # the loop: same drafts, so the same acceptance
+            mp.setattr(LeanLM, "draft_greedy", lambda *a, **k: None)
+            loop = generate(model, None, prompt, strategy="self-spec", exit_layer=e,
+                            num_speculations=d, **kw)
+        assert loop.token_ids == ar
+        assert loop.stats.accepted == res.stats.accepted
+        assert loop.stats.drafted == res.stats.drafted
+    calls.clear()
+    thr = generate(model, None, prompt, strategy="self-spec", exit_layer=2,
+                   draft_threshold=0.5, **kw)
+    assert thr.token_ids == ar and not calls
+    generate(model, None, prompt, strategy="self-spec", exit_layer=2, temperature=0.8,
+             seed=1, **kw)
+    assert not calls
+
+
+@torch.no_grad()
+def test_models_and_caches_the_call_does_not_take() -> None:
+    """None (the loop drafts) for a hooked final norm, an fp16 model, a batch of two, an
+    exit with a head of its own, and a cache too short for the round."""
+    model = _model(None)
+    cache = _caches(model, 4, 0)[0]
+    assert model.draft_greedy(1, 3, 2, cache, 4, 48) is not None
+    handle = model.norm.register_forward_hook(lambda *_: None)
+    try:
+        assert model.draft_greedy(1, 3, 2, cache, 4, 48) is None
+    finally:
+        handle.remove()
+    assert model.draft_greedy(1, 3, 2, model.new_cache(2, 96), 4, 48) is None
+    assert model.draft_greedy(1, 3, 2, model.new_cache(1, 6), 4, 48) is None
+    half = prepare_for_decoding(sharp_model(ModelConfig(
+        vocab_size=48, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=96, exits=ExitConfig(every_layer=True, norm="final"))).half())
+    assert type(half) is LeanLM
+    assert half.draft_greedy(1, 3, 2, half.new_cache(1, 96), 4, 48) is None
+    own = _model(None, ExitConfig(layers=(2,)))
+    assert own.draft_greedy(1, 3, 2, own.new_cache(1, 96), 4, 48) is None
