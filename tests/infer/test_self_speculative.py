@@ -233,3 +233,35 @@ def test_lazy_and_batched_greedy_verification_agree() -> None:
     assert a[0].tolist() == b[0].tolist() == [3, 0, 2, 1, 3, 1]
     assert a[1].tolist() == b[1].tolist()
     assert a[1].tolist() == [int(target[i, j]) for i, j in enumerate([3, 0, 2, 1, 3, 1])]
+
+
+def test_verification_is_lazy_for_large_heads_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy verification projects one position at a time when the LM head is large
+    (LAZY_HEAD_BYTES) and all positions at once when it is small; the output is AR's both
+    ways."""
+    import exitlm.infer.self_speculative as ss
+
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW).token_ids
+    calls = {"lazy": 0, "all": 0}
+    real_lazy, real_all = ss._accept_greedy_lazy, ss._accept_greedy
+
+    def lazy(*a, **kw):
+        calls["lazy"] += 1
+        return real_lazy(*a, **kw)
+
+    def at_once(*a, **kw):
+        calls["all"] += 1
+        return real_all(*a, **kw)
+
+    monkeypatch.setattr(ss, "_accept_greedy_lazy", lazy)
+    monkeypatch.setattr(ss, "_accept_greedy", at_once)
+    kw = {"strategy": "self-spec", "exit_layer": 2, "num_speculations": 3,
+          "max_new_tokens": NEW}
+    assert generate(model, None, prompts, **kw).token_ids == ar
+    assert calls["all"] > 0 and calls["lazy"] == 0  # a 23 x 32 head: one product
+    monkeypatch.setattr(ss, "LAZY_HEAD_BYTES", 0)
+    calls.update(lazy=0, all=0)
+    assert generate(model, None, prompts, **kw).token_ids == ar
+    assert calls["lazy"] > 0 and calls["all"] == 0
