@@ -326,3 +326,63 @@ int exitlm_draft_greedy(int64_t token, int64_t n, int64_t n_layers, const exitlm
         token = drafts[j] = argmax(logits, head->n);
     }
 }
+
+/* ---- Confidence early exit with KV recomputation in one call (EE-LLM Sec. 4, App. D.3) ---- */
+
+/* The exit's confidence in its own top token: max softmax(y) = 1 / sum_i exp(y_i - max y),
+ * and that token (argmax, first on ties). A NaN makes the confidence NaN (never exits). */
+static float confidence(const float *y, int64_t n, int64_t *top) {
+    *top = argmax(y, n);
+    const float mx = y[*top];
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; i++) total += expf(y[i] - mx);
+    return 1.0f / total;
+}
+
+/* One decoding step of one sequence with confidence exits and KV recomputation: what
+ * RecomputeDecoder.step computes for a batch of one greedy sequence, without a Python round
+ * trip per segment and per check.
+ *
+ * hidden: (capacity, dim) rows, row p the state of position p at the depth it has reached
+ * (the new token's row q holds its embedding). bounds[0..n_seg]: layer bounds 0 < checks < L;
+ * starts[i]: the first position segment i (layers bounds[i] .. bounds[i+1]) runs, i.e. the
+ * first position whose keys/values of layer bounds[i] are missing (its pending tokens join
+ * from their own exit layers; the rows starts[i] .. q are updated in place). After segment i,
+ * if may_exit and bounds[i+1] is an early exit, the exit's RMSNorm + output embedding give
+ * row q's logits; at a confidence >= threshold the step ends there. out[0]: segments run,
+ * out[1]: the exit layer taken (0: none, row q then holds the last layer's output for the
+ * final head), out[2]: the exit's token. cos_table/ssin_table cover position q; work: dim +
+ * head->n floats; scratch: exitlm_block_scratch for q - min(starts) + 1 rows. */
+int exitlm_early_exit_step(float *hidden, int64_t q, const int64_t *starts, const int64_t *bounds,
+                           int64_t n_seg, int may_exit, float threshold,
+                           const exitlm_layer *layers, const float *cos_table,
+                           const float *ssin_table, const float *norm, float eps,
+                           const exitlm_weight *head, float *work, float *scratch, int nthreads,
+                           int64_t *out) {
+    const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
+    const int64_t L = bounds[n_seg];
+    if (head->k != D) return -5;
+    float *xn = work, *logits = work + D;
+    out[0] = 0;
+    out[1] = 0;
+    out[2] = -1;
+    for (int64_t i = 0; i < n_seg; i++) {
+        const int64_t a = bounds[i], e = bounds[i + 1], s = starts[i];
+        if (s < 0 || s > q || e <= a) return -5;
+        int rc = exitlm_llama_blocks(hidden + s * D, q - s + 1, e - a, layers + a,
+                                     cos_table + s * hd, ssin_table + s * hd, s, scratch,
+                                     nthreads, 0);
+        if (rc != 0) return rc;
+        out[0] = i + 1;
+        if (!may_exit || e >= L) continue;
+        rms_norm(hidden + q * D, norm, eps, xn, D);
+        if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
+        int64_t top;
+        if (confidence(logits, head->n, &top) >= threshold) {
+            out[1] = e;
+            out[2] = top;
+            return 0;
+        }
+    }
+    return 0;
+}

@@ -16,6 +16,7 @@ sequence (self-speculative verification, KV recomputation), with their mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from exitlm.backend.native_block import (
     NativeBlock,
     build_native_block,
     draft_greedy,
+    early_exit_step,
     run_chain,
     weight_struct,
 )
@@ -264,39 +266,92 @@ class LeanLM(EarlyExitLM):
         The drafts are what the step-by-step loop picks except where two logits tie within
         the last bits: the norm's sum runs in another order than torch's mean. The exit
         queries (the chain, the embedding) are the same bits."""
-        if torch.is_grad_enabled() or self.rope_inv_freq is None or n < 0:
+        if n < 0 or not self._native_exits((exit_layer,), cache, start + n + 1):
             return None
-        route = self.exit_route(exit_layer)
-        norm, emb = self.norm, self.embed_tokens
-        if route.head is not None or self.embed_positions is not None:
+        shared = self._shared_head(vocab)
+        embed = weight_struct(self.embed_tokens.weight)
+        if shared is None or embed is None or embed[0].fmt == 1:
+            return None  # float16 models keep a float16 stream
+        if self.embed_tokens._forward_hooks or self.embed_tokens._forward_pre_hooks:
             return None
+        chain = self._chain(0, exit_layer, cache)
+        tables = self._tables(start + n)
+        if chain is None or tables is None:
+            return None
+        w_norm, eps, head = shared
+        out = draft_greedy(chain[0], chain[1], token, n, tables, start, embed, w_norm, eps, head,
+                           BLAS.threads_override or 1)
+        fill = cache.fill[:exit_layer]
+        fill.clamp_(min=start + n + 1)
+        return out
+
+    def early_exit_step(self, hidden: torch.Tensor, q: int, starts: list[int],
+                        bounds: list[int], threshold: float | None, cache: KVCache
+                        ) -> tuple[int, int, int] | None:
+        """One step of confidence early exit with KV recomputation (EE-LLM Sec. 4, App. D.3)
+        for one sequence in one native call
+        (:func:`~exitlm.backend.native_block.early_exit_step`): segment ``i`` runs layers
+        ``bounds[i] .. bounds[i+1]`` over positions ``starts[i] .. q`` of ``hidden``
+        ``(capacity, D)`` (each position's state at the depth it reached) in place; after
+        each early exit the new token leaves when the exit's maximum probability reaches
+        ``threshold`` (None: it may not). Returns (segments run, exit layer or 0, token), or
+        None when the call does not take this model or cache (then the decoder runs the
+        segments itself): the conditions of :meth:`draft_greedy` for every exit in
+        ``bounds`` and a float32 ``hidden``. Keys/values and ``hidden`` get the bits the
+        segment-by-segment decoder writes; the confidence is summed in another order than
+        torch's softmax, so an exit decision can differ only where a confidence lies within
+        rounding of the threshold."""
+        if not (hidden.dtype is torch.float32 and hidden.is_contiguous() and hidden.dim() == 2
+                and hidden.shape[0] > q and not hidden.requires_grad):
+            return None
+        if not self._native_exits(bounds[1:-1], cache, q + 1):
+            return None
+        shared = self._shared_head(self.config.vocab_size)
+        chain = self._chain(0, self.config.num_layers, cache)
+        tables = self._tables(q)
+        if shared is None or chain is None or tables is None:
+            return None
+        w_norm, eps, head = shared
+        return early_exit_step(chain[0], chain[1], hidden, q, starts, bounds, threshold,
+                               tables, w_norm, eps, head, BLAS.threads_override or 1)
+
+    def _native_exits(self, exits: Sequence[int], cache: KVCache, positions: int) -> bool:
+        """Whether the native steps take these exits and this cache: rotary positions, every
+        exit through the final norm and LM head (no head of its own), no learned positions,
+        one sequence with room for ``positions``, no gradient."""
+        if torch.is_grad_enabled() or self.rope_inv_freq is None:
+            return False
+        if self.embed_positions is not None:
+            return False
+        if any(self.exit_route(e).head is not None for e in exits):
+            return False
+        keys = cache.keys
+        return bool(keys) and keys[0].shape[0] == 1 and positions <= keys[0].shape[2]
+
+    def _shared_head(self, vocab: int
+                     ) -> tuple[torch.Tensor, float, tuple[Any, tuple[torch.Tensor, ...]]] | None:
+        """The final RMSNorm's fp32 weight and eps, and the native description of the first
+        ``vocab`` rows of the output embedding; None for what the native steps do not take
+        (another norm, hooks on it, an fp16 or bf16 head)."""
+        norm = self.norm
         if type(norm) is not Norm or norm.kind != "rmsnorm":
+            return None
+        if norm._forward_hooks or norm._forward_pre_hooks:
             return None
         w_norm = norm._parameters["weight"]
         if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
             return None
-        for m in (emb, norm):
-            if m._forward_hooks or m._forward_pre_hooks:
-                return None
-        embed = weight_struct(emb.weight)
-        head_weight = self.output_embedding()
-        head = weight_struct(head_weight[:vocab])
-        if embed is None or head is None or embed[0].fmt == 1 or head[0].fmt == 1:
-            return None  # float16 models keep a float16 stream
-        keys = cache.keys
-        if not keys or keys[0].shape[0] != 1 or start + n + 1 > keys[0].shape[2]:
+        head = weight_struct(self.output_embedding()[:vocab])
+        if head is None or head[0].fmt == 1:
             return None
-        chain = self._chain(0, exit_layer, cache)
-        if chain is None:
-            return None
-        cos, ssin = self._rope_table(torch.tensor(start + n), torch.float32)
+        return w_norm, norm.eps, head
+
+    def _tables(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float32 rotary tables (one row per position) covering position ``last``."""
+        cos, ssin = self._rope_table(torch.tensor(last), torch.float32)
         if not (cos.is_contiguous() and ssin.is_contiguous()):
             return None
-        out = draft_greedy(chain[0], chain[1], token, n, (cos, ssin), start, embed, w_norm,
-                           norm.eps, head, BLAS.threads_override or 1)
-        fill = cache.fill[:exit_layer]
-        fill.clamp_(min=start + n + 1)
-        return out
+        return cos, ssin
 
     def _chain(self, start: int, end: int, cache: KVCache
                ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:

@@ -70,6 +70,9 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_draft_greedy.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p,
                                         p, p, p, p, ctypes.c_int]
     lib.exitlm_draft_greedy.restype = ctypes.c_int
+    lib.exitlm_early_exit_step.argtypes = [p, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p,
+                                           p, p, p, ctypes.c_float, p, p, p, ctypes.c_int, p]
+    lib.exitlm_early_exit_step.restype = ctypes.c_int
 
 
 def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
@@ -332,3 +335,40 @@ def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch
                                  threads)
     _check(rc, blocks)
     return drafts, exit_query
+
+
+def early_exit_step(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
+                    hidden: torch.Tensor, q: int, starts: list[int], bounds: list[int],
+                    threshold: float | None, tables: tuple[torch.Tensor, torch.Tensor],
+                    norm: torch.Tensor, eps: float,
+                    head: tuple[_Weight, tuple[torch.Tensor, ...]], threads: int
+                    ) -> tuple[int, int, int]:
+    """One confidence-early-exit step of one float32 sequence with KV recomputation (EE-LLM
+    Sec. 4, App. D.3) in one native call (``exitlm_early_exit_step``): the segments
+    ``bounds[i] .. bounds[i+1]`` of the whole chain ``blocks`` run positions ``starts[i] ..
+    q`` of ``hidden`` ``(capacity, D)`` in place; after each early exit, row ``q``'s
+    confidence (the maximum probability of the exit's RMSNorm + output embedding ``head``)
+    is checked against ``threshold`` (None: no exit allowed). Returns the number of
+    segments run, the exit layer taken (0: none; row ``q`` then holds the last layer's
+    output) and the exit's token."""
+    first = blocks[0]
+    lib = first.lib
+    dim = first.dims.dim
+    m = q - min(starts) + 1
+    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, q + 1)
+               for b in {b.shape: b for b in blocks}.values())
+    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
+                                                                          strict=True)))
+    n = len(starts)
+    c_starts = (ctypes.c_int64 * n)(*starts)
+    c_bounds = (ctypes.c_int64 * (n + 1))(*bounds)
+    out = (ctypes.c_int64 * 3)()
+    work = torch.empty(dim + head[0].n, dtype=torch.float32)
+    cos, ssin = tables
+    rc = lib.exitlm_early_exit_step(
+        hidden.data_ptr(), q, c_starts, c_bounds, n, int(threshold is not None),
+        2.0 if threshold is None else threshold, layers, cos.data_ptr(), ssin.data_ptr(),
+        norm.data_ptr(), eps, ctypes.byref(head[0]), work.data_ptr(),
+        first.scratch.pointer(need), threads, out)
+    _check(rc, blocks)
+    return int(out[0]), int(out[1]), int(out[2])

@@ -97,6 +97,9 @@ class RecomputeDecoder(Decoder):
         """Feed each sequence's newest token at ``cache.lengths``; choose the next one at the
         first checked exit confident enough for that sequence, else at the final layer."""
         st = self._start(batch)
+        if self._native_step(batch, st):
+            self._commit(batch, st)
+            return [Emit([st.chosen[0]], [int(st.exit_at[0] or 0)], st.evals[0])]
         for a, e in itertools.pairwise([0, *self._checks_for(st), self.num_layers]):
             if not st.live():
                 break
@@ -128,6 +131,42 @@ class RecomputeDecoder(Decoder):
         b = len(batch)
         return _Step(q, cache.fill.clone(), force, [o.threshold for o in opts], [None] * b,
                      [0] * b, [0] * b)
+
+    def _native_step(self, batch: Batch, st: _Step) -> bool:
+        """The step of one greedy sequence in one native call, where the model offers one
+        (:meth:`~exitlm.backend.decode_block.LeanLM.early_exit_step`): its segments and exit
+        checks without a Python round trip each (a small model's check costs more in Python
+        than its layers compute). The final layer's logits, when no exit fires, come from
+        :meth:`~exitlm.model.transformer.EarlyExitLM.final_logits` as in every other step.
+        False (nothing done) where the call does not apply: a batch, sampling,
+        log-probabilities, exits with blocks, the copy mode, or a model it does not take."""
+        step = getattr(self.model, "early_exit_step", None)
+        if (step is None or type(self) is not RecomputeDecoder or len(batch) != 1
+                or self.block_slots or self.device.type != "cpu"):
+            return False
+        seq = batch.seqs[0]
+        if not seq.sampling.greedy or seq.wants_logprobs:
+            return False
+        q = int(st.q[0])
+        bounds = [0, *self._checks_for(st), self.num_layers]
+        starts = [int(st.fill_old[a, 0]) for a in bounds[:-1]]
+        may = st.thresholds[0] < 1.0 and not st.force[0]
+        hidden = batch.aux["hidden"][0]
+        got = step(hidden, q, starts, bounds, st.thresholds[0] if may else None, batch.cache)
+        if got is None:
+            return False
+        ran, exit_layer, token = got
+        stats = seq.stats
+        for a, e, s in zip(bounds[:ran], bounds[1:ran + 1], starts, strict=False):
+            n = q - s + 1
+            st.evals[0] += (e - a) * n
+            stats.recompute_evaluations += (e - a) * (n - 1)  # type: ignore[attr-defined]
+        if exit_layer:
+            st.exit_at[0], st.chosen[0] = exit_layer, token
+        else:
+            logits = self.model.final_logits(hidden[q][None])
+            st.exit_at[0], st.chosen[0] = self.num_layers, batch.choose(logits)[0]
+        return True
 
     def _checks_for(self, st: _Step) -> tuple[int, ...]:
         """The segment bounds of this step: every check, unless no sequence may exit and none

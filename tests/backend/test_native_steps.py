@@ -1,6 +1,8 @@
-"""Greedy self-drafting in one native call (LeanLM.draft_greedy, block.c's
-exitlm_draft_greedy) against the step-by-step loop it replaces, and self-speculative
-decoding through it against plain decoding."""
+"""Decoding steps in one native call against the Python loops they replace: greedy
+self-drafting (LeanLM.draft_greedy, block.c's exitlm_draft_greedy) and confidence early exit
+with KV recomputation (LeanLM.early_exit_step, exitlm_early_exit_step); self-speculative
+decoding through the drafts equals plain decoding, early exit equals the cache-free
+reference."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.backend.decode_block import LeanLM
 from exitlm.backend.quantized import quantize_model
 from exitlm.config import ExitConfig, ModelConfig
-from exitlm.infer import generate
+from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
+from exitlm.infer.kv_recompute import reference_decode
 from exitlm.model.transformer import EarlyExitLM
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
@@ -147,3 +150,73 @@ def test_models_and_caches_the_call_does_not_take() -> None:
     assert half.draft_greedy(1, 3, 2, half.new_cache(1, 96), 4, 48) is None
     own = _model(None, ExitConfig(layers=(2,)))
     assert own.draft_greedy(1, 3, 2, own.new_cache(1, 96), 4, 48) is None
+
+
+def _early_exit_run(model: EarlyExitLM, prompt: list[int], opts: EarlyExitOptions, steps: int
+                    ) -> tuple[list[int], list[int], int, tuple[int, int], list[torch.Tensor]]:
+    """Tokens, exit layers, layer evaluations, (recompute evaluations, forced passes) and the
+    final cache/hidden state of one sequence decoded by the engine."""
+    engine = Engine(model, None, "early-exit", opts, max_batch=1)
+    req = engine.submit(prompt, SamplingOptions(max_new_tokens=steps + 4, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    cache = engine.pool.cache
+    assert cache is not None
+    n = int(cache.lengths[0])
+    state = [t[0, :, :n].clone() for t in (*cache.keys, *cache.values)]
+    state += [cache.fill[:, 0].clone(), engine.pool.aux["hidden"][0, :n].clone()]
+    stats = req.stats
+    return (list(req.token_ids), list(req.exit_layers), req.layer_evaluations,
+            (stats.recompute_evaluations, stats.forced_full), state)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_early_exit_equals_the_segment_loop(kind: str | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens, exit layers, layer evaluations, recomputation counts, every layer's
+    keys/values, fill and the pending tokens' hidden states equal the segment-by-segment
+    decoder's, at thresholds that exit often (with forced full passes) and never."""
+    model = _model(kind)
+    calls: list[bool] = []
+    real = LeanLM.early_exit_step
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    prompt = [3, 7, 1, 9, 4, 11]
+    early = 0
+    for threshold, pending, checks in ((0.0, 3, (2,)), (0.3, 2, None), (0.6, 8, (1, 2, 3)),
+                                       (0.9, 4, (1, 3)), (1.0, 8, None)):
+        opts = EarlyExitOptions(threshold=threshold, max_pending=pending, exit_layers=checks)
+        calls.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(LeanLM, "early_exit_step", counting)
+            got = _early_exit_run(model, prompt, opts, 20)
+        assert calls and all(calls)
+        with monkeypatch.context() as mp:
+            mp.setattr(LeanLM, "early_exit_step", lambda *a, **k: None)
+            want = _early_exit_run(model, prompt, opts, 20)
+        assert got[:4] == want[:4], (threshold, pending, checks)
+        for a, b in zip(got[4], want[4], strict=True):
+            assert torch.equal(a, b)
+        early += sum(x < model.num_layers for x in got[1])
+        if threshold == 1.0:
+            assert set(got[1]) == {model.num_layers}
+    assert early > 0
+
+
+@torch.no_grad()
+def test_native_early_exit_equals_the_cache_free_reference() -> None:
+    """The native steps decode what the slow reference (whole prefix, no cache, same exit
+    rule) decodes."""
+    model = _model(None)
+    checks = (1, 2, 3)
+    for prompt, threshold, pending in (([3, 7, 1, 9, 4], 0.3, 3), ([5, 2, 8], 0.6, 8),
+                                       ([1, 1, 2, 3, 5, 8, 13], 0.3, 1)):
+        got = generate(model, None, prompt, strategy="early-exit", threshold=threshold,
+                       max_pending=pending, exit_layers=checks, max_new_tokens=16)
+        ref, layers = reference_decode(model, prompt, 16, checks, threshold, pending)
+        assert got.token_ids[0] == ref
+        assert got.sequences[0].exit_layers == layers
