@@ -235,6 +235,18 @@ def _check(rc: int, blocks: Iterable[NativeBlock]) -> None:
         raise RuntimeError(f"native block failed with code {rc}")
 
 
+def _chain_args(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
+                m: int, positions: int) -> tuple[ctypes.Array, int]:
+    """The chain's layers as ``exitlm_layer`` structs (block ``i`` writing ``rows[i]``) and
+    scratch for ``m`` rows attending to ``positions`` positions in the largest block."""
+    lib = blocks[0].lib
+    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, positions)
+               for b in {b.shape: b for b in blocks}.values())
+    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
+                                                                          strict=True)))
+    return layers, blocks[0].scratch.pointer(need)
+
+
 def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               rows: list[tuple[torch.Tensor, torch.Tensor]], start: int, threads: int
               ) -> torch.Tensor:
@@ -250,12 +262,9 @@ def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tens
     half = h.dtype == torch.float16
     out, cos, ssin = _inputs(h, rope)
     lib = first.lib
-    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, start + m)
-               for b in {b.shape: b for b in blocks}.values())
-    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
-                                                                          strict=True)))
+    layers, scratch = _chain_args(blocks, rows, m, start + m)
     rc = lib.exitlm_llama_blocks(out.data_ptr(), m, len(blocks), layers, cos.data_ptr(),
-                                 ssin.data_ptr(), start, first.scratch.pointer(need), threads,
+                                 ssin.data_ptr(), start, scratch, threads,
                                  int(half))
     _check(rc, blocks)
     return out.to(torch.float16) if half else out
@@ -320,10 +329,7 @@ def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch
     first = blocks[0]
     lib = first.lib
     dim = first.dims.dim
-    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), 1, start + n + 1)
-               for b in {b.shape: b for b in blocks}.values())
-    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
-                                                                          strict=True)))
+    layers, scratch = _chain_args(blocks, rows, 1, start + n + 1)
     exit_query = torch.empty(n + 1, dim, dtype=torch.float32)
     drafts = torch.empty(n, dtype=torch.int64)
     work = torch.empty(dim + head[0].n, dtype=torch.float32)
@@ -331,7 +337,7 @@ def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch
     rc = lib.exitlm_draft_greedy(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
                                  start, ctypes.byref(embed[0]), norm.data_ptr(), eps,
                                  ctypes.byref(head[0]), exit_query.data_ptr(),
-                                 drafts.data_ptr(), work.data_ptr(), first.scratch.pointer(need),
+                                 drafts.data_ptr(), work.data_ptr(), scratch,
                                  threads)
     _check(rc, blocks)
     return drafts, exit_query
@@ -355,10 +361,7 @@ def early_exit_step(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, to
     lib = first.lib
     dim = first.dims.dim
     m = q - min(starts) + 1
-    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, q + 1)
-               for b in {b.shape: b for b in blocks}.values())
-    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
-                                                                          strict=True)))
+    layers, scratch = _chain_args(blocks, rows, m, q + 1)
     n = len(starts)
     c_starts = (ctypes.c_int64 * n)(*starts)
     c_bounds = (ctypes.c_int64 * (n + 1))(*bounds)
@@ -369,6 +372,6 @@ def early_exit_step(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, to
         hidden.data_ptr(), q, c_starts, c_bounds, n, int(threshold is not None),
         2.0 if threshold is None else threshold, layers, cos.data_ptr(), ssin.data_ptr(),
         norm.data_ptr(), eps, ctypes.byref(head[0]), work.data_ptr(),
-        first.scratch.pointer(need), threads, out)
+        scratch, threads, out)
     _check(rc, blocks)
     return int(out[0]), int(out[1]), int(out[2])
