@@ -220,3 +220,53 @@ def test_native_early_exit_equals_the_cache_free_reference() -> None:
         ref, layers = reference_decode(model, prompt, 16, checks, threshold, pending)
         assert got.token_ids[0] == ref
         assert got.sequences[0].exit_layers == layers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_native_plain_step_gives_the_bits_of_embedding_and_layers(kind: str | None) -> None:
+    """LeanLM.step_hidden (a plain step's embedding and layers in one call) returns and
+    writes the bits of embed + run_layers, up to the last layer or an exit."""
+    model = _model(kind)
+    for seed, (start, end) in enumerate(((0, 4), (9, 4), (30, 2))):
+        native_cache, loop_cache = _caches(model, start, seed)
+        got = model.step_hidden(7 + seed, end, native_cache, start)
+        assert got is not None and got.shape == (1, 1, 64)
+        pos = torch.tensor([[start]])
+        want = EarlyExitLM.run_layers(model, model.embed(torch.tensor([[7 + seed]]), pos), 0,
+                                      end, cache=loop_cache, ctx=model.context(pos, loop_cache))
+        assert torch.equal(got, want)
+        for a, b in zip((*native_cache.keys, *native_cache.values),
+                        (*loop_cache.keys, *loop_cache.values), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(native_cache.fill, loop_cache.fill)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_and_fixed_exit_decoding_through_the_native_step(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AR and fixed-layer exit of one sequence take the native step (counted) and emit the
+    tokens of the step-by-step path; a batch of two keeps the general step."""
+    model = _model(kind)
+    calls: list[bool] = []
+    real = LeanLM.step_hidden
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    prompt = [3, 7, 1, 9, 4]
+    kw = {"max_new_tokens": 20, "threads": 1, "ignore_eos": True}
+    for extra in ({}, {"strategy": "early-exit", "exit_layer": 2}):
+        monkeypatch.setattr(LeanLM, "step_hidden", counting)
+        calls.clear()
+        got = generate(model, None, prompt, **kw, **extra)
+        assert len(calls) == 19 and all(calls)
+        calls.clear()
+        generate(model, None, [prompt, [5, 2, 8]], **kw, **extra)
+        assert not calls
+        monkeypatch.setattr(LeanLM, "step_hidden", lambda *a, **k: None)
+        want = generate(model, None, prompt, **kw, **extra)
+        assert got.token_ids == want.token_ids
+        assert got.sequences[0].exit_layers == want.sequences[0].exit_layers

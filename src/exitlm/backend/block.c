@@ -299,7 +299,9 @@ static int64_t argmax(const float *y, int64_t n) {
  *                  argmax(head(rms_norm(h))).
  *
  * cos_table, ssin_table: rotary tables (rows by position, head_dim each) covering
- * start + n. work: dim + head->n floats. The layers are computed by exitlm_llama_block as a
+ * start + n. work: dim + head->n floats. With n == 0 (a plain decoding step: the hidden state
+ * of one token after the layers, for the caller's final head) norm, head and work are unused
+ * and may be NULL. The layers are computed by exitlm_llama_block as a
  * chain computes them (same bits); the norm is this file's rms_norm, whose summation order
  * differs from torch's mean, so a draft's logits may differ from the Python loop's in the
  * last bits (drafts are proposals: verification decides every emitted token). */
@@ -310,7 +312,7 @@ int exitlm_draft_greedy(int64_t token, int64_t n, int64_t n_layers, const exitlm
                         float *work, float *scratch, int nthreads) {
     if (n_layers < 1) return -5;
     const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
-    if (embed->k != D || head->k != D) return -5;
+    if (embed->k != D || (n > 0 && (head == NULL || head->k != D))) return -5;
     float *xn = work, *logits = work + D;
     for (int64_t j = 0;; j++) {
         float *h = exit_query + j * D;

@@ -269,19 +269,41 @@ class LeanLM(EarlyExitLM):
         if n < 0 or not self._native_exits((exit_layer,), cache, start + n + 1):
             return None
         shared = self._shared_head(vocab)
+        if shared is None:
+            return None
+        w_norm, eps, head = shared
+        return self._embed_and_chain(token, n, exit_layer, cache, start, w_norm, eps, head)
+
+    def step_hidden(self, token: int, end: int, cache: KVCache, start: int
+                    ) -> torch.Tensor | None:
+        """One plain decoding step of one sequence up to layer ``end`` in one native call:
+        ``token``'s embedding at position ``start`` through layers ``1..end`` (writing their
+        cache), returned ``(1, 1, D)`` for the caller's exit or final head - the bits of
+        ``run_layers(embed(token), 0, end)``, without its Python per call (context,
+        embedding, chain). None where :meth:`draft_greedy`'s conditions (except those of the
+        head) do not hold."""
+        if not self._native_exits((), cache, start + 1):
+            return None
+        got = self._embed_and_chain(token, 0, end, cache, start, None, 0.0, None)
+        return None if got is None else got[1][None]
+
+    def _embed_and_chain(self, token: int, n: int, end: int, cache: KVCache, start: int,
+                         w_norm: torch.Tensor | None, eps: float, head: Any
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:func:`~exitlm.backend.native_block.draft_greedy` over layers ``[0, end)``, with
+        the checks of the embedding, the chain and the rotary tables, and the cache's fill."""
         embed = weight_struct(self.embed_tokens.weight)
-        if shared is None or embed is None or embed[0].fmt == 1:
+        if embed is None or embed[0].fmt == 1:
             return None  # float16 models keep a float16 stream
         if self.embed_tokens._forward_hooks or self.embed_tokens._forward_pre_hooks:
             return None
-        chain = self._chain(0, exit_layer, cache)
+        chain = self._chain(0, end, cache)
         tables = self._tables(start + n)
         if chain is None or tables is None:
             return None
-        w_norm, eps, head = shared
         out = draft_greedy(chain[0], chain[1], token, n, tables, start, embed, w_norm, eps, head,
                            BLAS.threads_override or 1)
-        fill = cache.fill[:exit_layer]
+        fill = cache.fill[:end]
         fill.clamp_(min=start + n + 1)
         return out
 

@@ -316,8 +316,8 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
 
 def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
                  token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
-                 embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor, eps: float,
-                 head: tuple[_Weight, tuple[torch.Tensor, ...]], threads: int
+                 embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor | None,
+                 eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy self-drafting (LayerSkip Sec. 4.3.1) of one float32 sequence in one native call
     (``exitlm_draft_greedy``): from ``token`` at position ``start``, ``n`` drafts through the
@@ -325,18 +325,23 @@ def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch
     ``norm``) and output embedding ``head``. Returns the drafts ``(n,)`` int64 and the exit
     queries ``(n + 1, D)`` (the hidden state after layer ``E`` of every step). ``tables``:
     the model's rotary tables, one row of ``head_dim`` per position, covering
-    ``start + n``."""
+    ``start + n``. With ``n == 0`` (a plain decoding step: one token's hidden state after
+    the chain) ``norm`` and ``head`` may be None."""
+    if n > 0 and (norm is None or head is None):
+        raise ValueError("draft_greedy: drafts need the exit's norm and head")
     first = blocks[0]
     lib = first.lib
     dim = first.dims.dim
     layers, scratch = _chain_args(blocks, rows, 1, start + n + 1)
     exit_query = torch.empty(n + 1, dim, dtype=torch.float32)
     drafts = torch.empty(n, dtype=torch.int64)
-    work = torch.empty(dim + head[0].n, dtype=torch.float32)
+    work = torch.empty(dim + (0 if head is None else head[0].n), dtype=torch.float32)
     cos, ssin = tables
     rc = lib.exitlm_draft_greedy(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
-                                 start, ctypes.byref(embed[0]), norm.data_ptr(), eps,
-                                 ctypes.byref(head[0]), exit_query.data_ptr(),
+                                 start, ctypes.byref(embed[0]),
+                                 None if norm is None else norm.data_ptr(), eps,
+                                 None if head is None else ctypes.byref(head[0]),
+                                 exit_query.data_ptr(),
                                  drafts.data_ptr(), work.data_ptr(), scratch,
                                  threads)
     _check(rc, blocks)

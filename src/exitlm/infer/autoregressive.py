@@ -29,7 +29,9 @@ class DepthDecoder(Decoder):
     def __init__(self, model: EarlyExitLM, options: object, depth: int | None = None) -> None:
         super().__init__(model, options)
         self.depth = model.num_layers if depth is None else depth
-        model.exit_route(self.depth, setting="exit_layer")
+        route = model.exit_route(self.depth, setting="exit_layer")
+        # a prepared model's native plain step (exits with blocks need the step's context)
+        self.native = not route.has_block and self.device.type == "cpu"
 
     def prefill(self, batch: Batch) -> list[Emit]:
         model, e = self.model, self.depth
@@ -41,6 +43,14 @@ class DepthDecoder(Decoder):
 
     def step(self, batch: Batch) -> list[Emit]:
         model, cache, e = self.model, batch.cache, self.depth
+        native = getattr(model, "step_hidden", None) if self.native else None
+        if native is not None and len(batch) == 1:
+            # one sequence: embedding and layers in one native call (LeanLM.step_hidden)
+            h = native(batch.seqs[0].last, e, cache, int(cache.lengths[0]))
+            if h is not None:
+                logits = model.exit_logits(h, e)[:, -1]
+                cache.lengths += 1
+                return [Emit([t], [e], e) for t in batch.choose(logits)]
         pos = cache.lengths.to(self.device)[:, None]  # (B, 1)
         ctx = model.context(pos, cache)
         h = model.run_layers(model.embed(batch.lasts(self.device), pos), 0, e, cache=cache,
