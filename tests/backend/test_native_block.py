@@ -104,11 +104,19 @@ def test_prepared_models_decode_through_native_blocks(kind: str | None) -> None:
         calls += len(blocks)
         return real_chain(blocks, *a, **kw)
 
+    real_steps = decode_block.draft_greedy
+
+    def counting_steps(blocks, *a, **kw):  # embedding + blocks in one call (a plain step)
+        nonlocal calls
+        calls += len(blocks)
+        return real_steps(blocks, *a, **kw)
+
     prompts = [[3, 7, 1, 9, 4], [5, 2, 8]]
     kw = {"max_new_tokens": 16, "threads": 1}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(fast.layers[0].native), "__call__", counting)
         mp.setattr(decode_block, "run_chain", counting_chain)
+        mp.setattr(decode_block, "draft_greedy", counting_steps)
         ar = generate(fast, None, prompts[0], **kw).token_ids
         assert calls >= 15 * 3
         ss = generate(fast, None, prompts[0], strategy="self-spec", exit_layer=1,
