@@ -62,3 +62,25 @@ def test_generate_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no prompt" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "debug", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_generate_compare_reports_speedup_and_identity(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compare decodes the prompts with plain decoding too: self-spec (lossless) is
+    reported identical, an early exit at threshold 0 (lossy) is not; the JSON carries the
+    figures; it refuses to combine with --tp."""
+    base = ["generate", "Hello there", "--model", str(saved), "--max-new-tokens", "12",
+            "--ignore-eos", "--threads", "1", "--compare"]
+    assert main([*base, "--strategy", "self-spec", "--exit-layer", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "self-spec decodes" in err and "identical to plain decoding" in err
+    assert main([*base, "--strategy", "early-exit", "--threshold", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cmp = out["compare_ar"]
+    assert cmp["speedup"] > 0 and cmp["ar_decode_tokens_per_s"] > 0
+    assert main([*base[:-1], "--json"]) == 0  # plain decoding on its own
+    ar = json.loads(capsys.readouterr().out)
+    same = out["sequences"][0]["token_ids"] == ar["sequences"][0]["token_ids"]
+    assert cmp["identical"] is same
+    assert main([*base, "--tp", "2"]) == 2
+    assert "--compare" in capsys.readouterr().err

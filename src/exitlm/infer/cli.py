@@ -5,6 +5,7 @@
     exitlm generate "a" "bb" --json            # several prompts run as one padded batch
     exitlm generate "def f(x):" --strategy self-spec --exit-layer 20 --num-speculations 4
     exitlm generate "def f(x):" --strategy early-exit --threshold 0.8 --show-exits
+    exitlm generate "def f(x):" --strategy self-spec --compare   # speed-up over plain decoding
     exitlm generate "def f(x):" --strategy early-exit --kv pipeline --stages 2   # 2 processes
     exitlm generate "def f(x):" --tp 2                                           # 2 processes
     torchrun --nproc-per-node 2 -m exitlm generate "def f(x):" --tp 2
@@ -92,6 +93,10 @@ def register(subparsers: Any) -> None:
                    help="ANSI colours for --show-exits: auto = only when stdout is a terminal")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (with per-token exit layers), no streaming")
+    p.add_argument("--compare", action="store_true",
+                   help="then decode the same prompts with plain autoregressive decoding (same "
+                        "weights and threads) and print the strategy's decode speed-up over it "
+                        "and whether the outputs are identical")
     p.set_defaults(func=run)
 
 
@@ -151,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     )
     overrides = strategy_overrides(args, args.strategy)
     mode = distributed_mode(args.tp, args.strategy, overrides)
+    if args.compare and mode is not None:
+        raise ConfigError("--compare runs plain decoding in this process; it does not combine "
+                          "with --tp or --kv pipeline (see benchmarks/dist_decode.py)")
     if mode is not None and args.threads is None:
         args.threads = 1  # one thread per process: the processes share the cores
     if args.threads is not None:
@@ -184,11 +192,18 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         raise
     theory = ppd_theory_of(result, num_layers)
+    compared = None
+    if args.compare:
+        plain = generate(loaded.model, tokenizer, prompts, strategy="ar", sampling=sampling,
+                         chat=args.chat, threads=args.threads)
+        compared = comparison(result, plain)
     if args.json:
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
                **result.to_dict()}
         if theory is not None:
             out["ppd_theorem_4_1"] = theory
+        if compared is not None:
+            out["compare_ar"] = compared
         print(json.dumps(out, ensure_ascii=False))
         return 0
     if stream is not None:
@@ -204,7 +219,21 @@ def run(args: argparse.Namespace) -> int:
     if args.show_exits:
         print(exit_summary(result, colour), file=sys.stderr)
     print(_summary(result, theory), file=sys.stderr)
+    if compared is not None:
+        same = "identical to" if compared["identical"] else "different from"
+        print(f"[plain decoding {compared['ar_decode_tokens_per_s']:.1f} tokens/s: "
+              f"{args.strategy} decodes {compared['speedup']:.2f}x as fast; its output is "
+              f"{same} plain decoding's]", file=sys.stderr)
     return 0
+
+
+def comparison(result: GenerationResult, plain: GenerationResult) -> dict[str, Any]:
+    """``--compare``: the strategy's decode speed over plain decoding's and whether every
+    sequence's tokens are plain decoding's."""
+    a, b = result.timings.decode_tokens_per_s, plain.timings.decode_tokens_per_s
+    return {"ar_decode_tokens_per_s": b, "decode_tokens_per_s": a,
+            "speedup": a / b if b > 0 else float("nan"),
+            "identical": result.token_ids == plain.token_ids}
 
 
 # ----- --show-exits ------------------------------------------------------------------------
