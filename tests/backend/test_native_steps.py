@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailabl
 KINDS = (None, "int8", "int4")
 
 
-def _model(kind: str | None, exits: ExitConfig | None = None) -> EarlyExitLM:
+def _model(kind: str | None, exits: ExitConfig | None = None, max_seq_len: int = 96
+           ) -> EarlyExitLM:
     model = sharp_model(ModelConfig(
         vocab_size=48, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
-        max_seq_len=96, exits=exits or ExitConfig(every_layer=True, norm="final")))
+        max_seq_len=max_seq_len, exits=exits or ExitConfig(every_layer=True, norm="final")))
     model = model if kind is None else quantize_model(model, kind)
     return prepare_for_decoding(model)
 
@@ -270,3 +271,31 @@ def test_plain_and_fixed_exit_decoding_through_the_native_step(
         want = generate(model, None, prompt, **kw, **extra)
         assert got.token_ids == want.token_ids
         assert got.sequences[0].exit_layers == want.sequences[0].exit_layers
+
+
+def test_long_pending_runs_take_the_segment_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More pending positions than the native blocks take (NATIVE_ROWS) leave the step to
+    the segment loop, which runs them as before: the output equals the loop's throughout."""
+    from exitlm.backend.decode_block import NATIVE_ROWS
+
+    model = _model(None, max_seq_len=256)
+    calls: list[bool] = []
+    real = LeanLM.early_exit_step
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    opts = EarlyExitOptions(threshold=0.0, max_pending=NATIVE_ROWS + 20, exit_layers=(1,))
+    with monkeypatch.context() as mp:
+        mp.setattr(LeanLM, "early_exit_step", counting)
+        got = _early_exit_run(model, [3, 7, 1], opts, NATIVE_ROWS + 30)
+    assert calls[:NATIVE_ROWS - 1] == [True] * (NATIVE_ROWS - 1)
+    assert False in calls  # the long pending runs went to the loop
+    with monkeypatch.context() as mp:
+        mp.setattr(LeanLM, "early_exit_step", lambda *a, **k: None)
+        want = _early_exit_run(model, [3, 7, 1], opts, NATIVE_ROWS + 30)
+    assert got[:4] == want[:4]
+    for a, b in zip(got[4], want[4], strict=True):
+        assert torch.equal(a, b)

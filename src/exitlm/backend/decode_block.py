@@ -326,6 +326,8 @@ class LeanLM(EarlyExitLM):
         if not (hidden.dtype is torch.float32 and hidden.is_contiguous() and hidden.dim() == 2
                 and hidden.shape[0] > q and not hidden.requires_grad):
             return None
+        if q - min(starts) + 1 > NATIVE_ROWS:  # as many rows as run_layers runs natively
+            return None
         if not self._native_exits(bounds[1:-1], cache, q + 1):
             return None
         shared = self._shared_head(self.config.vocab_size)
