@@ -6,6 +6,9 @@ reference."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -31,6 +34,20 @@ def _model(kind: str | None, exits: ExitConfig | None = None, max_seq_len: int =
         max_seq_len=max_seq_len, exits=exits or ExitConfig(every_layer=True, norm="final")))
     model = model if kind is None else quantize_model(model, kind)
     return prepare_for_decoding(model)
+
+
+def _counting(name: str) -> tuple[Callable[..., Any], list[bool]]:
+    """A stand-in for ``LeanLM.<name>`` that calls it and records, per call, whether the
+    native call took the step (returned something), and that record."""
+    calls: list[bool] = []
+    real = getattr(LeanLM, name)
+
+    def counting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    return counting, calls
 
 
 def _caches(model: EarlyExitLM, start: int, seed: int):
@@ -96,13 +113,7 @@ def test_self_speculative_decoding_through_native_drafts_equals_plain_decoding(
     """Greedy self-spec takes the native drafts (counted) and emits plain decoding's tokens
     with the loop's acceptance; a draft threshold or sampling keeps the loop."""
     model = _model(kind)
-    calls: list[int] = []
-    real = LeanLM.draft_greedy
-
-    def counting(self, *a, **kw):
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
+    counting, calls = _counting("draft_greedy")
 
     monkeypatch.setattr(LeanLM, "draft_greedy", counting)
     prompt = [3, 7, 1, 9, 4]
@@ -178,13 +189,7 @@ def test_native_early_exit_equals_the_segment_loop(kind: str | None,
     keys/values, fill and the pending tokens' hidden states equal the segment-by-segment
     decoder's, at thresholds that exit often (with forced full passes) and never."""
     model = _model(kind)
-    calls: list[bool] = []
-    real = LeanLM.early_exit_step
-
-    def counting(self, *a, **kw):
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
+    counting, calls = _counting("early_exit_step")
 
     prompt = [3, 7, 1, 9, 4, 11]
     early = 0
@@ -249,13 +254,7 @@ def test_plain_and_fixed_exit_decoding_through_the_native_step(
     """AR and fixed-layer exit of one sequence take the native step (counted) and emit the
     tokens of the step-by-step path; a batch of two keeps the general step."""
     model = _model(kind)
-    calls: list[bool] = []
-    real = LeanLM.step_hidden
-
-    def counting(self, *a, **kw):
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
+    counting, calls = _counting("step_hidden")
 
     prompt = [3, 7, 1, 9, 4]
     kw = {"max_new_tokens": 20, "threads": 1, "ignore_eos": True}
@@ -279,13 +278,7 @@ def test_long_pending_runs_take_the_segment_loop(monkeypatch: pytest.MonkeyPatch
     from exitlm.backend.decode_block import NATIVE_ROWS
 
     model = _model(None, max_seq_len=256)
-    calls: list[bool] = []
-    real = LeanLM.early_exit_step
-
-    def counting(self, *a, **kw):
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
+    counting, calls = _counting("early_exit_step")
 
     opts = EarlyExitOptions(threshold=0.0, max_pending=NATIVE_ROWS + 20, exit_layers=(1,))
     with monkeypatch.context() as mp:

@@ -68,18 +68,26 @@ typedef struct {
     float attn_scale;
 } exitlm_block_dims;
 
-static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, int nthreads) {
+/* x (M, k) times w^T; grouped weights with int8 activations when a8 (kernels.c's q8a8/q4a8),
+ * else with float32 ones. */
+static int weight_product(const exitlm_weight *w, const float *x, float *y, int64_t M,
+                          int nthreads, int a8) {
     switch (w->fmt) {
     case 0: return exitlm_gemm_f32(x, (const float *)w->w, y, M, w->n, w->k, nthreads);
     case 1: return exitlm_gemm_f16(x, (const uint16_t *)w->w, y, M, w->n, w->k, nthreads);
     case 2:
-        return (act8 ? exitlm_gemm_q8a8 : exitlm_gemm_q8)(x, (const int8_t *)w->w, w->scales, y,
-                                                          M, w->n, w->k, nthreads);
+        return (a8 ? exitlm_gemm_q8a8 : exitlm_gemm_q8)(x, (const int8_t *)w->w, w->scales, y,
+                                                        M, w->n, w->k, nthreads);
     case 3:
-        return (act8 ? exitlm_gemm_q4a8 : exitlm_gemm_q4)(x, (const uint8_t *)w->w, w->scales,
-                                                          w->mins, y, M, w->n, w->k, nthreads);
+        return (a8 ? exitlm_gemm_q4a8 : exitlm_gemm_q4)(x, (const uint8_t *)w->w, w->scales,
+                                                        w->mins, y, M, w->n, w->k, nthreads);
     default: return -3;
     }
+}
+
+/* A block's product: int8 activations as the process setting says. */
+static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, int nthreads) {
+    return weight_product(w, x, y, M, nthreads, act8);
 }
 
 /* sum_i a[i] * b[i] with eight partial sums combined in a fixed tree. */
@@ -267,15 +275,7 @@ static int embed_row(const exitlm_weight *e, int64_t id, float *out) {
 /* An output embedding's logits with float32 activations: the products exitlm's Python side
  * uses for heads (decoding backend, quantized_project), never int8 activations. */
 static int head_product(const exitlm_weight *w, const float *x, float *y, int nthreads) {
-    switch (w->fmt) {
-    case 0: return exitlm_gemm_f32(x, (const float *)w->w, y, 1, w->n, w->k, nthreads);
-    case 1: return exitlm_gemm_f16(x, (const uint16_t *)w->w, y, 1, w->n, w->k, nthreads);
-    case 2: return exitlm_gemm_q8(x, (const int8_t *)w->w, w->scales, y, 1, w->n, w->k, nthreads);
-    case 3:
-        return exitlm_gemm_q4(x, (const uint8_t *)w->w, w->scales, w->mins, y, 1, w->n, w->k,
-                              nthreads);
-    default: return -3;
-    }
+    return weight_product(w, x, y, 1, nthreads, 0);
 }
 
 /* Index of the largest of y[0..n-1], the first one on ties, a NaN before any number (what

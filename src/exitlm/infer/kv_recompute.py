@@ -156,11 +156,8 @@ class RecomputeDecoder(Decoder):
         if got is None:
             return False
         ran, exit_layer, token = got
-        stats = seq.stats
         for a, e, s in zip(bounds[:ran], bounds[1:ran + 1], starts, strict=False):
-            n = q - s + 1
-            st.evals[0] += (e - a) * n
-            stats.recompute_evaluations += (e - a) * (n - 1)  # type: ignore[attr-defined]
+            _count(batch, st, 0, e - a, q - s + 1)
         if exit_layer:
             st.exit_at[0], st.chosen[0] = exit_layer, token
         else:
@@ -188,8 +185,7 @@ class RecomputeDecoder(Decoder):
             pos[i, : width - n] = s  # left padding: duplicates of the first one
             pos[i, width - n :] = torch.arange(s, q + 1)
             if st.exit_at[i] is None:
-                st.evals[i] += (e - a) * n
-                batch.seqs[i].stats.recompute_evaluations += (e - a) * (n - 1)  # type: ignore[attr-defined]
+                _count(batch, st, i, e - a, n)
         pos_dev = pos.to(self.device)
         hidden = batch.aux["hidden"]
         rows = torch.arange(len(qs), device=self.device)
@@ -232,6 +228,14 @@ class RecomputeDecoder(Decoder):
                     fill[slot, i] = st.q[i] + 1
         batch.cache.fill = fill
         batch.cache.lengths = st.q + 1
+
+
+def _count(batch: Batch, st: _Step, row: int, layers: int, positions: int) -> None:
+    """Count ``layers`` layers run over ``positions`` positions of sequence ``row`` (its new
+    token and the pending ones before it): layer evaluations, and the recomputed ones."""
+    st.evals[row] += layers * positions
+    stats = batch.seqs[row].stats
+    stats.recompute_evaluations += layers * (positions - 1)  # type: ignore[attr-defined]
 
 
 class CopyDecoder(RecomputeDecoder):
