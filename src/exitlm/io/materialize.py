@@ -7,7 +7,8 @@ checked against the parameter it replaces and assigned in place. Whatever is sti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ def model_from_tensors(
         allow_missing_exits: exit-head parameters absent from the stream are freshly
             initialised (a backbone checkpoint loaded with new exits) instead of an error.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = EarlyExitLM(cfg)
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -100,6 +101,28 @@ def model_from_tensors(
 
 
 _QUANT_BUFFERS = ("q", "scales", "mins")
+_INIT_FUNCTIONS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """``torch.nn.init``'s functions as no-ops while a model is built on ``meta`` (its
+    parameters are all replaced): on ``meta`` they run through ``torch._refs``, whose first use
+    imports ``torch._dynamo`` - ~2 s of every process that loads a model, a pipeline stage's
+    start-up included. Module-wide while it lasts (as ``transformers``' loader does it)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+
+    def skip(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return tensor
+
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, skip)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def model_tensors(model: EarlyExitLM) -> dict[str, torch.Tensor]:

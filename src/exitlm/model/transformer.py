@@ -116,8 +116,10 @@ class EarlyExitLM(nn.Module):
             if cfg.exits.head == "block"
         }
         if cfg.pos == "rope":
-            inv = rope_inv_freq(cfg.hdim, cfg.rope_theta, cfg.rope_scaling)
-            self.register_buffer("rope_inv_freq", inv, persistent=False)
+            with torch.device("cpu"):  # real arithmetic also while built on ``meta``
+                inv = rope_inv_freq(cfg.hdim, cfg.rope_theta, cfg.rope_scaling)
+            self.register_buffer("rope_inv_freq", inv.to(torch.get_default_device()),
+                                 persistent=False)
         else:
             self.rope_inv_freq = None
         self._rope_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
