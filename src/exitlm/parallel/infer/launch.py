@@ -12,6 +12,8 @@ Two ways in:
 
 Every group is created with ``timeout_s``; transfers wait with it too, so a peer that died or
 stalls ends the job with a :class:`~exitlm.parallel.health.ParallelError` instead of a hang.
+Self-started ranks meet first with a longer deadline (:data:`RENDEZVOUS_S`): starting a
+process that imports torch is not a transfer.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from exitlm.config import ConfigError
 from exitlm.parallel.health import ParallelError
 
 DEFAULT_TIMEOUT_S = 300.0
-"""How long a transfer or the rendezvous may wait for a peer (seconds)."""
+"""How long a transfer may wait for a peer (seconds)."""
+RENDEZVOUS_S = 120.0
+"""How long the ranks of a self-started job wait for each other to start, at least."""
 
 
 def free_port() -> int:
@@ -44,9 +48,17 @@ def free_port() -> int:
 
 
 def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
-    """Join (create) the default gloo group of ``world`` processes on 127.0.0.1:``port``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    """Join (create) the default gloo group of ``world`` processes on 127.0.0.1:``port``.
+
+    The ranks first meet at a TCP store that waits :data:`RENDEZVOUS_S` (or ``timeout_s``
+    when longer) for all of them: a spawned rank imports torch before it can join, seconds on a
+    loaded machine, which is not a stalled transfer. The group itself - every transfer - waits
+    ``timeout_s``. (Rank 0 notices a child that dies before joining at once, see
+    :func:`start_workers`.)"""
+    meet = timedelta(seconds=max(timeout_s, RENDEZVOUS_S))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, meet, wait_for_workers=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def torchrun_world() -> int:
