@@ -18,6 +18,10 @@ values or the state dict:
   embeddings, unless a parallel layout already replaced it (vocabulary-parallel output of
   :mod:`exitlm.parallel.tensor` and :mod:`exitlm.parallel.infer.tp_decode`).
 
+On a CUDA model the CPU kernels stay out of the way (every product is ``F.linear``) and the
+decoding steps get static programs captured as CUDA graphs instead
+(:mod:`exitlm.backend.cuda_graphs`; ``EXITLM_CUDA_GRAPHS=0`` turns them off).
+
 Per-model state (which options were applied, packed output embeddings) lives on the model as
 ``model._decoding_backend``; the one process-wide piece is OpenBLAS' thread count
 (:data:`~exitlm.backend.blas.BLAS`, :func:`~exitlm.backend.blas.thread_split`).
@@ -38,6 +42,7 @@ from torch import nn
 
 from exitlm.backend import native
 from exitlm.backend.blas import BLAS, gemv_bound, thread_split
+from exitlm.backend.cuda_graphs import graphs_wanted, use_static_steps
 from exitlm.backend.decode_block import LeanBlock, LeanLM, lean_capable
 from exitlm.backend.layout import Packed, pack, restride
 from exitlm.backend.linear import FastLinear, linear
@@ -193,6 +198,8 @@ def prepare_for_decoding(model: M, *, pack_rows: bool = False) -> M:
         if current is None or current is quantized_project or isinstance(
                 getattr(current, "__self__", None), DecodingBackend):
             model.project = backend.project  # type: ignore[method-assign]
+            if backend.device.type == "cuda" and graphs_wanted():
+                use_static_steps(model)  # decoding steps as CUDA graphs (backend.cuda_graphs)
     model._decoding_backend = backend  # type: ignore[assignment]
     return model
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exitlm.backend.cuda_graphs import static_steps
 from exitlm.infer.decoder import Batch, Decoder, Emit, last_positions, prefill_hidden
 from exitlm.model.transformer import EarlyExitLM
 
@@ -43,6 +44,12 @@ class DepthDecoder(Decoder):
 
     def step(self, batch: Batch) -> list[Emit]:
         model, cache, e = self.model, batch.cache, self.depth
+        steps = static_steps(model)
+        if steps is not None and steps.serves_exit(e):
+            # a CUDA model: the whole step is one graph replay (backend.cuda_graphs)
+            logits = steps.step(batch.lasts(self.device)[:, 0], cache, e)
+            cache.lengths += 1
+            return [Emit([t], [e], e) for t in batch.choose(logits)]
         native = getattr(model, "step_hidden", None) if self.native else None
         if native is not None and len(batch) == 1:
             # one sequence: embedding and layers in one native call (LeanLM.step_hidden)

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import torch
 
+from exitlm.backend.cuda_graphs import StaticSteps, static_steps
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import (
     Batch,
@@ -211,9 +212,14 @@ class PPDDecoder(Decoder):
             self.shared.load_prefix(main, int(lens[0]))  # the prompt's entries, once
             self.worker.attach(self.shared)
         else:
-            self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
-                                     dtype=main.dtype, device=self.device)
-                             for _ in range(self.k)]
+            if self._static() is not None:
+                # graph programs keep their branch caches: as long as the pool, made once
+                capacity = main.max_seq_len
+            if not (self._static() is not None and len(self.branches) == self.k
+                    and self.branches[0].max_seq_len == capacity):
+                self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
+                                         dtype=main.dtype, device=self.device)
+                                 for _ in range(self.k)]
             for c in self.branches:  # the prompt's prefix entries, once
                 c.copy_from(main, self.m, slice(0, int(lens[0])))
         self.carried = None
@@ -224,6 +230,9 @@ class PPDDecoder(Decoder):
         """One token: main thread to ``d_bar``, fork ``k`` branches for the next token while
         the main thread finishes, keep the branch the final layer confirms (Alg. 2)."""
         model, seq = self.model, batch.seqs[0]
+        steps = self._static()
+        if steps is not None and seq.remaining > 1 and not seq.wants_logprobs:
+            return self._step_static(batch, steps)
         # process mode: layers < m live in the shared rows the worker reads
         main = batch.cache if self.shared is None else self.shared.main_view(batch.cache)
         p = int(main.lengths[0])
@@ -257,6 +266,35 @@ class PPDDecoder(Decoder):
             cands, states = self._finish_predicted(jobs)
         else:
             states = self._finish_branches(jobs)
+        evals += self.m + len(cands) * self.m
+        self.carried = self._resolve(seq, main, cands, states, x, p + 1)
+        main.lengths = torch.tensor([p + 1])
+        return [Emit([x], [self.d], evals)]
+
+    def _static(self) -> StaticSteps | None:
+        """The model's static programs (CUDA graphs on a GPU), where this decoder can use
+        them: branches in this process, an early exit without a block of its own."""
+        if self.process or self.block:
+            return None
+        return static_steps(self.model)
+
+    def _step_static(self, batch: Batch, steps: StaticSteps) -> list[Emit]:
+        """:meth:`step` as graph replays from this thread
+        (:meth:`~exitlm.backend.cuda_graphs.StaticSteps.ppd_step`): the branches run on
+        their CUDA streams while the main token finishes, with no thread hand-off."""
+        seq, main = batch.seqs[0], batch.cache
+        p = int(main.lengths[0])
+        if self.branches[0].max_seq_len < main.max_seq_len:  # the pool grew: so do they
+            cfg = self.model.config
+            self.branches = [KVCache(self.m, 1, main.max_seq_len, cfg.n_kv_heads, cfg.hdim,
+                                     dtype=main.dtype, device=self.device)
+                             for _ in range(self.k)]
+            for c in self.branches:
+                c.copy_from(main, self.m, slice(0, p + 1))
+        evals = self.d_bar if self.carried is None else self.d_bar - self.m
+        x, cands, states = steps.ppd_step(seq.last, main, self.branches, self.carried,
+                                          self.d_bar, lambda h: self.head(h, None, None),
+                                          self.streams)
         evals += self.m + len(cands) * self.m
         self.carried = self._resolve(seq, main, cands, states, x, p + 1)
         main.lengths = torch.tensor([p + 1])

@@ -37,6 +37,7 @@ from typing import Annotated
 
 import torch
 
+from exitlm.backend.cuda_graphs import StaticSteps, static_steps
 from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import (
@@ -132,7 +133,7 @@ class _Drafts:
     tokens: torch.Tensor
     counts: list[int]
     q_probs: dict[int, list[torch.Tensor]]
-    exit_query: torch.Tensor
+    exit_query: torch.Tensor | None
 
 
 class SelfSpecDecoder(Decoder):
@@ -176,20 +177,52 @@ class SelfSpecDecoder(Decoder):
     def step(self, batch: Batch) -> list[Emit]:
         """One round: draft, verify, accept, roll back."""
         limits = [max(0, min(s.options.num_speculations, s.remaining - 1)) for s in batch.seqs]
-        drafts = self._draft(batch, limits)
-        n = max(drafts.counts)
-        base = batch.cache.lengths.to(self.device)  # (B,) position of x0
-        pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
-        ctx = self.model.context(pos, batch.cache)
-        hv = self.model.run_layers(drafts.exit_query[:, : n + 1], self.e, self.model.num_layers,
-                                   cache=batch.cache, ctx=ctx)
-        accepted, final = self._accept(batch, drafts, hv)
-        self._record_logprobs(batch, drafts, hv, accepted, final)
+        steps = static_steps(self.model)
+        if steps is not None and self._static_ok(batch):
+            drafts, accepted, final = self._round_static(batch, steps, limits)
+        else:
+            drafts, accepted, final = self._round(batch, limits)
         keep = batch.cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
         batch.cache.lengths = keep
         batch.cache.crop(keep)
         return [self._emit(s, drafts, i, a, f) for i, (s, a, f) in
                 enumerate(zip(batch.seqs, accepted, final, strict=True))]
+
+    def _round(self, batch: Batch, limits: list[int]
+               ) -> tuple[_Drafts, list[int], list[int]]:
+        """Draft, verify and accept step by step: the drafts, each row's accepted count and
+        the verifier's token."""
+        drafts = self._draft(batch, limits)
+        n = max(drafts.counts)
+        base = batch.cache.lengths.to(self.device)  # (B,) position of x0
+        pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
+        ctx = self.model.context(pos, batch.cache)
+        assert drafts.exit_query is not None
+        hv = self.model.run_layers(drafts.exit_query[:, : n + 1], self.e, self.model.num_layers,
+                                   cache=batch.cache, ctx=ctx)
+        accepted, final = self._accept(batch, drafts, hv)
+        self._record_logprobs(batch, drafts, hv, accepted, final)
+        return drafts, accepted, final
+
+    def _static_ok(self, batch: Batch) -> bool:
+        """Whether a round fits the static program: greedy rows without a draft threshold or
+        log-probabilities, an exit without a block of its own."""
+        return not self.block and all(
+            s.sampling.greedy and s.options.draft_threshold is None and not s.wants_logprobs
+            for s in batch.seqs)
+
+    def _round_static(self, batch: Batch, steps: StaticSteps, limits: list[int]
+                      ) -> tuple[_Drafts, list[int], list[int]]:
+        """The whole greedy round as one program (a CUDA graph replay on a GPU,
+        :meth:`~exitlm.backend.cuda_graphs.StaticSteps.spec_round`): every row drafts
+        ``max(limits)`` tokens (rows past their own limit ride along, as in :meth:`_draft`),
+        and only the comparison of drafts with the final layer's tokens comes to the host."""
+        n = max(limits)
+        tokens, target = steps.spec_round(batch.lasts(self.device)[:, 0], batch.cache, n,
+                                          self.e, lambda h: self.head(h, None, None))
+        limit = torch.tensor(limits, device=self.device)
+        accepted, final = torch.stack(_agreement(tokens, target, limit)).tolist()  # one copy
+        return _Drafts(tokens, list(limits), {}, None), accepted, final
 
     # ----- the parts of a round ------------------------------------------------------------
     def _draft(self, batch: Batch, limits: list[int]) -> _Drafts:
@@ -325,7 +358,13 @@ def _accept_greedy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,
     """Greedy verification: the number of leading drafts (at most ``limit`` per row) equal to
     the final layer's argmax over ``hv`` ``(R, n+1, D)``, and the final layer's token right
     after them (correction or bonus) ``(R,)`` each."""
-    target = torch.argmax(model.final_logits(hv), dim=-1)  # (R, n+1)
+    return _agreement(drafts, torch.argmax(model.final_logits(hv), dim=-1), limit)
+
+
+def _agreement(drafts: torch.Tensor, target: torch.Tensor, limit: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The number of leading drafts ``(R, n)`` (at most ``limit`` per row) equal to the final
+    layer's tokens ``target`` ``(R, n+1)``, and the final layer's token right after them."""
     n = drafts.shape[1]
     inside = torch.arange(n, device=drafts.device)[None, :] < limit[:, None]
     agree = ((drafts == target[:, :n]) & inside).to(torch.long)
