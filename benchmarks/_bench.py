@@ -6,8 +6,23 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
+
+
+class StreamTimer:
+    """A ``transformers`` streamer recording when each step's tokens arrive (``calls[0]`` is
+    the prompt, ``calls[1]`` the first new token)."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.calls.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def note(msg: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from _bench import note
+from _bench import StreamTimer, note
 from exitlm.infer import generate
 from exitlm.io import load_model
 from exitlm.io.default_model import default_gguf_path
@@ -38,20 +38,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
 ]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class _StreamTimer:
-    """A transformers streamer that records when each new token arrives."""
-
-    def __init__(self) -> None:
-        self.calls: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
 
 
 def load_transformers_fp32() -> torch.nn.Module:
@@ -68,7 +54,7 @@ def load_transformers_fp32() -> torch.nn.Module:
 def run_transformers(model: torch.nn.Module, ids: list[int], new: int) -> dict[str, Any]:
     """One greedy generate call; returns tokens and timings."""
     inp = torch.tensor([ids])
-    timer = _StreamTimer()
+    timer = StreamTimer()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(

@@ -49,3 +49,25 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+BUDGETS = [3, 17, 9, 25]
+"""Per-request ``max_new_tokens`` of :func:`self_spec_with_budgets`: rows leave at different
+rounds and some ride along past their own budget."""
+
+
+def self_spec_with_budgets(model: EarlyExitLM, prompts: list[list[int]], exit_layer: int
+                           ) -> list[list[int]]:
+    """Each prompt's tokens when one engine decodes them together by self-speculation
+    (5 drafts a round), request ``i`` with its own budget ``BUDGETS[i]``."""
+    from exitlm.infer.engine import Engine
+    from exitlm.infer.options import SamplingOptions
+    from exitlm.infer.self_speculative import SelfSpecOptions
+
+    engine = Engine(model, None, "self-spec",
+                    SelfSpecOptions(exit_layer=exit_layer, num_speculations=5),
+                    max_batch=len(prompts))
+    reqs = [engine.submit(p, SamplingOptions(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, BUDGETS, strict=True)]
+    engine.run()
+    return [r.result(model.num_layers).token_ids for r in reqs]

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ee_models import ee_model, random_prompts
+from _ee_models import BUDGETS, ee_model, random_prompts, self_spec_with_budgets
 
 from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.backend.cuda_graphs import StaticSteps, set_cuda_graphs, static_steps
 from exitlm.infer import generate
-from exitlm.infer.engine import Engine
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.self_speculative import SelfSpecOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -105,17 +102,11 @@ def test_cuda_graph_rounds_with_rows_leaving() -> None:
     model = _cuda_model("mlp", False)
     _graphed(model)
     prompts = random_prompts(sizes=(4, 7, 6, 2))
-    budgets = [3, 17, 9, 25]
     set_cuda_graphs(model, False)
     alone = [generate(model, None, [p], max_new_tokens=n).token_ids[0]
-             for p, n in zip(prompts, budgets, strict=True)]
+             for p, n in zip(prompts, BUDGETS, strict=True)]
     set_cuda_graphs(model, True)
-    engine = Engine(model, None, "self-spec", SelfSpecOptions(exit_layer=3, num_speculations=5),
-                    max_batch=4)
-    reqs = [engine.submit(p, SamplingOptions(max_new_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, budgets, strict=True)]
-    engine.run()
-    assert [r.result(model.num_layers).token_ids for r in reqs] == alone
+    assert self_spec_with_budgets(model, prompts, 3) == alone
 
 
 def test_cuda_graph_ppd_equals_greedy_and_eager_ppd() -> None:
