@@ -29,7 +29,10 @@ length, ``S``):
 * :meth:`StaticSteps.spec_round` - one whole greedy round of self-speculative decoding
   (LayerSkip Sec. 4.3): ``n`` drafts through layers ``1..E`` and exit ``E`` (Sec. 4.3.1),
   then layers ``E+1..L`` over the exit-query cache (Sec. 4.3.2-4.3.3) and the final layer's
-  argmax; the host then only compares tokens (one device-to-host copy per round).
+  argmax; the host then only compares tokens (one device-to-host copy per round);
+* :meth:`StaticSteps.ppd_step` - one token of Predictive Pipelined Decoding (PPD Alg. 2) from
+  one host thread: the early part and its top-k, each branch on its own CUDA stream, the main
+  token's remaining layers beside them.
 
 With ``capture=False`` the same static code runs eagerly (any device): the CPU tests check
 it against the eager model, so the GPU replays only what the CPU already verified.

@@ -12,7 +12,9 @@ d``). Per generated token ``x_t`` at position ``p`` (one :meth:`PPDDecoder.step`
   (whose KV cache slot the main thread fills) and CUDA streams take it on the main thread.
 * **in parallel** (Alg. 2 lines 17-29): the main thread runs layers ``d_bar..d`` of ``x_t``
   while ``k`` worker threads each run one candidate ``x_hat_j`` at position ``p + 1`` through
-  layers ``1..d - d_bar``. On CUDA every branch runs on its own stream. With
+  layers ``1..d - d_bar``. On CUDA every branch runs on its own stream; with the model's
+  CUDA graphs (:mod:`exitlm.backend.cuda_graphs`) the whole token is replayed from this
+  thread, the branches on their streams beside the main token's last layers. With
   ``ppd_workers="process"`` (CPU) the candidates run in one spawned worker process instead,
   on keys/values in shared memory (:mod:`exitlm.infer.ppd_workers`): threads share the GIL,
   so on CPU only processes overlap the branch with the main token.
