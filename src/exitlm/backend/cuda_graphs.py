@@ -115,7 +115,7 @@ class StaticSteps:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {ref.device}")
         self.device = ref.device
         self.attn_dtype = attention_dtype(ref.dtype, ref.device)
-        self.weights = (ref.data_ptr(), ref.dtype)  # a cast or moved model has other storage
+        self.weights = _weights(self.model)
 
     # ----- what a decoder asks -------------------------------------------------------------
     def serves_exit(self, layer: int) -> bool:
@@ -355,7 +355,9 @@ class StaticSteps:
             outputs = body(static)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
-        return _Program(graph, static, outputs, keep)
+        # the rotary tables it indexes: the model replaces (and frees) them when they grow
+        tables = tuple(self.model._rope_cache.values())
+        return _Program(graph, static, outputs, (*keep, tables))
 
 
 def _cache_identity(cache: KVCache) -> tuple[object, ...]:
@@ -364,6 +366,13 @@ def _cache_identity(cache: KVCache) -> tuple[object, ...]:
     k = cache.keys[0]
     return (k.data_ptr(), k.untyped_storage().nbytes(), k.stride(), cache.max_seq_len,
             len(cache.keys))
+
+
+def _weights(model: nn.Module) -> tuple[int, torch.dtype]:
+    """Where the model's weights live (its embedding's address and dtype): a moved or cast
+    model has other storage, which graphs captured before do not read."""
+    ref = model.embed_tokens.weight  # type: ignore[union-attr]
+    return ref.data_ptr(), ref.dtype
 
 
 def _grow_fill(cache: KVCache, start: int, end: int, upto: torch.Tensor) -> None:
@@ -378,8 +387,7 @@ def static_steps(model: nn.Module) -> StaticSteps | None:
     steps = model.__dict__.get("_static_steps")
     if steps is None or not steps.enabled:
         return None
-    ref = model.embed_tokens.weight  # type: ignore[union-attr]
-    if (ref.data_ptr(), ref.dtype) != steps.weights:  # moved or cast since: graphs read the old
+    if _weights(model) != steps.weights:  # moved or cast since: the graphs read the old
         return None
     return steps
 
@@ -391,8 +399,7 @@ def use_static_steps(model: EarlyExitLM, *, capture: bool | None = None) -> Stat
     if capture is None:
         capture = ref.device.type == "cuda"
     steps = model.__dict__.get("_static_steps")
-    if steps is not None and steps.weights == (ref.data_ptr(), ref.dtype) \
-            and steps.capture == capture:
+    if steps is not None and steps.weights == _weights(model) and steps.capture == capture:
         return steps  # prepared again (more options): the graphs still serve
     steps = StaticSteps(model, capture=capture)
     model._static_steps = steps  # type: ignore[assignment]
