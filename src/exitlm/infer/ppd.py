@@ -214,14 +214,12 @@ class PPDDecoder(Decoder):
             self.shared.load_prefix(main, int(lens[0]))  # the prompt's entries, once
             self.worker.attach(self.shared)
         else:
-            if self._static() is not None:
-                # graph programs keep their branch caches: as long as the pool, made once
+            static = self._static() is not None
+            if static:  # graph programs keep their branch caches: as long as the pool
                 capacity = main.max_seq_len
-            if not (self._static() is not None and len(self.branches) == self.k
+            if not (static and len(self.branches) == self.k
                     and self.branches[0].max_seq_len == capacity):
-                self.branches = [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim,
-                                         dtype=main.dtype, device=self.device)
-                                 for _ in range(self.k)]
+                self.branches = self._new_branches(capacity, main.dtype)
             for c in self.branches:  # the prompt's prefix entries, once
                 c.copy_from(main, self.m, slice(0, int(lens[0])))
         self.carried = None
@@ -273,6 +271,12 @@ class PPDDecoder(Decoder):
         main.lengths = torch.tensor([p + 1])
         return [Emit([x], [self.d], evals)]
 
+    def _new_branches(self, capacity: int, dtype: torch.dtype) -> list[KVCache]:
+        """``k`` one-row caches of layers ``[0, m)`` for the branches."""
+        cfg = self.model.config
+        return [KVCache(self.m, 1, capacity, cfg.n_kv_heads, cfg.hdim, dtype=dtype,
+                        device=self.device) for _ in range(self.k)]
+
     def _static(self) -> StaticSteps | None:
         """The model's static programs (CUDA graphs on a GPU), where this decoder can use
         them: branches in this process, an early exit without a block of its own."""
@@ -287,10 +291,7 @@ class PPDDecoder(Decoder):
         seq, main = batch.seqs[0], batch.cache
         p = int(main.lengths[0])
         if self.branches[0].max_seq_len < main.max_seq_len:  # the pool grew: so do they
-            cfg = self.model.config
-            self.branches = [KVCache(self.m, 1, main.max_seq_len, cfg.n_kv_heads, cfg.hdim,
-                                     dtype=main.dtype, device=self.device)
-                             for _ in range(self.k)]
+            self.branches = self._new_branches(main.max_seq_len, main.dtype)
             for c in self.branches:
                 c.copy_from(main, self.m, slice(0, p + 1))
         evals = self.d_bar if self.carried is None else self.d_bar - self.m
