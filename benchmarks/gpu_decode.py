@@ -41,6 +41,7 @@ import torch
 from _bench import StreamTimer, held_out_prompt_ids, note, one_line_errors
 from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.backend.cuda_graphs import set_cuda_graphs, static_steps, use_static_steps
+from exitlm.cli import int_at_least
 from exitlm.infer.bench import Run, ppd_vs_theory
 from exitlm.infer.engine import Engine
 from exitlm.infer.options import SamplingOptions
@@ -231,6 +232,21 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
     return out
 
 
+def _batches(text: str) -> list[int]:
+    """``--batches``: comma-separated integers >= 1."""
+    return [int_at_least(1)(x) for x in text.split(",")]
+
+
+def _device(text: str) -> str:
+    """``--device``: anything ``torch.device`` accepts (a one-line error otherwise)."""
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected a device such as cuda or cpu, got {text!r}"
+                                         ) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layerskip", default="runs/scratch-layerskip/model",
@@ -239,17 +255,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="SmolLM2-135M: the embedded GGUF when installed (auto), else its "
                          "architecture with random weights")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    ap.add_argument("--prompts", type=int, default=4, help="prompts decoded one by one at batch 1")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--exit-layer", type=int, default=None)
-    ap.add_argument("--num-speculations", type=int, default=4)
-    ap.add_argument("--ppd-layer", type=int, default=None)
+    ap.add_argument("--batches", type=_batches, default=[1, 8],
+                    help="comma-separated batch sizes (each >= 1)")
+    ap.add_argument("--prompts", type=int_at_least(1), default=4,
+                    help="prompts decoded one by one at batch 1")
+    ap.add_argument("--prompt-len", type=int_at_least(1), default=64)
+    ap.add_argument("--new-tokens", type=int_at_least(2), default=128)
+    ap.add_argument("--repeats", type=int_at_least(1), default=2)
+    ap.add_argument("--exit-layer", type=int_at_least(1), default=None)
+    ap.add_argument("--num-speculations", type=int_at_least(1), default=4)
+    ap.add_argument("--ppd-layer", type=int_at_least(1), default=None)
     ap.add_argument("--ppd-eager", action="store_true",
                     help="also PPD's eager path (branches on Python threads + CUDA streams)")
-    ap.add_argument("--device", default="cuda",
+    ap.add_argument("--device", type=_device, default="cuda",
                     help="cuda, or cpu for a smoke test of this script (no graphs are captured)")
     args = ap.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
