@@ -128,10 +128,15 @@ def test_sampled_rows_and_block_exits_keep_the_step_loop() -> None:
     kw = {"strategy": "self-spec", "exit_layer": 2, "max_new_tokens": NEW, "temperature": 0.8,
           "seed": 3}
     before = generate(model, None, prompts, **kw).token_ids
+    with_lp = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
+                       max_new_tokens=4, logprobs=2)
     calls = _counting(_static(model))
     assert generate(model, None, prompts, **kw).token_ids == before
-    assert generate(model, None, prompts, strategy="self-spec", exit_layer=2,
-                    max_new_tokens=4, logprobs=2).token_ids is not None
+    again = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
+                     max_new_tokens=4, logprobs=2)
+    assert again.token_ids == with_lp.token_ids
+    assert all(s.logprobs for s in again.sequences)
+    assert [s.logprobs for s in again.sequences] == [s.logprobs for s in with_lp.sequences]
     assert calls["spec_round"] == 0
     block = ee_model("block", layers=(2,))
     ar = generate(block, None, prompts, max_new_tokens=NEW).token_ids
