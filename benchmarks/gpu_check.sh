@@ -11,7 +11,7 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 $py -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 timeout "${TEST_TIMEOUT:-200}" $py -m pytest -q -p no:cacheprovider tests/infer/test_cuda.py \
-    tests/infer/test_static_steps.py tests/train/test_cuda_train.py 2>&1 | tee "$out/tests.log" | tail -25
+    tests/runtime/test_graph_runner.py tests/train/test_cuda_train.py 2>&1 | tee "$out/tests.log" | tail -25
 timeout "${BENCH_TIMEOUT:-300}" $py benchmarks/gpu_decode.py --layerskip "${1:-runs/scratch-layerskip/model}" \
     >"$out/gpu_decode.json" 2> >(tee "$out/gpu_decode.err" | grep -v "Loading weights" >&2)
 echo "gpu_decode.py exit $?"

@@ -4,12 +4,13 @@ One process, one GPU, every variant over the same prompts in turn (``--repeats``
 each variant's fastest round kept), so the ratios share the machine's state:
 
 * ``ar_eager`` - exitlm's plain greedy decoding, kernels launched one by one;
-* ``ar_graphs`` - the same with each step replayed as one CUDA graph
-  (:mod:`exitlm.backend.cuda_graphs`);
+* ``ar_graphs`` - the same on the CUDA-graph runner (:mod:`exitlm.runtime.graphs`): each
+  step one replay;
 * ``self_spec_graphs`` / ``self_spec_eager`` (LayerSkip-trained model) - self-speculative
-  decoding, a whole round (drafts + verification) as one graph, or step by step;
-* ``ppd_graphs`` (LayerSkip model, batch 1) - PPD as graph replays from one thread, its
-  branch on a second CUDA stream, with Theorem 4.1's prediction for the measured p_correct
+  decoding on the graph runner (a round: the drafts' chain, the verification's layers and
+  head, three replays) or the eager one;
+* ``ppd_graphs`` (LayerSkip model, batch 1) - PPD on the graph runner from one thread, its
+  branch replayed on a second CUDA stream, with Theorem 4.1's prediction for the measured p_correct
   (one time unit: a layer's share of ``ar_graphs``' time per token); ``--ppd-eager`` adds
   the eager path (branches on Python threads);
 * ``hf_generate`` - ``transformers``' greedy ``generate`` on an export of the same weights;
@@ -39,14 +40,14 @@ from typing import Any
 import torch
 
 from _bench import StreamTimer, held_out_prompt_ids, note, one_line_errors
-from exitlm.backend.cpu import prepare_for_decoding
-from exitlm.backend.cuda_graphs import set_cuda_graphs, static_steps, use_static_steps
 from exitlm.cli import int_at_least
 from exitlm.infer.bench import Run, ppd_vs_theory
 from exitlm.infer.engine import Engine
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.strategies import get_strategy
 from exitlm.io import load_model
+from exitlm.runtime import GraphRunner, prepare
+from exitlm.runtime.runner import Runner
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,18 +76,19 @@ def prompt_sets(tokenizer: Any, vocab: int, batch: int, count: int, length: int,
     return [ids[g * batch:(g + 1) * batch] for g in range(groups)]
 
 
-def run_ours(engines: dict[tuple[object, ...], Engine], model: Any, prompts: list[list[int]],
-             new: int, strategy: str, opts: dict[str, Any], graphs: bool) -> list[Run]:
+def run_ours(engines: dict[tuple[object, ...], Engine], runner: Runner,
+             prompts: list[list[int]], new: int, strategy: str, opts: dict[str, Any]
+             ) -> list[Run]:
     """One group through a long-lived engine of its own (a server's situation: its KV pool,
     and so its captured graphs, outlive a request; a one-shot ``generate`` call builds a new
     pool and captures its graphs again)."""
-    key = (strategy, tuple(sorted(opts.items())), graphs, len(prompts))
+    key = (strategy, tuple(sorted(opts.items())), runner.kind, len(prompts))
     engine = engines.get(key)
     if engine is None:
-        engine = engines[key] = Engine(model, None, strategy,
+        engine = engines[key] = Engine(runner, None, strategy,
                                        get_strategy(strategy).options(None, **opts),
                                        max_batch=len(prompts))
-    set_cuda_graphs(model, graphs)
+    model = runner.model
     before = engine.decode_s
     t0 = time.perf_counter()
     reqs = [engine.submit(p, SamplingOptions(max_new_tokens=new, ignore_eos=True))
@@ -179,11 +181,11 @@ def hf_export(model: Any, dtype: torch.dtype) -> Any:
 
 def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
                 args: argparse.Namespace, layerskip: bool) -> dict[str, Any]:
-    prepare_for_decoding(model)
-    if model.embed_tokens.weight.device.type == "cpu":  # a smoke test: the static code, eager
-        use_static_steps(model, capture=False)
-    steps = static_steps(model)
-    assert steps is not None, "prepare_for_decoding gave the CUDA model no graphs"
+    # a CPU run is a smoke test: the graph runner's static code, eagerly
+    cpu = model.embed_tokens.weight.device.type == "cpu"
+    graphed = prepare(model, backend="static" if cpu else "graphs")
+    eager = prepare(model, backend="eager")
+    assert isinstance(graphed, GraphRunner)
     note(f"{label}: exporting for transformers ...")
     hf = hf_export(model, dtype)
     cfg = model.config
@@ -199,7 +201,8 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
         def ours(strategy: str, opts: dict[str, Any], graphs: bool,
                  engines: dict[tuple[object, ...], Engine] = engines
                  ) -> Callable[[list[list[int]], int], list[Run]]:
-            return lambda p, n: run_ours(engines, model, p, n, strategy, opts, graphs)
+            runner = graphed if graphs else eager
+            return lambda p, n: run_ours(engines, runner, p, n, strategy, opts)
 
         variants: dict[str, Callable[[list[list[int]], int], list[Run]]] = {
             "ar_eager": ours("ar", {}, False),
@@ -226,8 +229,8 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
         for name, r in res["results"].items():
             note(f"  {name}: {r['decode_tokens_per_s']:.0f} tok/s "
                  f"({r.get('vs_hf_generate', 0):.2f}x hf)")
-    out["graphs_captured"] = steps.captures
-    out["graph_capture_s"] = steps.capture_s
+    out["graphs_captured"] = graphed.captures
+    out["graph_capture_s"] = graphed.capture_s
     hf.to("cpu")  # free the GPU for the next model
     return out
 

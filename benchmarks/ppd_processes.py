@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines.values():
             run_one(e, prompts[0], 4)
         out["warmup_s"] = time.perf_counter() - t0
-        worker = engines["ppd-process"].decoder.worker  # type: ignore[attr-defined]
+        worker = engines["ppd-process"].decoder.branches.worker  # type: ignore[attr-defined]
         out["handoff_round_trip_us"] = worker.ping(300) * 1e6
         worker.waited_s, worker.branch_s, worker.joins = 0.0, 0.0, 0
         out["load_average_before"] = os.getloadavg()[0]

@@ -29,6 +29,7 @@ from exitlm.infer import generate
 from exitlm.io import load_model
 from exitlm.io.native import save_native
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
 
 KINDS = ("int8", "int4")
 VOCAB = 40
@@ -120,11 +121,19 @@ def test_one_sequence_is_exact_through_native_blocks(kind: str, int8_activations
     assert generate(model, None, prompt, strategy="ppd", ppd_layer=2, **kw).token_ids == ar
     ee = generate(model, None, prompt, strategy="early-exit", threshold=1.0, **kw)
     assert ee.token_ids == ar
-    step = torch.tensor([prompt])  # generate prepared the model: a cached call goes native
+    runner = prepare(model)  # one sequence over a cache: the native blocks
+    step = torch.tensor([prompt])
+    pos = torch.arange(len(prompt))[None]
+
+    def forward() -> torch.Tensor:
+        h = runner.layers(runner.embed(step, pos), 0, model.num_layers, pos,
+                          model.new_cache(1, 64))
+        return runner.logits(h, model.num_layers)
+
     with torch.no_grad():
-        mine = model(step, cache=model.new_cache(1, 64)).logits
+        mine = forward()
         native.set_int8_activations(not int8_activations)
-        other = model(step, cache=model.new_cache(1, 64)).logits
+        other = forward()
         native.set_int8_activations(int8_activations)
     assert not torch.equal(mine, other)
 

@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from exitlm.infer import Engine, SamplingOptions, get_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

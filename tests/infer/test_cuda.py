@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ee_models import BUDGETS, ee_model, random_prompts, self_spec_with_budgets
 
-from exitlm.backend.cpu import prepare_for_decoding
-from exitlm.backend.cuda_graphs import StaticSteps, set_cuda_graphs, static_steps
+from _ee_models import BUDGETS, ee_model, random_prompts, self_spec_with_budgets
 from exitlm.infer import generate
+from exitlm.runtime import GraphRunner, prepare
+from exitlm.runtime.runner import Runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,40 +58,36 @@ def test_kv_recomputation_matches_cpu_decisions_on_cuda() -> None:
     assert min(a.sequences[0].exit_layers) < 4  # some tokens really exited early
 
 
-def _graphed(model: torch.nn.Module) -> StaticSteps:
-    """The model prepared for decoding, with its CUDA graphs (backend.cuda_graphs)."""
-    prepare_for_decoding(model)
-    steps = static_steps(model)
-    assert steps is not None and steps.capture
-    return steps
+def _runners(model: torch.nn.Module) -> tuple[GraphRunner, Runner]:
+    """The model's CUDA-graph runner (what prepare() gives a CUDA model) and its eager one."""
+    graphs = prepare(model)
+    assert isinstance(graphs, GraphRunner) and graphs.capture
+    return graphs, prepare(model, backend="eager")
 
 
 def test_cuda_graphs_give_the_eager_tokens() -> None:
-    """AR, fixed exit and whole self-speculative rounds replayed as CUDA graphs give the eager
-    decoding's tokens (fp32), over padded batches and lengths that cross attention windows
+    """AR, fixed exit and self-speculative rounds on the graph runner give the eager
+    runner's tokens (fp32), over padded batches and lengths that cross attention windows
     (64 -> 128 -> 160 slots) and grow the engine's pool."""
     model = _cuda_model("linear", True)
-    steps = _graphed(model)
+    graphs, eager = _runners(model)
     prompts = random_prompts(sizes=(5, 9, 3))
     long = 120
-    set_cuda_graphs(model, False)
-    ar = generate(model, None, prompts, max_new_tokens=long).token_ids
-    fixed = generate(model, None, prompts, strategy="early-exit", exit_layer=2,
+    ar = generate(eager, None, prompts, max_new_tokens=long).token_ids
+    fixed = generate(eager, None, prompts, strategy="early-exit", exit_layer=2,
                      max_new_tokens=NEW).token_ids
-    assert steps.captures == 0
-    set_cuda_graphs(model, True)
-    assert generate(model, None, prompts, max_new_tokens=long).token_ids == ar
-    assert steps.captures > 0
-    assert generate(model, None, prompts, strategy="early-exit", exit_layer=2,
+    assert generate(graphs, None, prompts, max_new_tokens=long).token_ids == ar
+    assert graphs.captures > 0
+    assert generate(graphs, None, prompts, strategy="early-exit", exit_layer=2,
                     max_new_tokens=NEW).token_ids == fixed
     for d in (1, 4):
-        before = steps.captures
-        spec = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
+        before = graphs.captures
+        spec = generate(graphs, None, prompts, strategy="self-spec", exit_layer=2,
                         num_speculations=d, max_new_tokens=long)
         assert spec.token_ids == ar, d
-        assert steps.captures > before  # the rounds were graphs
+        assert graphs.captures > before  # the rounds' chains and layers were graphs
     for p, want in zip(prompts, ar, strict=True):  # one sequence at a time
-        got = generate(model, None, [p], strategy="self-spec", exit_layer=3,
+        got = generate(graphs, None, [p], strategy="self-spec", exit_layer=3,
                        num_speculations=3, max_new_tokens=long).token_ids
         assert got == [want]
 
@@ -100,29 +96,25 @@ def test_cuda_graph_rounds_with_rows_leaving() -> None:
     """Rows with their own budgets leave the batch at different rounds; each keeps the
     tokens it gets decoded alone, eagerly."""
     model = _cuda_model("mlp", False)
-    _graphed(model)
+    graphs, eager = _runners(model)
     prompts = random_prompts(sizes=(4, 7, 6, 2))
-    set_cuda_graphs(model, False)
-    alone = [generate(model, None, [p], max_new_tokens=n).token_ids[0]
+    alone = [generate(eager, None, [p], max_new_tokens=n).token_ids[0]
              for p, n in zip(prompts, BUDGETS, strict=True)]
-    set_cuda_graphs(model, True)
-    assert self_spec_with_budgets(model, prompts, 3) == alone
+    assert self_spec_with_budgets(graphs, prompts, 3) == alone
 
 
 def test_cuda_graph_ppd_equals_greedy_and_eager_ppd() -> None:
-    """PPD replayed as graphs from one thread (branches on their own streams, or one after
+    """PPD on the graph runner (branches replayed on their own streams, or one after
     another) gives greedy tokens and the same confirmed predictions as eager PPD."""
     model = _cuda_model("linear", True)
-    steps = _graphed(model)
+    graphs, eager = _runners(model)
     prompts = random_prompts(sizes=(5, 9, 3))
     opts = {"strategy": "ppd", "ppd_layer": 3, "ppd_k": 2, "max_new_tokens": NEW}
-    set_cuda_graphs(model, False)
-    want = [generate(model, None, [p], max_new_tokens=NEW).token_ids for p in prompts]
-    eager = [generate(model, None, [p], parallel=False, **opts) for p in prompts]
-    set_cuda_graphs(model, True)
+    want = [generate(eager, None, [p], max_new_tokens=NEW).token_ids for p in prompts]
+    serial = [generate(eager, None, [p], parallel=False, **opts) for p in prompts]
     for parallel in (True, False):
-        for p, w, e in zip(prompts, want, eager, strict=True):
-            got = generate(model, None, [p], parallel=parallel, **opts)
+        for p, w, e in zip(prompts, want, serial, strict=True):
+            got = generate(graphs, None, [p], parallel=parallel, **opts)
             assert got.token_ids == w == e.token_ids, parallel
             assert (got.stats.forks, got.stats.matches) == (e.stats.forks, e.stats.matches)
-    assert steps.captures > 0
+    assert graphs.captures > 0

@@ -1,60 +1,19 @@
-"""Early exit: threshold 1.0 is greedy; KV recomputation equals a cache-free reference under the
-same exit decisions; fixed-layer exit is the truncated model; state copying; cache fill."""
+"""Early exit beyond the conformance suite (test_conformance.py: threshold 1.0 is greedy, KV
+recomputation equals the cache-free reference, a fixed exit is the truncated model): cache
+fill, state copying, sampling and stop tokens per sequence, configuration errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
-from exitlm.infer.kv_recompute import reference_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 16
-
-
-@pytest.mark.parametrize("head", ["linear", "mlp", "block"])
-def test_threshold_one_is_greedy(head: str) -> None:
-    model = ee_model(head)
-    prompts = random_prompts()
-    ar = generate(model, None, prompts, max_new_tokens=NEW)
-    ee = generate(model, None, prompts, strategy="early-exit", threshold=1.0, max_new_tokens=NEW)
-    assert ee.token_ids == ar.token_ids
-    assert all(x == 4 for s in ee.sequences for x in s.exit_layers)
-
-
-@pytest.mark.parametrize(
-    ("head", "gpt2", "every"),
-    [("linear", False, True), ("mlp", True, False), ("block", False, False)],
-)
-@pytest.mark.parametrize(("threshold", "max_pending"), [(0.3, 1), (0.3, 3), (0.6, 8)])
-def test_kv_recompute_equals_cache_free_reference(
-    head: str, gpt2: bool, every: bool, threshold: float, max_pending: int
-) -> None:
-    model = ee_model(head, gpt2=gpt2, every_layer=every)
-    prompts = random_prompts()
-    checks = (1, 2, 3)
-    got = generate(model, None, prompts, strategy="early-exit", threshold=threshold,
-                   max_pending=max_pending, exit_layers=checks, max_new_tokens=NEW)
-    early = 0
-    for prompt, seq in zip(prompts, got.sequences, strict=True):
-        ref, layers = reference_decode(model, prompt, NEW, checks, threshold, max_pending)
-        assert seq.token_ids == ref
-        assert seq.exit_layers == layers
-        early += sum(x < 4 for x in layers)
-        # never more than max_pending consecutive early exits
-        run = 0
-        for x in layers:
-            run = run + 1 if x < 4 else 0
-            assert run <= max_pending
-    assert early > 0  # the test really exercises early exits
-    # each sequence of the padded batch equals its own unbatched run
-    alone = generate(model, None, prompts[1], strategy="early-exit", threshold=threshold,
-                     max_pending=max_pending, exit_layers=checks, max_new_tokens=NEW)
-    assert alone.token_ids[0] == got.token_ids[1]
 
 
 def test_fill_tracks_missing_layers_and_pending_joins_at_its_exit() -> None:
@@ -83,21 +42,6 @@ def test_fill_tracks_missing_layers_and_pending_joins_at_its_exit() -> None:
     assert seen[3] == (4, 2 + 2 * 4, [10, 10, 10, 10])
     assert req.stats.forced_full == 1  # type: ignore[attr-defined]
     assert req.stats.recompute_evaluations == 2 * 3  # type: ignore[attr-defined]
-
-
-def test_fixed_layer_exit_is_the_truncated_model() -> None:
-    model = ee_model("mlp")
-    prompts = random_prompts()
-    got = generate(model, None, prompts, strategy="early-exit", exit_layer=2, max_new_tokens=NEW)
-    for prompt, seq in zip(prompts, got.sequences, strict=True):
-        seqn = list(prompt)
-        with torch.inference_mode():
-            for _ in range(NEW):
-                out = model(torch.tensor([seqn]), exit_layers=(2,))
-                seqn.append(int(out.exit_logits[2][0, -1].argmax()))
-        assert seq.token_ids == seqn[len(prompt):]
-        assert seq.exit_layers == [2] * NEW
-        assert seq.layer_evaluations == 2 * NEW
 
 
 def test_state_copy_writes_exit_state_projections() -> None:

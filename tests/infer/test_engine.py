@@ -10,8 +10,9 @@ import threading
 
 import pytest
 import torch
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
+from _reference import early_exit_reference as reference_decode
 from exitlm.config import ConfigError
 from exitlm.infer import (
     EarlyExitOptions,
@@ -22,7 +23,6 @@ from exitlm.infer import (
     generate,
     get_strategy,
 )
-from exitlm.infer.kv_recompute import reference_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from _ee_models import ee_model, one_thread  # noqa: F401
 
+from _ee_models import ee_model, one_thread  # noqa: F401
 from exitlm.infer import Engine, SamplingOptions, generate
 from exitlm.infer.engine import prefill_groups
 

@@ -5,8 +5,8 @@ what they get on a fresh engine; prompt token ids outside the vocabulary are ref
 from __future__ import annotations
 
 import pytest
-from _ee_models import ee_model, one_thread  # noqa: F401
 
+from _ee_models import ee_model, one_thread  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, generate
 

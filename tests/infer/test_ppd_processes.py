@@ -9,8 +9,8 @@ import os
 import signal
 
 import pytest
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from exitlm.cli import main
 from exitlm.config import ConfigError
 from exitlm.infer import generate, ppd_workers
@@ -58,7 +58,7 @@ def test_engine_shares_weights_restarts_and_stops_its_worker() -> None:
     try:
         req = engine.submit(prompt, SamplingOptions(max_new_tokens=8))
         engine.run()
-        first = engine.decoder.worker  # type: ignore[attr-defined]
+        first = engine.decoder.branches.worker  # type: ignore[attr-defined]
         assert req.token_ids == ar and first.alive
         # the worker built its model on the parent's parameter storage, in shared memory
         assert all(p.is_shared() for p in model.parameters())
@@ -66,7 +66,7 @@ def test_engine_shares_weights_restarts_and_stops_its_worker() -> None:
         first.proc.join(10)
         req = engine.submit(prompt, SamplingOptions(max_new_tokens=8))
         engine.run()
-        second = engine.decoder.worker  # type: ignore[attr-defined]
+        second = engine.decoder.branches.worker  # type: ignore[attr-defined]
         assert req.token_ids == ar and second is not first and second.alive
     finally:
         engine.close()

@@ -1,6 +1,7 @@
-"""Self-speculative decoding: greedy output is token-identical to plain greedy (single prompts,
-padded batches, every exit and draft length, bonus tokens), speculative sampling matches the
-target distribution, the cache is rolled back to the accepted tokens."""
+"""Self-speculative decoding beyond the conformance suite (test_conformance.py: greedy output is
+the reference's for every exit, draft length and vocabulary): draft thresholds, bonus tokens,
+batch independence, speculative sampling matches the target distribution, the cache is rolled
+back to the accepted tokens, lazy verification."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import math
 
 import pytest
 import torch
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.self_speculative import _accept_sampled
@@ -18,32 +19,6 @@ from exitlm.infer.self_speculative import _accept_sampled
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 24
-
-
-@pytest.mark.parametrize(
-    ("head", "every", "gpt2"),
-    [("linear", True, False), ("mlp", False, True), ("block", False, False)],
-)
-def test_greedy_is_token_identical_to_ar(head: str, every: bool, gpt2: bool) -> None:
-    model = ee_model(head, every_layer=every, gpt2=gpt2)
-    prompts = random_prompts()
-    ar = generate(model, None, prompts, max_new_tokens=NEW)
-    for e, d in itertools.product((1, 3), (1, 4)):
-        ss = generate(model, None, prompts, strategy="self-spec", exit_layer=e,
-                      num_speculations=d, max_new_tokens=NEW)
-        assert ss.token_ids == ar.token_ids, (e, d)
-        assert ss.stats.drafted > 0
-        for seq in ss.sequences:
-            assert len(seq.exit_layers) == len(seq.token_ids) == NEW
-            assert set(seq.exit_layers) <= {e, 4}
-    one = generate(model, None, prompts[0], strategy="self-spec", exit_layer=2,
-                   num_speculations=3, max_new_tokens=NEW)
-    assert one.token_ids[0] == ar.token_ids[0]
-    # a restricted draft vocabulary changes the drafts, never the output
-    small = generate(model, None, prompts, strategy="self-spec", exit_layer=3,
-                     num_speculations=3, draft_vocab=7, max_new_tokens=NEW)
-    assert small.token_ids == ar.token_ids
-    assert small.options["draft_vocab"] == 7
 
 
 def test_draft_threshold_stops_drafting_without_changing_output() -> None:
@@ -222,24 +197,26 @@ def test_lazy_and_batched_greedy_verification_agree() -> None:
     hv = torch.randn(6, 4, 32)
     with torch.inference_mode():
         target = model.final_logits(hv).argmax(-1)  # (6, 4)
+    head = model.final_logits
     drafts = target[:, :3].clone()
     drafts[1, 0] += 1  # reject at 0
     drafts[2, 2] += 1  # reject at 2
     drafts[3, 1] += 1
     limit = torch.tensor([3, 3, 3, 3, 3, 1])  # the last row may keep one draft only
     with torch.inference_mode():
-        a = _accept_greedy(model, drafts, hv, limit)
-        b = _accept_greedy_lazy(model, drafts, hv, limit)
+        a = _accept_greedy(head, drafts, hv, limit)
+        b = _accept_greedy_lazy(head, drafts, hv, limit)
     assert a[0].tolist() == b[0].tolist() == [3, 0, 2, 1, 3, 1]
     assert a[1].tolist() == b[1].tolist()
     assert a[1].tolist() == [int(target[i, j]) for i, j in enumerate([3, 0, 2, 1, 3, 1])]
 
 
 def test_verification_is_lazy_for_large_heads_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy verification projects one position at a time when the LM head is large
-    (LAZY_HEAD_BYTES) and all positions at once when it is small; the output is AR's both
-    ways."""
+    """Greedy verification projects one position at a time when the runner says a product
+    over several positions does not pay (a large CPU fp32 LM head, LAZY_HEAD_BYTES) and all
+    positions at once otherwise; the output is AR's both ways."""
     import exitlm.infer.self_speculative as ss
+    import exitlm.runtime.runner as runner
 
     model = ee_model(every_layer=True)
     prompts = random_prompts()
@@ -261,7 +238,7 @@ def test_verification_is_lazy_for_large_heads_only(monkeypatch: pytest.MonkeyPat
           "max_new_tokens": NEW}
     assert generate(model, None, prompts, **kw).token_ids == ar
     assert calls["all"] > 0 and calls["lazy"] == 0  # a 23 x 32 head: one product
-    monkeypatch.setattr(ss, "LAZY_HEAD_BYTES", 0)
+    monkeypatch.setattr(runner, "LAZY_HEAD_BYTES", 0)
     calls.update(lazy=0, all=0)
     assert generate(model, None, prompts, **kw).token_ids == ar
     assert calls["lazy"] > 0 and calls["all"] == 0

@@ -67,8 +67,8 @@ def test_self_spec_and_ppd_single_prompt(loaded, greedy) -> None:
 
 def test_kv_recompute_equals_reference(loaded) -> None:
     """A padded batch of two prompts, each against the cache-free reference."""
+    from _reference import early_exit_reference as reference_decode
     from exitlm.infer import generate
-    from exitlm.infer.kv_recompute import reference_decode
 
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS[1:]]
     got = generate(loaded.model, None, ids, strategy="early-exit", threshold=0.5,

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _ee_models import ee_model
-
 from _dist import free_port
+from _ee_models import ee_model
 from exitlm.cli import main
 from exitlm.io import save_model
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _ee_models import ee_model, random_prompts
 from _stall import kill_all, stall_at
 
+from _ee_models import ee_model, random_prompts
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.early_exit import EarlyExitOptions

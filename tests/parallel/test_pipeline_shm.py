@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _ee_models import ee_model, random_prompts
-
 from _dist import free_port, run_processes
+from _ee_models import ee_model, random_prompts
 from exitlm.backend import native
 from exitlm.backend.native_channel import DEAD, PEER, TIMEOUT, ChannelError
 from exitlm.infer import generate

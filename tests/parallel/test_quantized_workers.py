@@ -20,6 +20,7 @@ from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.infer.pipeline_ee import pipeline
+from exitlm.runtime import NativeRunner, prepare
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
 
@@ -47,14 +48,18 @@ def _tokens(model: EarlyExitLM, prompt: list[int], **kw: object) -> tuple[list, 
 def test_ppd_worker_process_on_quantized_weights(kind: str) -> None:
     torch.set_num_threads(1)
     model = _model(kind)
+    runner = prepare(model)
     for p in _prompts():
         ar = _tokens(model, p)[0]
-        got = generate(model, None, [p], strategy="ppd", ppd_layer=2, ppd_workers="process",
+        got = generate(runner, None, [p], strategy="ppd", ppd_layer=2, ppd_workers="process",
                        max_new_tokens=NEW, ignore_eos=True, threads=1)
         assert got.sequences[0].token_ids == ar
         assert got.stats.matches > 0
-    # the parent's blocks follow their weights into shared memory and stay native
-    assert all(b.native is not None and not b.native.moved() for b in model.layers)
+    # the runner's calls follow the weights into shared memory (the worker's spawn moved
+    # them) and stay native
+    if isinstance(runner, NativeRunner):
+        cache = runner.new_cache(1, 32)
+        assert all(runner._serves(i, cache) for i in range(model.num_layers))
 
 
 def test_pipeline_stages_on_quantized_weights() -> None:

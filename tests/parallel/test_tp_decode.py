@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _ee_models import ee_model, random_prompts
-
 from _dist import free_port, run_processes
+from _ee_models import ee_model, random_prompts
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.parallel.infer.launch import join_group

@@ -39,6 +39,8 @@ from exitlm.parallel.infer.tp_decode import (
     shard_model,
     tp_run,
 )
+from exitlm.runtime import NativeRunner, prepare
+from exitlm.runtime.runner import Runner
 
 KINDS = ("int8", "int4")
 VOCAB = 41  # odd: rank 1's rows of every output embedding are padded with a zero row
@@ -160,54 +162,58 @@ def test_tp2_on_quantized_weights_equals_one_process(
 STEPS = 6
 
 
-def _layer_steps(model: EarlyExitLM, inputs: torch.Tensor | None = None
+def _layer_steps(runner: Runner, inputs: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode ``STEPS`` fixed tokens one at a time through the cache, layer by layer; returns
-    every layer's input and output ``(steps, layers, dim)``. With ``inputs`` (another
-    model's), each layer takes that input instead of the previous layer's output."""
+    """Decode ``STEPS`` fixed tokens one at a time through the cache, layer by layer (one
+    runner call each); returns every layer's input and output ``(steps, layers, dim)``. With
+    ``inputs`` (another model's), each layer takes that input instead of the previous
+    layer's output."""
+    model = runner.model
     tokens = torch.randint(0, VOCAB, (STEPS,), generator=torch.Generator().manual_seed(5))
-    cache = model.new_cache(1, 32)
+    cache = runner.new_cache(1, 32)
     ins, outs = [], []
     with torch.inference_mode():
         for i in range(STEPS):
             pos = torch.tensor([[i]])
-            ctx = model.context(pos, cache)
-            h = model.embed(tokens[i].view(1, 1), pos)
+            h = runner.embed(tokens[i].view(1, 1), pos)
             for j in range(model.num_layers):
                 if inputs is not None:
                     h = inputs[i, j].view(1, 1, -1)
                 ins.append(h.reshape(-1))
-                h = model.run_layers(h, j, j + 1, cache=cache, ctx=ctx)
+                h = runner.layers(h, j, j + 1, pos, cache)
                 outs.append(h.reshape(-1))
     shape = (STEPS, model.num_layers, -1)
     return torch.stack(ins).view(shape), torch.stack(outs).view(shape)
 
 
 def _native_shard(rank: int, world: int, port: int, root: str, kind: str) -> None:
-    from exitlm.backend.cpu import prepare_for_decoding
-    from exitlm.backend.native_block import NativeBlock
+    import exitlm.runtime.native as native_runner
 
     torch.set_num_threads(1)
     join_group(rank, world, port, 60.0)
     try:
         calls = [0]
-        plain_call = NativeBlock.__call__
+        plain_chain = native_runner.run_chain
 
-        def counted(self: NativeBlock, *args: Any, **kwargs: Any) -> torch.Tensor:
-            calls[0] += 1
-            return plain_call(self, *args, **kwargs)
+        def counted(blocks: list[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[0] += len(blocks)  # blocks run by native calls
+            return plain_chain(blocks, *args, **kwargs)
 
-        NativeBlock.__call__ = counted  # type: ignore[method-assign]  # this process only
-        shard = prepare_for_decoding(shard_model(_model(kind), rank, world, timeout_s=30.0))
+        native_runner.run_chain = counted  # type: ignore[assignment]  # this process only
+        runner = prepare(shard_model(_model(kind), rank, world, timeout_s=30.0),
+                         backend="native")
+        assert isinstance(runner, NativeRunner)
+        shard = runner.model
         layer = shard.layers[0]
+        reducer = shard.output_layout.reducer  # type: ignore[union-attr]
         info = {
-            "native": [b.native is not None and b.native.reducer is shard._tp_reducer
-                       is not None for b in shard.layers],
+            "native": [b is not None and b.reducer is reducer is not None
+                       for b in runner.blocks],
             "types": [type(layer.attn.wo).__name__, type(layer.mlp.w_out).__name__],
             "widths": [list(layer.attn.wo.weight.shape), list(layer.mlp.w_out.weight.shape),
                        list(layer.attn.wqkv.weight.shape), list(layer.mlp.w_in.weight.shape)],
         }
-        ins, outs = _layer_steps(shard)
+        ins, outs = _layer_steps(runner)
         info["native_calls"] = calls[0]
         if rank == 0:
             (Path(root) / "info.json").write_text(json.dumps(info))
@@ -224,8 +230,6 @@ def test_a_quantized_shards_blocks_are_native_calls_with_their_sums(kind: str,
     quantized shard is one ``block.c`` call that runs both sums through the shared-memory
     reducer; fed the same inputs, its outputs are the one-process block's up to the order of
     the fp32 sums (a wrong slice would be off by the size of the values)."""
-    from exitlm.backend.cpu import prepare_for_decoding
-
     torch.set_num_threads(1)
     run_processes(_native_shard, (2, free_port(), str(tmp_path), kind), 2,
                   what="tensor-parallel ranks")
@@ -236,11 +240,11 @@ def test_a_quantized_shards_blocks_are_native_calls_with_their_sums(kind: str,
     assert info["widths"] == [[64, 32], [64, 32], [64, 64], [64, 64]]
     assert info["native_calls"] == STEPS * 4
     got = torch.load(tmp_path / "layers.pt", weights_only=True)
-    ref_model = prepare_for_decoding(_model(kind))
-    assert ref_model.layers[0].native is not None
-    _, ref = _layer_steps(ref_model, got["ins"])
-    scale = ref.abs().amax(dim=-1, keepdim=True)
-    err = ((got["outs"] - ref).abs() / scale).amax().item()
+    ref = prepare(_model(kind), backend="native")
+    assert isinstance(ref, NativeRunner) and ref.blocks[0] is not None
+    _, ref_outs = _layer_steps(ref, got["ins"])
+    scale = ref_outs.abs().amax(dim=-1, keepdim=True)
+    err = ((got["outs"] - ref_outs).abs() / scale).amax().item()
     assert err < 1e-4, err  # seen: 2.6e-7 (int8), 6.3e-6 (int4)
 
 

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _ee_models import random_prompts
-
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
+from _ee_models import random_prompts
 from exitlm.backend import native
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
@@ -185,17 +184,21 @@ def test_tp2_with_uneven_heads_equals_one_process(shm: str,
 
 
 def _native_shard(rank: int, world: int, port: int, root: str) -> None:
-    from exitlm.backend.cpu import prepare_for_decoding
+    from exitlm.runtime import NativeRunner, prepare
 
     torch.set_num_threads(1)
     join_group(rank, world, port, 60.0)
     try:
-        shard = prepare_for_decoding(shard_model(_uneven_model(), rank, world, timeout_s=30.0))
+        runner = prepare(shard_model(_uneven_model(), rank, world, timeout_s=30.0),
+                         backend="native")
+        assert isinstance(runner, NativeRunner)
+        shard = runner.model
         attn = shard.layers[0].attn
-        nb = shard.layers[0].native
+        nb = runner.blocks[0]
+        reducer = shard.output_layout.reducer  # type: ignore[union-attr]
         info = {"heads": [attn.num_heads, attn.num_kv_heads], "hidden": shard.layers[0].mlp.hidden,
-                "native_reduces": nb is not None and nb.reducer is shard._tp_reducer is not None}
-        res = generate(shard, None, [random_prompts()[0]], max_new_tokens=10, ignore_eos=True,
+                "native_reduces": nb is not None and nb.reducer is reducer is not None}
+        res = generate(runner, None, [random_prompts()[0]], max_new_tokens=10, ignore_eos=True,
                        threads=1)
         info["tokens"] = res.sequences[0].token_ids
         torch.manual_seed(rank)  # each rank's own draw would differ

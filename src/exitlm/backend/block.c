@@ -241,7 +241,7 @@ int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *laye
     return 0;
 }
 
-/* ---- Self-speculative drafting in one call (LayerSkip Sec. 4.3.1) ----------------------- */
+/* ---- Chains: n greedy steps through layers and a head, in one call -------------------- */
 
 /* Row `id` of a token embedding of any format, as exitlm dequantizes it on lookup
  * (quant.py): f32 copied, q8 `q * scale`, q4 `nibble * scale + min` (each op rounded; this
@@ -289,33 +289,32 @@ static int64_t argmax(const float *y, int64_t n) {
     return best;
 }
 
-/* Greedy self-drafting of one sequence: from token `token` at position `start`, n drafts
- * through the first `n_layers` layers and the exit's RMSNorm + output embedding, and the
- * exit query of every step (the hidden state after the last of those layers), i.e. what
- * SelfSpecDecoder._draft computes with one Python round trip per layer run, head and pick:
+/* A greedy chain of one sequence: from token `token` at position `start`, n steps through
+ * the first `n_layers` layers, each followed by the head (RMSNorm + output embedding) whose
+ * argmax is the next step's token; the hidden state after the layers is kept for every step:
  *
  *   for j = 0..n:  h = embed(token_j); h = layers(h) at position start + j (writing their
- *                  cache); exit_query[j] = h; if j < n: token_{j+1} = drafts[j] =
+ *                  cache); hidden[j] = h; if j < n: token_{j+1} = tokens[j] =
  *                  argmax(head(rms_norm(h))).
  *
- * cos_table, ssin_table: rotary tables (rows by position, head_dim each) covering
- * start + n. work: dim + head->n floats. With n == 0 (a plain decoding step: the hidden state
- * of one token after the layers, for the caller's final head) norm, head and work are unused
- * and may be NULL. The layers are computed by exitlm_llama_block as a
- * chain computes them (same bits); the norm is this file's rms_norm, whose summation order
- * differs from torch's mean, so a draft's logits may differ from the Python loop's in the
- * last bits (drafts are proposals: verification decides every emitted token). */
-int exitlm_draft_greedy(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer *layers,
-                        const float *cos_table, const float *ssin_table, int64_t start,
-                        const exitlm_weight *embed, const float *norm, float eps,
-                        const exitlm_weight *head, float *exit_query, int64_t *drafts,
-                        float *work, float *scratch, int nthreads) {
+ * (LayerSkip Sec. 4.3.1's self-drafting is such a chain through the first E layers; a plain
+ * decoding step is one with n == 0; a PPD branch one with n == 0 through the first d - d_bar
+ * layers.) cos_table, ssin_table: rotary tables (rows by position, head_dim each) covering
+ * start + n. work: dim + head->n floats. With n == 0 norm, head and work are unused and may be
+ * NULL. The layers are computed by exitlm_llama_block as a chain of blocks computes them (same
+ * bits); the norm is this file's rms_norm, whose summation order differs from torch's mean, so
+ * a step's logits may differ from torch's in the last bits. */
+int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer *layers,
+                 const float *cos_table, const float *ssin_table, int64_t start,
+                 const exitlm_weight *embed, const float *norm, float eps,
+                 const exitlm_weight *head, float *hidden, int64_t *tokens, float *work,
+                 float *scratch, int nthreads) {
     if (n_layers < 1) return -5;
     const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
     if (embed->k != D || (n > 0 && (head == NULL || head->k != D))) return -5;
     float *xn = work, *logits = work + D;
     for (int64_t j = 0;; j++) {
-        float *h = exit_query + j * D;
+        float *h = hidden + j * D;
         int rc = embed_row(embed, token, h);
         if (rc != 0) return rc;
         const int64_t pos = start + j;
@@ -325,14 +324,15 @@ int exitlm_draft_greedy(int64_t token, int64_t n, int64_t n_layers, const exitlm
         if (j == n) return 0;
         rms_norm(h, norm, eps, xn, D);
         if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
-        token = drafts[j] = argmax(logits, head->n);
+        token = tokens[j] = argmax(logits, head->n);
     }
 }
 
-/* ---- Confidence early exit with KV recomputation in one call (EE-LLM Sec. 4, App. D.3) ---- */
+/* ---- Segments: layers over pending positions, probed at their bounds --------------------- */
 
-/* The exit's confidence in its own top token: max softmax(y) = 1 / sum_i exp(y_i - max y),
- * and that token (argmax, first on ties). A NaN makes the confidence NaN (never exits). */
+/* The head's confidence in its own top token: max softmax(y) = 1 / sum_i exp(y_i - max y),
+ * and that token (argmax, first on ties). A NaN makes the confidence NaN (never reaches a
+ * threshold). */
 static float confidence(const float *y, int64_t n, int64_t *top) {
     *top = argmax(y, n);
     const float mx = y[*top];
@@ -341,26 +341,25 @@ static float confidence(const float *y, int64_t n, int64_t *top) {
     return 1.0f / total;
 }
 
-/* One decoding step of one sequence with confidence exits and KV recomputation: what
- * RecomputeDecoder.step computes for a batch of one greedy sequence, without a Python round
- * trip per segment and per check.
+/* One position's forward through the layers of one sequence as segments, each over the
+ * positions whose keys/values its first layer is missing (EE-LLM Sec. 4 / App. D.3's KV
+ * recomputation: positions that left at an earlier exit join the next forward from the depth
+ * they reached), probing the head at every inner bound.
  *
- * hidden: (capacity, dim) rows, row p the state of position p at the depth it has reached
- * (the new token's row q holds its embedding). bounds[0..n_seg]: layer bounds 0 < checks < L;
- * starts[i]: the first position segment i (layers bounds[i] .. bounds[i+1]) runs, i.e. the
- * first position whose keys/values of layer bounds[i] are missing (its pending tokens join
- * from their own exit layers; the rows starts[i] .. q are updated in place). After segment i,
- * if may_exit and bounds[i+1] is an early exit, the exit's RMSNorm + output embedding give
- * row q's logits; at a confidence >= threshold the step ends there. out[0]: segments run,
- * out[1]: the exit layer taken (0: none, row q then holds the last layer's output for the
- * final head), out[2]: the exit's token. cos_table/ssin_table cover position q; work: dim +
- * head->n floats; scratch: exitlm_block_scratch for q - min(starts) + 1 rows. */
-int exitlm_early_exit_step(float *hidden, int64_t q, const int64_t *starts, const int64_t *bounds,
-                           int64_t n_seg, int may_exit, float threshold,
-                           const exitlm_layer *layers, const float *cos_table,
-                           const float *ssin_table, const float *norm, float eps,
-                           const exitlm_weight *head, float *work, float *scratch, int nthreads,
-                           int64_t *out) {
+ * hidden: (capacity, dim) rows, row p the state of position p at the depth it has reached (row
+ * q, the position fed now, holds its embedding). bounds[0..n_seg]: layer bounds 0 < ... < L;
+ * starts[i]: the first position segment i (layers bounds[i] .. bounds[i+1]) runs; rows
+ * starts[i] .. q are updated in place. If probe, after every segment but the last the head
+ * (RMSNorm + output embedding) gives row q's logits, and when their confidence reaches
+ * stop_prob the call returns there. out[0]: segments run, out[1]: the bound probed last
+ * successfully (0: none; row q then holds the last layer's output), out[2]: that probe's top
+ * token; the probe's logits are left in work + dim. cos_table/ssin_table cover position q;
+ * work: dim + head->n floats; scratch: exitlm_block_scratch for q - min(starts) + 1 rows. */
+int exitlm_segments(float *hidden, int64_t q, const int64_t *starts, const int64_t *bounds,
+                    int64_t n_seg, int probe, float stop_prob, const exitlm_layer *layers,
+                    const float *cos_table, const float *ssin_table, const float *norm,
+                    float eps, const exitlm_weight *head, float *work, float *scratch,
+                    int nthreads, int64_t *out) {
     const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
     const int64_t L = bounds[n_seg];
     if (head->k != D) return -5;
@@ -376,11 +375,11 @@ int exitlm_early_exit_step(float *hidden, int64_t q, const int64_t *starts, cons
                                      nthreads, 0);
         if (rc != 0) return rc;
         out[0] = i + 1;
-        if (!may_exit || e >= L) continue;
+        if (!probe || e >= L) continue;
         rms_norm(hidden + q * D, norm, eps, xn, D);
         if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
         int64_t top;
-        if (confidence(logits, head->n, &top) >= threshold) {
+        if (confidence(logits, head->n, &top) >= stop_prob) {
             out[1] = e;
             out[2] = top;
             return 0;

@@ -1,26 +1,23 @@
 """The one place that decides which kernel a product ``x @ weight.T`` runs on: :func:`linear`.
 
-Every product of a prepared model goes through it: the :class:`FastLinear` modules that
-:func:`~exitlm.backend.cpu.prepare_for_decoding` puts in place of the model's linear layers,
-the model's output projection (every exit and the LM head), the lean decoding step of
-:mod:`exitlm.backend.decode_block`, and the sliced draft heads of self-speculative decoding.
+Every product a CPU runner computes through torch goes through it: the linear layers' products
+(:class:`~exitlm.runtime.products.Products`), the output projections of every exit and the LM
+head, and a tensor-parallel shard's partial products.
 
-Adding a kernel (native dense kernels, quantized weights): a per-weight precomputed form
-belongs on the module that owns the weight (like :attr:`FastLinear.pack`), is made in
-:meth:`FastLinear.prepare`, and is chosen in :func:`linear` by the product's dtype and row
-count; a weight stored in another form altogether (quantized) is a :class:`FastLinear`
-subclass whose ``prepare`` converts it and whose ``forward`` calls its kernel, swapped in by
-:func:`~exitlm.backend.cpu.prepare_for_decoding`.
+Adding a kernel: a per-weight precomputed form (like a oneDNN-packed copy,
+:mod:`exitlm.backend.layout`) belongs to whoever owns the kernels' state (the runner's
+:class:`~exitlm.runtime.products.Products`) and is passed in; the choice is made here, by the
+product's dtype and row count. A weight stored in another form altogether (quantized) is a
+module of its own with its own kernel (:mod:`exitlm.backend.quantized`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from exitlm.backend.blas import BLAS, PLAIN_TENSORS, SMALL_ROWS, blas_layout
-from exitlm.backend.layout import Packed, pack, restride
+from exitlm.backend.layout import Packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -70,41 +67,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.float16)
     return F.linear(x, weight, bias)
-
-
-class FastLinear(nn.Linear):
-    """``nn.Linear`` whose product runs through :func:`linear` with this layer's own packed
-    weight copy (:attr:`pack`, made by :meth:`prepare`).
-
-    :func:`~exitlm.backend.cpu.prepare_for_decoding` turns the model's
-    :class:`~exitlm.model.layers.Linear` layers into this class in place (same module, same
-    parameters, same state dict); hooks registered on the layer run as before.
-    """
-
-    pack: Packed | None = None
-    """oneDNN-packed copy of :attr:`weight` (inference only; see :func:`linear`)."""
-
-    def prepare(self, *, pack_rows: bool = False, row_major: bool = False) -> None:
-        """Re-stride the weight for decoding (``row_major`` for the native kernels) and
-        (re)pack it for oneDNN where that pays: bf16 always, fp32 for few-row products when
-        ``pack_rows`` (twice the weight memory)."""
-        restride(self.weight, row_major=row_major)
-        self.pack = pack(self.weight, self.pack, rows=pack_rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.pack)
-
-    def __getstate__(self) -> dict[str, object]:
-        # copies and pickles start without the packed copy (a oneDNN tensor); they compute
-        # the same through the plain kernels
-        state = self.__dict__.copy()
-        state.pop("pack", None)
-        return state
-
-    @classmethod
-    def holding(cls, weight: torch.Tensor, *, pack_rows: bool = False) -> FastLinear:
-        """A bias-free layer holding ``weight`` (no gradient), prepared for decoding."""
-        lin = cls(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        lin.weight = nn.Parameter(weight, requires_grad=False)
-        lin.prepare(pack_rows=pack_rows)
-        return lin

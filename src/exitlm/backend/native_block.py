@@ -67,12 +67,12 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_round_to_half.restype = None
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
-    lib.exitlm_draft_greedy.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p,
-                                        p, p, p, p, ctypes.c_int]
-    lib.exitlm_draft_greedy.restype = ctypes.c_int
-    lib.exitlm_early_exit_step.argtypes = [p, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p,
-                                           p, p, p, ctypes.c_float, p, p, p, ctypes.c_int, p]
-    lib.exitlm_early_exit_step.restype = ctypes.c_int
+    lib.exitlm_chain.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p, p, p,
+                                 p, p, ctypes.c_int]
+    lib.exitlm_chain.restype = ctypes.c_int
+    lib.exitlm_segments.argtypes = [p, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p, p, p,
+                                    p, ctypes.c_float, p, p, p, ctypes.c_int, p]
+    lib.exitlm_segments.restype = ctypes.c_int
 
 
 def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
@@ -284,7 +284,6 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
             and mlp.gated and mlp.act is F.silu and n1.eps == n2.eps):
         return None
     lins = (attn.wqkv, attn.wo, mlp.w_in, mlp.w_out)
-    from exitlm.backend.linear import FastLinear
     from exitlm.backend.quantized import QuantizedLinear
     from exitlm.model.layers import Linear
 
@@ -293,7 +292,7 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
     # except a tensor-parallel shard whose output and MLP-out layers sum their partial
     # products through one shared-memory reducer (``native_reduce``), which the call runs
     reducer = getattr(attn.wo, "native_reducer", None)
-    plain = (Linear, FastLinear, QuantizedLinear)
+    plain = (Linear, torch.nn.Linear, QuantizedLinear)
     sums = (lins[1], lins[3]) if reducer is not None else ()
     if reducer is not None and (getattr(lins[3], "native_reducer", None) is not reducer
                                 or any(getattr(lin, "full_bias", None) is not None
@@ -314,54 +313,50 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
                        reducer)
 
 
-def draft_greedy(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
-                 token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
-                 embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor | None,
-                 eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy self-drafting (LayerSkip Sec. 4.3.1) of one float32 sequence in one native call
-    (``exitlm_draft_greedy``): from ``token`` at position ``start``, ``n`` drafts through the
-    chain ``blocks`` (the first ``E`` layers, writing ``rows``), the exit's RMSNorm (weight
-    ``norm``) and output embedding ``head``. Returns the drafts ``(n,)`` int64 and the exit
-    queries ``(n + 1, D)`` (the hidden state after layer ``E`` of every step). ``tables``:
-    the model's rotary tables, one row of ``head_dim`` per position, covering
-    ``start + n``. With ``n == 0`` (a plain decoding step: one token's hidden state after
-    the chain) ``norm`` and ``head`` may be None."""
+def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
+          token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
+          embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor | None,
+          eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy chain of one float32 sequence in one native call (``exitlm_chain``): from
+    ``token`` at position ``start``, ``n`` steps through the blocks ``blocks`` (writing
+    ``rows``), each followed by the head - RMSNorm (weight ``norm``) and output embedding
+    ``head`` - whose argmax is the next step's token. Returns the tokens ``(n,)`` int64 and
+    the hidden state after the blocks of every step ``(n + 1, D)``. ``tables``: the model's
+    rotary tables, one row of ``head_dim`` per position, covering ``start + n``. With
+    ``n == 0`` ``norm`` and ``head`` may be None."""
     if n > 0 and (norm is None or head is None):
-        raise ValueError("draft_greedy: drafts need the exit's norm and head")
+        raise ValueError("chain: steps after the first need the head's norm and weight")
     first = blocks[0]
     lib = first.lib
     dim = first.dims.dim
     layers, scratch = _chain_args(blocks, rows, 1, start + n + 1)
-    exit_query = torch.empty(n + 1, dim, dtype=torch.float32)
-    drafts = torch.empty(n, dtype=torch.int64)
+    hidden = torch.empty(n + 1, dim, dtype=torch.float32)
+    tokens = torch.empty(n, dtype=torch.int64)
     work = torch.empty(dim + (0 if head is None else head[0].n), dtype=torch.float32)
     cos, ssin = tables
-    rc = lib.exitlm_draft_greedy(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
-                                 start, ctypes.byref(embed[0]),
-                                 None if norm is None else norm.data_ptr(), eps,
-                                 None if head is None else ctypes.byref(head[0]),
-                                 exit_query.data_ptr(),
-                                 drafts.data_ptr(), work.data_ptr(), scratch,
-                                 threads)
+    rc = lib.exitlm_chain(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
+                          start, ctypes.byref(embed[0]),
+                          None if norm is None else norm.data_ptr(), eps,
+                          None if head is None else ctypes.byref(head[0]),
+                          hidden.data_ptr(), tokens.data_ptr(), work.data_ptr(), scratch,
+                          threads)
     _check(rc, blocks)
-    return drafts, exit_query
+    return tokens, hidden
 
 
-def early_exit_step(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
-                    hidden: torch.Tensor, q: int, starts: list[int], bounds: list[int],
-                    threshold: float | None, tables: tuple[torch.Tensor, torch.Tensor],
-                    norm: torch.Tensor, eps: float,
-                    head: tuple[_Weight, tuple[torch.Tensor, ...]], threads: int
-                    ) -> tuple[int, int, int]:
-    """One confidence-early-exit step of one float32 sequence with KV recomputation (EE-LLM
-    Sec. 4, App. D.3) in one native call (``exitlm_early_exit_step``): the segments
-    ``bounds[i] .. bounds[i+1]`` of the whole chain ``blocks`` run positions ``starts[i] ..
-    q`` of ``hidden`` ``(capacity, D)`` in place; after each early exit, row ``q``'s
-    confidence (the maximum probability of the exit's RMSNorm + output embedding ``head``)
-    is checked against ``threshold`` (None: no exit allowed). Returns the number of
-    segments run, the exit layer taken (0: none; row ``q`` then holds the last layer's
-    output) and the exit's token."""
+def segments(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
+             hidden: torch.Tensor, q: int, starts: list[int], bounds: list[int],
+             stop_prob: float | None, tables: tuple[torch.Tensor, torch.Tensor],
+             norm: torch.Tensor, eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]],
+             threads: int) -> tuple[int, int, torch.Tensor | None]:
+    """One position's forward through the whole chain ``blocks`` as segments in one native
+    call (``exitlm_segments``; EE-LLM Sec. 4 / App. D.3): segment ``i`` runs layers
+    ``bounds[i] .. bounds[i+1]`` over positions ``starts[i] .. q`` of ``hidden``
+    ``(capacity, D)`` in place; after each inner bound the head (RMSNorm + output embedding
+    ``head``) probes row ``q``, and the call stops once its maximum probability reaches
+    ``stop_prob`` (None: never). Returns the number of segments run, the bound it stopped at
+    (0: none; row ``q`` then holds the last layer's output) and that probe's logits."""
     first = blocks[0]
     lib = first.lib
     dim = first.dims.dim
@@ -373,10 +368,11 @@ def early_exit_step(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, to
     out = (ctypes.c_int64 * 3)()
     work = torch.empty(dim + head[0].n, dtype=torch.float32)
     cos, ssin = tables
-    rc = lib.exitlm_early_exit_step(
-        hidden.data_ptr(), q, c_starts, c_bounds, n, int(threshold is not None),
-        2.0 if threshold is None else threshold, layers, cos.data_ptr(), ssin.data_ptr(),
+    rc = lib.exitlm_segments(
+        hidden.data_ptr(), q, c_starts, c_bounds, n, int(stop_prob is not None),
+        2.0 if stop_prob is None else stop_prob, layers, cos.data_ptr(), ssin.data_ptr(),
         norm.data_ptr(), eps, ctypes.byref(head[0]), work.data_ptr(),
         scratch, threads, out)
     _check(rc, blocks)
-    return int(out[0]), int(out[1]), int(out[2])
+    stopped = int(out[1])
+    return int(out[0]), stopped, work[dim:] if stopped else None

@@ -175,6 +175,12 @@ class QuantizedWeight:
         assert self.mins is not None
         return native.unpack_q4(self.q, self.scales, self.mins, dtype)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` (float32 out) for activations of any float dtype: the product
+        :meth:`~exitlm.model.transformer.EarlyExitLM.project` asks a weight that is not a
+        tensor for (:func:`qlinear`)."""
+        return qlinear(x if x.dtype == torch.float32 else x.float(), self)
+
     def nbytes(self) -> int:
         """Bytes of ``q``, ``scales`` and ``mins``."""
         total = self.q.numel() * self.q.element_size()

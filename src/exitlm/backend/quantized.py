@@ -1,14 +1,14 @@
 """Quantized models: weight-only int8/int4 linear layers and embeddings (issue 16).
 
-A quantized model is the same :class:`~exitlm.model.transformer.EarlyExitLM` with some
-modules swapped, gpt-fast style (``WeightOnlyInt8QuantHandler``): every ``nn.Linear`` of the
-blocks and exit heads becomes a :class:`QuantizedLinear`, the token embedding (which is also
-the LM head when tied) a :class:`QuantizedEmbedding`, and the model's one output product
-(:meth:`~exitlm.model.transformer.EarlyExitLM.project`) learns to multiply by a
-:class:`~exitlm.backend.quant.QuantizedWeight`. Norms and rotary tables stay fp32. The fused
-native blocks round the activations of their int8/int4 products to int8 in groups of 32 (as
-llama.cpp does; :func:`exitlm.backend.native.int8_activations`); the products called from
-here (batches, prefills of 96+ positions, exit heads, the LM head) keep them fp32.
+A quantized model is the same :class:`~exitlm.model.transformer.EarlyExitLM` built with other
+modules, gpt-fast style (``WeightOnlyInt8QuantHandler``): every ``nn.Linear`` of the blocks and
+exit heads becomes a :class:`QuantizedLinear`, the token embedding (which is also the LM head
+when tied) a :class:`QuantizedEmbedding`, whose :class:`~exitlm.backend.quant.QuantizedWeight`
+computes its own product when the model's one output product
+(:meth:`~exitlm.model.transformer.EarlyExitLM.project`) meets it. Norms and rotary tables stay
+fp32. The fused native blocks round the activations of their int8/int4 products to int8 in
+groups of 32 (as llama.cpp does; :func:`exitlm.backend.native.int8_activations`); the products
+called from here (batches, prefills of 96+ positions, exit heads, the LM head) keep them fp32.
 
 The quantized buffers are ordinary module buffers named ``<module>.q``, ``<module>.scales``
 and ``<module>.mins``, so ``state_dict()`` / :func:`~exitlm.io.native.save_native` write a
@@ -161,14 +161,6 @@ def install(model: nn.Module, name: str, weight: QuantizedWeight,
         raise ValueError(f"{name}: quantized weight of shape {tuple(weight.shape)}, "
                          f"the model expects {tuple(expect)}")
     setattr(parent, leaf, new)
-    _route_projection(model)
-
-
-def _route_projection(model: nn.Module) -> None:
-    """Make the model's output product take quantized weights (a decoding backend's
-    ``project``, :func:`exitlm.backend.cpu.prepare_for_decoding`, already does)."""
-    if hasattr(model, "project") and "project" not in model.__dict__:
-        model.project = quantized_project  # type: ignore[method-assign]
 
 
 def quantizable(model: nn.Module) -> list[str]:
@@ -197,8 +189,6 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
         bias = getattr(mod, "bias", None)
         install(model, name, quantize(mod.weight.detach().float(), kind),
                 None if bias is None else bias.detach())
-    if is_quantized(model):
-        _route_projection(model)
     # what stays float (norms, position embeddings, biases) computes in fp32
     for p in model.parameters():
         p.requires_grad_(False)

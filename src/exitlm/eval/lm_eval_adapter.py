@@ -32,10 +32,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from exitlm.backend.cpu import prepare_for_decoding
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, get_strategy
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer
 
 _DTYPES: dict[str, torch.dtype | str] = {
@@ -90,7 +90,8 @@ class ExitlmLM(TemplateLM):
             model = pretrained
         if tokenizer is None:
             raise ConfigError("the model has no tokenizer; pass tokenizer=")
-        self.model = prepare_for_decoding(model.eval())
+        self.model = model.eval()
+        self.runner = prepare(self.model)
         self.tok = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(**options)
@@ -163,11 +164,11 @@ class ExitlmLM(TemplateLM):
         tokens = torch.zeros(len(windows), max(len(w) for w in windows), dtype=torch.long)
         for r, w in enumerate(windows):
             tokens[r, : len(w)] = torch.tensor(w)
-        h = self.model.run_layers(self.model.embed(tokens.to(dev)), 0, self.layer)
+        h = self.runner.layers(self.runner.embed(tokens.to(dev)), 0, self.layer, None, None)
         rows = torch.cat([torch.full((len(c),), r) for r, (_, c) in enumerate(spans)])
         cols = torch.cat([torch.arange(s, s + len(c)) for s, c in spans])
-        logits = self.model.exit_logits(h[rows.to(dev), cols.to(dev)][:, None], self.layer,
-                                        shared_ok=True)[:, 0]
+        logits = self.runner.logits(h[rows.to(dev), cols.to(dev)][:, None], self.layer,
+                                    shared_ok=True)[:, 0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         target = torch.tensor([t for _, c in spans for t in c], device=dev)
         chosen = logp.gather(1, target[:, None])[:, 0]
@@ -197,7 +198,7 @@ class ExitlmLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Continue every context until one of its ``until`` strings (or EOS) or its token
         budget, through the engine with the configured strategy."""
-        engine = Engine(self.model, self.tok, self.strategy.name, self.options,
+        engine = Engine(self.runner, self.tok, self.strategy.name, self.options,
                         max_batch=self.batch_size, threads=self.threads)
         eos = self.tok.decode([self.eot_token_id], skip_special_tokens=False) or None
         handles = []

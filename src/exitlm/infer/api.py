@@ -19,6 +19,7 @@ from exitlm.infer.result import GenerationResult, Timings
 from exitlm.infer.stopping import TextCallback
 from exitlm.infer.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Runner
 from exitlm.tokenizer import Tokenizer
 
 Prompts = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
@@ -27,7 +28,7 @@ __all__ = ["STRATEGIES", "Strategy", "encode_prompts", "generate", "register_str
 
 
 def generate(
-    model: EarlyExitLM,
+    model: EarlyExitLM | Runner,
     tokenizer: Tokenizer | None,
     prompts: Prompts,
     *,
@@ -42,7 +43,9 @@ def generate(
     """Generate continuations of one or several prompts, decoded together.
 
     Args:
-        model: the model (its dtype and device are used as they are).
+        model: the model (its dtype and device are used as they are), or the runner that
+            computes its forwards (:func:`~exitlm.runtime.prepare`; pass one to reuse it
+            across calls).
         tokenizer: encodes text prompts and decodes outputs; may be ``None`` when the prompts
             are token ids (the result's texts are then empty).
         prompts: a string, a list of strings, a list of token ids, or a list of such lists.
@@ -83,7 +86,8 @@ def generate(
         engine.run()
     finally:
         engine.close()
-    seqs = [r.result(model.num_layers) for r in reqs]
+    num_layers = engine.model.num_layers
+    seqs = [r.result(num_layers) for r in reqs]
     t_first = max(r.t_first for r in reqs)
     timings = Timings(
         prefill_s=engine.prefill_s, decode_s=engine.decode_s,
@@ -92,7 +96,7 @@ def generate(
         decode_tokens=sum(max(0, len(s.token_ids) - 1) for s in seqs),
         time_to_first_token_s=t_first - start, total_s=time.perf_counter() - start,
     )
-    return GenerationResult(seqs, timings, strategy=strategy, num_layers=model.num_layers,
+    return GenerationResult(seqs, timings, strategy=strategy, num_layers=num_layers,
                             stats=engine.decoder.stats_type.total(s.stats for s in seqs),
                             options=engine.decoder.resolved_options())
 

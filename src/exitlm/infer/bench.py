@@ -40,6 +40,7 @@ from exitlm.infer.result import DecodeStats
 from exitlm.infer.rouge import rouge_l
 from exitlm.infer.self_speculative import SelfSpecStats
 from exitlm.plan import ppd_theory
+from exitlm.runtime import prepare
 
 OURS = ("ar", "early-exit", "self-spec", "ppd")
 THEIRS = ("hf", "hf-ee")
@@ -157,7 +158,6 @@ class Bench:
     """Loads the models once and runs strategies on prompts."""
 
     def __init__(self, cfg: BenchConfig) -> None:
-        from exitlm.backend.cpu import prepare_for_decoding
         from exitlm.config import ExitConfig
         from exitlm.io import load_model
 
@@ -182,7 +182,8 @@ class Bench:
             loaded = load_model(name, dtype=dtype, exits=ExitConfig(every_layer=True, norm="final"))
         self.model_name = name
         self.loaded = loaded
-        self.model = prepare_for_decoding(loaded.model)
+        self.model = loaded.model
+        self.runner = prepare(loaded.model)
         if loaded.tokenizer is None:  # presets: one token per byte
             from exitlm.infer.cli import byte_level_tokenizer
 
@@ -282,7 +283,7 @@ class Bench:
     # -- ours --
     def run_ours(self, strategy: str, ids: list[int], new: int, opts: dict[str, Any]) -> Run:
         t0 = time.perf_counter()
-        res = generate(self.model, self.tokenizer, ids, strategy=strategy, max_new_tokens=new,
+        res = generate(self.runner, self.tokenizer, ids, strategy=strategy, max_new_tokens=new,
                        ignore_eos=True, **opts)
         t_end = time.perf_counter()
         seq = res.sequences[0]

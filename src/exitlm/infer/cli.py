@@ -35,6 +35,7 @@ from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.infer.threads import set_threads
 from exitlm.parallel.infer.run import distributed_generate, distributed_mode
+from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
 DTYPES: dict[str, torch.dtype | str] = {
@@ -113,11 +114,8 @@ def unescape(text: str) -> str:
 
 
 def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
-    """Load a model for decoding (with the CPU backend applied,
-    :func:`~exitlm.backend.cpu.prepare_for_decoding`); strategies other than ``ar`` need
-    exits, so a model without any gets LayerSkip-style exits at every layer (through the
-    final norm and head)."""
-    from exitlm.backend.cpu import prepare_for_decoding
+    """Load a model for decoding; strategies other than ``ar`` need exits, so a model without
+    any gets LayerSkip-style exits at every layer (through the final norm and head)."""
     from exitlm.config import ExitConfig
     from exitlm.io import load_model
 
@@ -127,7 +125,6 @@ def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> A
               "at every layer (LayerSkip style, untrained exits)", file=sys.stderr)
         loaded = load_model(source, dtype=dtype,
                             exits=ExitConfig(every_layer=True, norm="final"))
-    prepare_for_decoding(loaded.model)
     return loaded
 
 
@@ -182,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
                 return 0  # a rank other than 0 of a torchrun job: rank 0 prints
             result = res
         else:
+            runner = prepare(loaded.model)
             result = generate(
-                loaded.model, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
+                runner, tokenizer, prompts, strategy=args.strategy, sampling=sampling,
                 stream=stream, chat=args.chat, threads=args.threads, **overrides,
             )
     except BaseException:
@@ -194,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     theory = ppd_theory_of(result, num_layers)
     compared = None
     if args.compare:
-        plain = generate(loaded.model, tokenizer, prompts, strategy="ar", sampling=sampling,
+        plain = generate(runner, tokenizer, prompts, strategy="ar", sampling=sampling,
                          chat=args.chat, threads=args.threads)
         compared = comparison(result, plain)
     if args.json:

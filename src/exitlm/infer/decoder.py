@@ -1,6 +1,8 @@
 """What every decoding strategy is: a :class:`Decoder` with a prefill and a step over the
-sequences it is given (DESIGN.md, "The shape to grow into": gpt-fast's ``prefill`` /
-``decode_one_token``, vLLM's per-step scheduling).
+sequences it is given (gpt-fast's ``prefill`` / ``decode_one_token``, vLLM's per-step
+scheduling), written once on the primitives of a runtime runner
+(:class:`~exitlm.runtime.runner.Runner`): a decoder holds a strategy's rules - acceptance, exit
+criteria, branches - and never asks which backend computes its forwards.
 
 The :class:`~exitlm.infer.engine.Engine` owns everything else - the pool of KV rows,
 admission, stopping, streaming, timing and results - and calls a decoder with a
@@ -23,12 +25,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from exitlm.backend.linear import FastLinear
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import DecodeStats, TokenLogprob
 from exitlm.infer.sampling import choose_rows, token_logprobs
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Runner
 
 
 @dataclass(eq=False)
@@ -141,12 +142,12 @@ class Decoder:
     multi_row: ClassVar[bool] = False
     """Whether a step multiplies several rows per sequence (verification, recomputation)."""
 
-    def __init__(self, model: EarlyExitLM, options: Any) -> None:
-        self.model = model
+    def __init__(self, runner: Runner, options: Any) -> None:
+        self.runner = runner
+        self.model = runner.model
         self.options = options
-        ref = model.embed_tokens.weight
-        self.device = ref.device
-        self.dtype = ref.dtype
+        self.device = runner.device
+        self.dtype = runner.dtype
 
     # ----- what the engine asks ------------------------------------------------------------
     @property
@@ -190,77 +191,28 @@ class Decoder:
 
 # ----- helpers shared by the decoders ----------------------------------------------------------
 
-def padded_prompts(model: EarlyExitLM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt tokens ``(B, T)`` on the model's device and their lengths ``(B,)``."""
-    cfg = model.config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+def padded_prompts(batch: Batch, pad: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt tokens ``(B, T)`` on ``device`` and their lengths ``(B,)``."""
     lens = [len(s.prompt) for s in batch.seqs]
     tokens = torch.full((len(lens), max(lens)), pad, dtype=torch.long)
     for i, s in enumerate(batch.seqs):
         tokens[i, : lens[i]] = torch.tensor(s.prompt, dtype=torch.long)
-    return tokens.to(model.embed_tokens.weight.device), torch.tensor(lens, dtype=torch.long)
+    return tokens.to(device), torch.tensor(lens, dtype=torch.long)
 
 
-def prefill_hidden(
-    model: EarlyExitLM, batch: Batch, end: int | None = None, exits: tuple[int, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``batch``'s prompts through layers ``[0, end)``, filling its cache rows.
-
-    Returns the hidden states ``(B, T, D)`` after layer ``end`` and the prompt lengths. Exits
-    in ``exits`` whose head is a transformer block get their own cache slot filled (later
-    tokens attend to the prompt's keys/values there). Afterwards ``cache.lengths`` holds the
-    prompt lengths and ``fill`` no slot past them (pad positions hold nothing).
-    """
-    end = model.num_layers if end is None else end
-    tokens, lens = padded_prompts(model, batch)
-    cache = batch.cache
-    b, t = tokens.shape
-    positions = torch.arange(t, device=tokens.device).expand(b, t)
-    ctx = model.context(positions, cache)
-    h = model.embed(tokens, positions)
-    for layer, h_at in model.walk(h, 0, end, exits, cache=cache, ctx=ctx):
-        if layer in exits and model.exit_route(layer).has_block:
-            model.exit_features(h_at, layer, cache=cache, ctx=ctx)
-        h = h_at
-    cache.lengths = lens
-    cache.crop(lens)
-    return h, lens
+def prefill_hidden(runner: Runner, batch: Batch, end: int | None = None,
+                   exits: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``batch``'s prompts through layers ``[0, end)`` (:meth:`Runner.prefill`), filling its
+    cache rows; returns the hidden states ``(B, T, D)`` after layer ``end`` and the prompt
+    lengths."""
+    cfg = runner.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    tokens, lens = padded_prompts(batch, pad, runner.device)
+    return runner.prefill(tokens, lens, batch.cache, end, exits), lens
 
 
 def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``h[b, lengths[b] - 1]`` for every row: ``(B, D)``."""
     rows = torch.arange(h.shape[0], device=h.device)
     return h[rows, lengths.to(h.device) - 1]
-
-
-class DraftHead:
-    """Exit ``E``'s logits over the first ``vocab`` token ids: the exit's features
-    (:meth:`~exitlm.model.transformer.EarlyExitLM.exit_features`) times a copy of the first
-    ``vocab`` rows of its output embedding, held by a layer prepared like the model's own
-    (:meth:`~exitlm.backend.linear.FastLinear.holding`). With the whole vocabulary it is
-    exactly ``exit_logits``."""
-
-    def __init__(self, model: EarlyExitLM, layer: int, vocab: int) -> None:
-        self.model = model
-        self.layer = layer
-        self.vocab = vocab
-        self._lin: FastLinear | None = None
-        self._source: tuple[int, int] | None = None
-
-    def _sliced(self, weight: torch.Tensor) -> FastLinear:
-        key = (id(weight), weight._version)
-        if self._lin is None or self._source != key:
-            with torch.inference_mode(False):  # a normal tensor: packed copies track versions
-                part = weight.detach()[: self.vocab].clone().contiguous()
-                self._lin = FastLinear.holding(part)
-            self._source = key
-        return self._lin
-
-    def __call__(self, h: torch.Tensor, ctx: object, cache: object) -> torch.Tensor:
-        feats, weight = self.model.exit_features(
-            h, self.layer, cache=cache, ctx=ctx)  # type: ignore[arg-type]
-        if self.vocab >= weight.shape[0]:
-            return self.model.project(feats, weight)
-        if not isinstance(weight, torch.Tensor):  # quantized: a slice of rows is a view
-            return self.model.project(feats, weight[: self.vocab])
-        return self._sliced(weight)(feats)

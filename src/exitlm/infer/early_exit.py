@@ -36,6 +36,7 @@ from exitlm.infer.decoder import Decoder
 from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
 from exitlm.infer.options import option
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Runner
 from exitlm.schema import NonNegativeFloat, PositiveInt, check
 
 
@@ -98,17 +99,18 @@ def resolve_checks(model: EarlyExitLM, opts: EarlyExitOptions) -> tuple[int, ...
     return tuple(checks)
 
 
-def early_exit_decoder(model: EarlyExitLM, options: EarlyExitOptions) -> Decoder:
+def early_exit_decoder(runner: Runner, options: EarlyExitOptions) -> Decoder:
     """The decoder that ``options`` asks for (fixed exit, recomputation or state copying)."""
+    model = runner.model
     if options.exit_layer is not None:
-        return DepthDecoder(model, options, options.exit_layer)
+        return DepthDecoder(runner, options, options.exit_layer)
     checks = resolve_checks(model, options)
     if options.kv == "copy":
         if any(model.exit_route(e).has_block for e in checks):
             raise ConfigError("kv='copy' does not support block exit heads; use kv='recompute'")
-        return CopyDecoder(model, options, checks)
+        return CopyDecoder(runner, options, checks)
     if options.kv == "pipeline":
         from exitlm.parallel.infer.pipeline_ee import PipelineDecoder
 
-        return PipelineDecoder(model, options, checks)
-    return RecomputeDecoder(model, options, checks)
+        return PipelineDecoder(runner, options, checks)
+    return RecomputeDecoder(runner, options, checks)

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from exitlm.backend.cpu import gemv_bound, is_prepared, prepare_for_decoding
+from exitlm.backend.blas import gemv_bound
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Decoder, Emit, Seq
 from exitlm.infer.options import SamplingOptions
@@ -47,6 +47,8 @@ from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
 from exitlm.infer.threads import ThreadPolicy
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
+from exitlm.runtime.runner import Runner
 from exitlm.tokenizer import Tokenizer
 
 PREFILL_PADDING = 1.25
@@ -158,7 +160,9 @@ class Engine:
     """Continuous batching over one decoding strategy (see the module docstring).
 
     Args:
-        model: the model (its device and dtype are used as they are).
+        model: the model (its device and dtype are used as they are), or the runner that
+            computes its forwards (:func:`~exitlm.runtime.prepare`; prepared here for a
+            model - pass a runner to share one between engines).
         tokenizer: encodes text prompts, decodes outputs and stop strings (``None``: token
             ids only).
         strategy: a key of :data:`~exitlm.infer.strategies.STRATEGIES`.
@@ -175,7 +179,7 @@ class Engine:
 
     def __init__(
         self,
-        model: EarlyExitLM,
+        model: EarlyExitLM | Runner,
         tokenizer: Tokenizer | None = None,
         strategy: str = "ar",
         options: Any = None,
@@ -187,18 +191,18 @@ class Engine:
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        self.model = model
+        self._own_runner = not isinstance(model, Runner)
+        self.runner = model if isinstance(model, Runner) else prepare(model)
+        self.model = model = self.runner.model
         self.tokenizer = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(options)
-        self.decoder: Decoder = self.strategy.decoder(model, self.options)
+        self.decoder: Decoder = self.strategy.decoder(self.runner, self.options)
         self.max_batch = min(max_batch, self.decoder.max_batch or max_batch)
-        # the CPU fast paths, once per model (the loaders that decode apply them already);
-        # a copy of fp32 weights packed for few-row products when steps multiply several
-        # rows (twice the weight memory)
-        pack_rows = self.max_batch > 1 or self.decoder.multi_row
-        if not is_prepared(model, pack_rows=pack_rows):
-            prepare_for_decoding(model, pack_rows=pack_rows)
+        if self.max_batch > 1 or self.decoder.multi_row:
+            # steps multiply several rows: packed copies of fp32 weights for few-row
+            # products (twice the weight memory)
+            self.runner.enable_row_products()
         context = model.config.max_seq_len
         if max_seq_len is not None and not 1 <= max_seq_len <= context:
             raise ConfigError(f"max_seq_len must lie in [1, {context}] (the model's context), "
@@ -292,7 +296,7 @@ class Engine:
         ``logprobs``); call it between steps, on the thread that steps."""
         from exitlm.infer.score import score_tokens
 
-        return score_tokens(self.model, ids, top=top)
+        return score_tokens(self.runner, ids, top=top)
 
     @property
     def broken(self) -> str | None:
@@ -334,14 +338,18 @@ class Engine:
         now = time.perf_counter()
         for r in failed:
             r.status, r.finish_reason, r.t_end = "finished", "error", now
+        self.pool.drop()
         self.pool = self._new_pool()
         return failed
 
     def close(self) -> None:
         self.decoder.close()
+        self.pool.drop()
+        if self._own_runner:
+            self.runner.close()
 
     def _new_pool(self) -> SlotPool:
-        return SlotPool(self.model, self.decoder.aux_dims, self.max_batch,
+        return SlotPool(self.runner, self.decoder.aux_dims, self.max_batch,
                         self.max_seq_len + self.decoder.max_lookahead)
 
     # ----- scheduling ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from exitlm.infer.decoder import Batch, Seq
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Runner
 
 _ALIGN = 64  # positions are allocated in multiples of this
 
@@ -27,9 +27,9 @@ class SlotPool:
     """KV rows and per-row buffers for at most ``max_rows`` sequences of ``max_len``
     positions each (see the module docstring)."""
 
-    def __init__(self, model: EarlyExitLM, aux_dims: dict[str, int], max_rows: int,
+    def __init__(self, runner: Runner, aux_dims: dict[str, int], max_rows: int,
                  max_len: int) -> None:
-        self.model = model
+        self.runner = runner
         self.aux_dims = dict(aux_dims)
         self.max_rows = max_rows
         self.max_len = max_len
@@ -57,13 +57,14 @@ class SlotPool:
             new_len = max(length, 2 * new_len)
             new_len = min(self.max_len, -(-new_len // _ALIGN) * _ALIGN)
         if self.cache is None:
-            self.cache = self.model.new_cache(new_rows, new_len)
+            self.cache = self.runner.new_cache(new_rows, new_len)
         else:
+            self.runner.release(self.cache)  # what the runner kept for the old storage
             self.cache.resize(new_rows, new_len)
-        ref = self.model.embed_tokens.weight
         for name, dim in self.aux_dims.items():
             old = self.aux.get(name)
-            buf = torch.zeros(new_rows, new_len, dim, dtype=ref.dtype, device=ref.device)
+            buf = torch.zeros(new_rows, new_len, dim, dtype=self.runner.dtype,
+                              device=self.runner.device)
             if old is not None:
                 buf[: old.shape[0], : old.shape[1]] = old[:new_rows, :new_len]
             self.aux[name] = buf
@@ -84,6 +85,13 @@ class SlotPool:
     def clear_row(self, row: int) -> None:
         if self.cache is not None:
             self.cache.clear_row(row)
+
+    def drop(self) -> None:
+        """Forget the pool (the runner releases what it kept for it)."""
+        if self.cache is not None:
+            self.runner.release(self.cache)
+        self.cache = None
+        self.aux = {}
 
     def nbytes(self) -> int:
         kv = 0 if self.cache is None else self.cache.nbytes()

@@ -52,9 +52,11 @@ import torch
 import torch.multiprocessing as tmp
 
 from exitlm.config import ModelConfig
-from exitlm.io.materialize import model_tensors
+from exitlm.io.materialize import model_tensors, rebuild_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
+from exitlm.runtime.runner import Runner
 
 READY_TIMEOUT_S = 180.0
 """How long a spawned worker may take to import torch and build its model."""
@@ -100,15 +102,13 @@ def _unpack(buf: bytes) -> tuple[Any, ...]:
     return tuple(ForkingPickler.loads(buf))
 
 
-def branch_forward(model: EarlyExitLM, cache: KVCache, token: int, p: int, m: int
-                   ) -> torch.Tensor:
-    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` at position ``p`` through
-    layers ``[0, m)`` on a one-row ``cache``; returns the hidden state ``(1, 1, D)``."""
-    device = model.embed_tokens.weight.device
-    pos = torch.full((1, 1), p, dtype=torch.long, device=device)
-    ctx = model.context(pos, cache)
-    h = model.embed(torch.tensor([[token]], device=device), pos)
-    return model.run_layers(h, 0, m, cache=cache, ctx=ctx)
+def branch(runner: Runner, cache: KVCache, token: torch.Tensor, p: int, m: int
+           ) -> torch.Tensor:
+    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` ``(1,)`` at position ``p``
+    through layers ``[0, m)`` on a one-row ``cache`` - a chain of no draft
+    (:meth:`~exitlm.runtime.runner.Runner.chain`); the hidden state ``(1, 1, D)``."""
+    cache.lengths = torch.tensor([p])
+    return runner.chain(token, cache, 0, m).hidden
 
 
 class BranchCache:
@@ -150,15 +150,9 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
            threads: int, draft: tuple[int, int] | None) -> None:
     """The worker process: build the model on the parent's parameters (and, with ``draft`` =
     ``(d_bar, vocab)``, the early prediction's head), then run forks."""
-    from exitlm.backend.cpu import prepare_for_decoding
-    from exitlm.infer.decoder import DraftHead
-    from exitlm.io.materialize import rebuild_model
-
     torch.set_num_threads(threads)
     try:
-        model = rebuild_model(cfg, params, "the PPD parent process")
-        prepare_for_decoding(model)
-        head = DraftHead(model, *draft) if draft is not None else None
+        runner = prepare(rebuild_model(cfg, params, "the PPD parent process"))
         conn.send_bytes(_pack(("ready",)))
     except BaseException:
         conn.send_bytes(_pack(("error", traceback.format_exc())))
@@ -188,13 +182,16 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                     assert cache is not None and out is not None, "fork before attach"
                     t0, c0 = time.perf_counter(), time.thread_time()
                     if msg[0] == "predict":  # the early prediction, off the main's path
-                        assert head is not None and hin is not None, "no draft head"
+                        assert draft is not None and hin is not None, "no draft head"
                         p, k = msg[1], msg[2]
-                        tokens = torch.topk(head(hin, None, None)[0, -1], k).indices.tolist()
+                        logits = runner.logits(hin, draft[0], vocab=draft[1])[0, -1]
+                        cands = torch.topk(logits, k).indices
                     else:
-                        p, tokens = msg[1], msg[2]
-                    for j, tok in enumerate(tokens):
-                        out[j] = branch_forward(model, cache.rows(j, j + 1), tok, p, m)[0, 0]
+                        p, cands = msg[1], torch.tensor(msg[2])
+                    tokens = cands.tolist()
+                    for j in range(len(tokens)):
+                        out[j] = branch(runner, cache.rows(j, j + 1), cands[j : j + 1], p,
+                                        m)[0, 0]
                     conn.send_bytes(_pack(("done", time.perf_counter() - t0,
                                            time.thread_time() - c0, tokens)))
                 else:

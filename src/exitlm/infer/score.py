@@ -13,15 +13,19 @@ import torch
 from exitlm.infer.result import TokenLogprob
 from exitlm.infer.sampling import token_logprobs
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
+from exitlm.runtime.runner import Runner
 
 
 @torch.inference_mode()
-def score_tokens(model: EarlyExitLM, ids: list[int], *, top: int = 0,
+def score_tokens(model: EarlyExitLM | Runner, ids: list[int], *, top: int = 0,
                  layer: int | None = None) -> list[TokenLogprob | None]:
     """Per token of ``ids``: its log-probability given the tokens before it (``None`` for the
     first) and the ``top`` most likely alternatives, at exit ``layer`` (default: final)."""
     if not ids:
         return []
+    runner = model if isinstance(model, Runner) else prepare(model)
+    model = runner.model
     if len(ids) > model.config.max_seq_len:
         from exitlm.config import ConfigError
 
@@ -29,7 +33,7 @@ def score_tokens(model: EarlyExitLM, ids: list[int], *, top: int = 0,
                           f"{model.config.max_seq_len}")
     layer = model.num_layers if layer is None else layer
     model.exit_route(layer, shared_ok=True, setting="layer")
-    tokens = torch.tensor([ids], device=model.embed_tokens.weight.device)
-    h = model.run_layers(model.embed(tokens), 0, layer)
-    logits = model.exit_logits(h, layer, shared_ok=True)[0, :-1]  # (T-1, V)
+    tokens = torch.tensor([ids], device=runner.device)
+    h = runner.layers(runner.embed(tokens), 0, layer, None, None)
+    logits = runner.logits(h, layer, shared_ok=True)[0, :-1]  # (T-1, V)
     return [None, *token_logprobs(logits, ids[1:], top)]

@@ -32,36 +32,24 @@ Per-token exit layers report ``E`` for accepted drafts and ``L`` for the verifie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
-from exitlm.backend.cuda_graphs import StaticSteps, static_steps
-from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ConfigError
-from exitlm.infer.decoder import (
-    Batch,
-    Decoder,
-    DraftHead,
-    Emit,
-    Seq,
-    last_positions,
-    prefill_hidden,
-)
+from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
 from exitlm.infer.options import option
 from exitlm.infer.result import DecodeStats
 from exitlm.infer.sampling import probabilities
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Chain, Pick, Runner
 from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
 MAX_SPECULATIONS = 64
 """The most draft tokens a round may hold (bounds the cache slots a round writes)."""
 Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
-LAZY_HEAD_BYTES = 4 << 20
-"""LM heads of at least this size are verified one position at a time (one more head call
-per accepted draft, ~50 us of Python each, against a head row read per rejected draft that
-an all-rows product wastes: 4 MiB is ~0.1 ms at this machine's ~40 GB/s)."""
 
 
 @dataclass(frozen=True)
@@ -125,17 +113,6 @@ def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
     return exit_layer
 
 
-@dataclass
-class _Drafts:
-    """One round's drafts: tokens ``(B, n)``, each row's own count, the draft distributions
-    of sampled rows, and the exit-query cache ``(B, n+1, D)``."""
-
-    tokens: torch.Tensor
-    counts: list[int]
-    q_probs: dict[int, list[torch.Tensor]]
-    exit_query: torch.Tensor | None
-
-
 class SelfSpecDecoder(Decoder):
     """Self-speculative decoding as a step machine (see the module docstring)."""
 
@@ -143,23 +120,20 @@ class SelfSpecDecoder(Decoder):
     multi_row = True
     stats_type = SelfSpecStats
 
-    def __init__(self, model: EarlyExitLM, options: SelfSpecOptions) -> None:
-        super().__init__(model, options)
+    def __init__(self, runner: Runner, options: SelfSpecOptions) -> None:
+        super().__init__(runner, options)
+        model = runner.model
         self.e = resolve_exit_layer(model, options.exit_layer)
         vocab = model.config.vocab_size
-        n_draft = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
-        self.head = DraftHead(model, self.e, n_draft)
+        self.vocab = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
         self.block = model.exit_route(self.e).has_block
-        # a large LM head costs nearly a GEMV per row on CPU, so greedy verification projects
-        # one position at a time and stops at the first rejection (_accept_greedy_lazy); a
-        # small one (byte vocabularies) costs less than the Python of a call per position
-        self.lazy = (self.device.type == "cpu" and self.dtype == torch.float32
-                     and _nbytes(model.output_embedding()) >= LAZY_HEAD_BYTES)
-        self.learned = model.config.pos == "learned"
+        # where a product over several positions costs about one per position (large LM
+        # heads on CPU), greedy verification projects one position at a time and stops at
+        # the first rejection (_accept_greedy_lazy); elsewhere one product verifies them all
+        self.lazy = not runner.supports("batched_head")
 
     def resolved_options(self) -> dict[str, object]:
-        return {**super().resolved_options(), "exit_layer": self.e,
-                "draft_vocab": self.head.vocab}
+        return {**super().resolved_options(), "exit_layer": self.e, "draft_vocab": self.vocab}
 
     def lookahead(self, seq: Seq) -> int:
         return min(seq.options.num_speculations, seq.remaining) + 1
@@ -170,121 +144,51 @@ class SelfSpecDecoder(Decoder):
 
     def prefill(self, batch: Batch) -> list[Emit]:
         num_layers = self.model.num_layers
-        h, lens = prefill_hidden(self.model, batch, exits=(self.e,) if self.block else ())
-        logits = self.model.final_logits(last_positions(h, lens))
+        h, lens = prefill_hidden(self.runner, batch, exits=(self.e,) if self.block else ())
+        logits = self.runner.logits(last_positions(h, lens), num_layers)
         return [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
 
     def step(self, batch: Batch) -> list[Emit]:
-        """One round: draft, verify, accept, roll back."""
+        """One round: draft (a chain through layers ``1..E`` and exit ``E``), verify (layers
+        ``E+1..L`` over the exit queries), accept, roll back."""
+        runner, cache = self.runner, batch.cache
         limits = [max(0, min(s.options.num_speculations, s.remaining - 1)) for s in batch.seqs]
-        steps = static_steps(self.model)
-        if steps is not None and self._static_ok(batch):
-            drafts, accepted, final = self._round_static(batch, steps, limits)
-        else:
-            drafts, accepted, final = self._round(batch, limits)
-        keep = batch.cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
-        batch.cache.lengths = keep
-        batch.cache.crop(keep)
-        return [self._emit(s, drafts, i, a, f) for i, (s, a, f) in
-                enumerate(zip(batch.seqs, accepted, final, strict=True))]
-
-    def _round(self, batch: Batch, limits: list[int]
-               ) -> tuple[_Drafts, list[int], list[int]]:
-        """Draft, verify and accept step by step: the drafts, each row's accepted count and
-        the verifier's token."""
-        drafts = self._draft(batch, limits)
-        n = max(drafts.counts)
-        base = batch.cache.lengths.to(self.device)  # (B,) position of x0
-        pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
-        ctx = self.model.context(pos, batch.cache)
-        assert drafts.exit_query is not None
-        hv = self.model.run_layers(drafts.exit_query[:, : n + 1], self.e, self.model.num_layers,
-                                   cache=batch.cache, ctx=ctx)
-        accepted, final = self._accept(batch, drafts, hv)
-        self._record_logprobs(batch, drafts, hv, accepted, final)
-        return drafts, accepted, final
-
-    def _static_ok(self, batch: Batch) -> bool:
-        """Whether a round fits the static program: greedy rows without a draft threshold or
-        log-probabilities, an exit without a block of its own."""
-        return not self.block and all(
-            s.sampling.greedy and s.options.draft_threshold is None and not s.wants_logprobs
-            for s in batch.seqs)
-
-    def _round_static(self, batch: Batch, steps: StaticSteps, limits: list[int]
-                      ) -> tuple[_Drafts, list[int], list[int]]:
-        """The whole greedy round as one program (a CUDA graph replay on a GPU,
-        :meth:`~exitlm.backend.cuda_graphs.StaticSteps.spec_round`): every row drafts
-        ``max(limits)`` tokens (rows past their own limit ride along, as in :meth:`_draft`),
-        and only the comparison of drafts with the final layer's tokens comes to the host."""
-        n = max(limits)
-        tokens, target = steps.spec_round(batch.lasts(self.device)[:, 0], batch.cache, n,
-                                          self.e, lambda h: self.head(h, None, None))
-        limit = torch.tensor(limits, device=self.device)
-        accepted, final = torch.stack(_agreement(tokens, target, limit)).tolist()  # one copy
-        return _Drafts(tokens, list(limits), {}, None), accepted, final
-
-    # ----- the parts of a round ------------------------------------------------------------
-    def _draft(self, batch: Batch, limits: list[int]) -> _Drafts:
-        """Self-drafting (Sec. 4.3.1): every row runs the first ``E`` layers token by token;
-        row ``i`` keeps drafting while ``j < limits[i]`` and it is sure enough."""
-        model, cache, dev = self.model, batch.cache, self.device
-        b, n = len(batch), max(limits)
-        native = self._draft_native(batch, n)
-        if native is not None:
-            return native
         counts = list(limits)
-        out = torch.zeros(b, max(n, 1), dtype=torch.long, device=dev)
-        exit_query = torch.empty(b, n + 1, model.config.dim, dtype=self.dtype, device=dev)
         q_probs: dict[int, list[torch.Tensor]] = {i: [] for i, s in enumerate(batch.seqs)
                                                   if not s.sampling.greedy}
-        base = cache.lengths.to(dev)
-        tok = batch.lasts(dev)[:, 0]
-        j = 0
-        while True:
-            pos = (base + j)[:, None]  # (B, 1); rows past their own count are dummies
-            ctx = model.context(pos, cache)
-            emb_pos = pos.clamp(max=model.config.max_seq_len - 1) if self.learned else pos
-            hj = model.run_layers(model.embed(tok[:, None], emb_pos), 0, self.e, cache=cache,
-                                  ctx=ctx)
-            exit_query[:, j] = hj[:, 0]
-            if j == n:
-                if self.block:  # the exit block's cache slot needs the last draft too
-                    model.exit_features(hj, self.e, cache=cache, ctx=ctx)
-                break
-            tok = self._pick(batch, self.head(hj, ctx, cache)[:, 0], j, counts, q_probs)
-            out[:, j] = tok
-            j += 1
-            n = max(counts)
-        return _Drafts(out[:, :n], counts, q_probs, exit_query)
+        base = cache.lengths.to(self.device)  # (B,) position of x0
+        drafts = runner.chain(batch.lasts(self.device)[:, 0], cache, max(limits), self.e,
+                              vocab=self.vocab, pick=self._picker(batch, counts, q_probs))
+        n = drafts.tokens.shape[1]
+        pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
+        hv = runner.layers(drafts.hidden, self.e, self.model.num_layers, pos, cache)
+        accepted, final = self._accept(batch, drafts, counts, q_probs, hv)
+        self._record_logprobs(batch, drafts, hv, accepted, final)
+        keep = cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
+        cache.lengths = keep
+        cache.crop(keep)
+        return [self._emit(s, drafts, counts[i], i, a, f) for i, (s, a, f) in
+                enumerate(zip(batch.seqs, accepted, final, strict=True))]
 
-    def _draft_native(self, batch: Batch, n: int) -> _Drafts | None:
-        """The round's drafts from one native call, where the model offers one
-        (:meth:`~exitlm.backend.decode_block.LeanLM.draft_greedy`) and the round needs
-        nothing the call leaves out: one greedy sequence, no draft threshold, an exit without
-        a block of its own. The per-step Python of the loop (context, embedding, layer chain,
-        exit head, pick: ~100 us a draft token) is as much as a small model's draft layers
-        compute. Same drafts as the loop except on last-bit ties (the call's norm sums in
-        another order); verification decides the output either way."""
-        draft = getattr(self.model, "draft_greedy", None)
-        if draft is None or len(batch) != 1 or self.block or self.device.type != "cpu":
+    # ----- the parts of a round ------------------------------------------------------------
+    def _picker(self, batch: Batch, counts: list[int],
+                q_probs: dict[int, list[torch.Tensor]]) -> Pick | None:
+        """How drafts are chosen (Sec. 4.3.1): the argmax (``None``: any runner's own greedy
+        chain) unless a row samples or has a draft threshold; then :meth:`_pick`."""
+        if not q_probs and all(s.options.draft_threshold is None for s in batch.seqs):
             return None
-        seq = batch.seqs[0]
-        if not seq.sampling.greedy or seq.options.draft_threshold is not None:
-            return None
-        start = int(batch.cache.lengths[0])
-        got = draft(seq.last, n, self.e, batch.cache, start,
-                    self.head.vocab)
-        if got is None:
-            return None
-        tokens, exit_query = got
-        return _Drafts(tokens[None], [n], {}, exit_query[None])
+
+        def pick(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+            return self._pick(batch, logits, j, counts, q_probs), max(counts)
+
+        return pick
 
     def _pick(self, batch: Batch, logits: torch.Tensor, j: int, counts: list[int],
               q_probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         """Draft token ``j`` of every row from the exit's logits ``(B, N)``: argmax, or a
         sample from the row's own generator while it still drafts; a row whose own draft
-        threshold is not met stops drafting after this token."""
+        threshold is not met stops drafting after this token. Rows past their own count ride
+        along (their drafts are neither sampled nor verified)."""
         tok = torch.argmax(logits, dim=-1)
         vocab = self.model.config.vocab_size
         for i, s in enumerate(batch.seqs):
@@ -303,29 +207,34 @@ class SelfSpecDecoder(Decoder):
                 counts[i] = j + 1  # verify this unsure draft, draft no further
         return tok
 
-    def _accept(self, batch: Batch, drafts: _Drafts, hv: torch.Tensor
+    def _accept(self, batch: Batch, drafts: Chain, counts: list[int],
+                q_probs: dict[int, list[torch.Tensor]], hv: torch.Tensor
                 ) -> tuple[list[int], list[int]]:
         """Accepted drafts and the verifier's token of every row: greedy rows by argmax
         agreement, sampled rows by rejection sampling with their own generator."""
         b = len(batch)
         accepted, final = [0] * b, [0] * b
-        greedy = [i for i in range(b) if i not in drafts.q_probs]
+        greedy = [i for i in range(b) if i not in q_probs]
+        final_head = self._final_logits
         if greedy:
             g = torch.tensor(greedy, device=self.device)
-            limit = torch.tensor([drafts.counts[i] for i in greedy], device=self.device)
+            limit = torch.tensor([counts[i] for i in greedy], device=self.device)
             accept = _accept_greedy_lazy if self.lazy else _accept_greedy
-            a, f = accept(self.model, drafts.tokens[g], hv[g], limit)
+            a, f = accept(final_head, drafts.tokens[g], hv[g], limit)
             for i, ai, fi in zip(greedy, a.tolist(), f.tolist(), strict=True):
                 accepted[i], final[i] = ai, fi
-        for i, qs in drafts.q_probs.items():
-            s, k = batch.seqs[i], drafts.counts[i]
-            p = probabilities(self.model.final_logits(hv[i, : k + 1]), s.sampling)  # (k+1, V)
+        for i, qs in q_probs.items():
+            s, k = batch.seqs[i], counts[i]
+            p = probabilities(final_head(hv[i, : k + 1]), s.sampling)  # (k+1, V)
             q = torch.cat(qs, 0)[None] if qs else p.new_zeros(1, 0, p.shape[-1])
             a, f = _accept_sampled(drafts.tokens[i : i + 1, :k], q, p[None], s.generator)
             accepted[i], final[i] = int(a[0]), int(f[0])
         return accepted, final
 
-    def _record_logprobs(self, batch: Batch, drafts: _Drafts, hv: torch.Tensor,
+    def _final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.runner.logits(h, self.model.num_layers)
+
+    def _record_logprobs(self, batch: Batch, drafts: Chain, hv: torch.Tensor,
                          accepted: list[int], final: list[int]) -> None:
         """Log-probabilities of the emitted tokens under the verifier (the final layer), for
         the sequences that want them: accepted drafts are the target model's tokens."""
@@ -333,11 +242,10 @@ class SelfSpecDecoder(Decoder):
             if s.wants_logprobs:
                 a = accepted[i]
                 tokens = [*drafts.tokens[i, :a].tolist(), final[i]]
-                batch.record(self.model.final_logits(hv[i, : a + 1]), tokens, [i] * (a + 1))
+                batch.record(self._final_logits(hv[i, : a + 1]), tokens, [i] * (a + 1))
 
-    def _emit(self, seq: Seq, drafts: _Drafts, i: int, a: int, final: int) -> Emit:
+    def _emit(self, seq: Seq, drafts: Chain, n_i: int, i: int, a: int, final: int) -> Emit:
         st: SelfSpecStats = seq.stats  # type: ignore[assignment]
-        n_i = drafts.counts[i]
         st.rounds += 1
         st.drafted += n_i
         st.accepted += a
@@ -346,19 +254,15 @@ class SelfSpecDecoder(Decoder):
         return Emit([*toks, final], [self.e] * a + [num_layers], (n_i + 1) * num_layers)
 
 
-def _nbytes(weight: torch.Tensor | QuantizedWeight) -> int:
-    """Bytes a product with ``weight`` reads."""
-    if isinstance(weight, QuantizedWeight):
-        return weight.nbytes()
-    return weight.numel() * weight.element_size()
+FinalHead = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _accept_greedy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,
+def _accept_greedy(head: FinalHead, drafts: torch.Tensor, hv: torch.Tensor,
                    limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: the number of leading drafts (at most ``limit`` per row) equal to
     the final layer's argmax over ``hv`` ``(R, n+1, D)``, and the final layer's token right
     after them (correction or bonus) ``(R,)`` each."""
-    return _agreement(drafts, torch.argmax(model.final_logits(hv), dim=-1), limit)
+    return _agreement(drafts, torch.argmax(head(hv), dim=-1), limit)
 
 
 def _agreement(drafts: torch.Tensor, target: torch.Tensor, limit: torch.Tensor
@@ -372,7 +276,7 @@ def _agreement(drafts: torch.Tensor, target: torch.Tensor, limit: torch.Tensor
     return n_acc, target.gather(1, n_acc[:, None])[:, 0]
 
 
-def _accept_greedy_lazy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tensor,
+def _accept_greedy_lazy(head: FinalHead, drafts: torch.Tensor, hv: torch.Tensor,
                         limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_accept_greedy` computing the final logits one draft position at a time, only
     for the rows whose drafts all passed so far: the LM head (the largest matrix of a small
@@ -382,7 +286,7 @@ def _accept_greedy_lazy(model: EarlyExitLM, drafts: torch.Tensor, hv: torch.Tens
     final = torch.zeros(r, dtype=torch.long, device=drafts.device)
     alive = torch.arange(r, device=drafts.device)
     for j in range(n + 1):
-        target = torch.argmax(model.final_logits(hv[alive, j]), dim=-1)  # (R',)
+        target = torch.argmax(head(hv[alive, j]), dim=-1)  # (R',)
         ok = (target == drafts[alive, j]) & (limit[alive] > j) if j < n else \
             torch.zeros_like(target, dtype=torch.bool)
         stop = ~ok

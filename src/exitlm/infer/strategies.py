@@ -19,16 +19,16 @@ from exitlm.infer.early_exit import EarlyExitOptions, early_exit_decoder
 from exitlm.infer.options import per_request_fields
 from exitlm.infer.ppd import PPDDecoder, PPDOptions
 from exitlm.infer.self_speculative import SelfSpecDecoder, SelfSpecOptions
-from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.runner import Runner
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A decoding strategy: its options type and how to build its decoder for a model."""
+    """A decoding strategy: its options type and how to build its decoder on a runner."""
 
     name: str
     options_type: type
-    decoder: Callable[[EarlyExitLM, Any], Decoder]
+    decoder: Callable[[Runner, Any], Decoder]
     description: str = ""
 
     @property
@@ -65,7 +65,7 @@ def get_strategy(name: str) -> Strategy:
 
 
 register_strategy(Strategy(
-    "ar", AROptions, lambda model, opts: DepthDecoder(model, opts),
+    "ar", AROptions, lambda runner, opts: DepthDecoder(runner, opts),
     "plain autoregressive decoding (the baseline)"))
 register_strategy(Strategy(
     "early-exit", EarlyExitOptions, early_exit_decoder,

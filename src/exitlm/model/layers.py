@@ -1,15 +1,17 @@
 """Building blocks of the transformer: norms, rotary embedding, attention, MLP, block.
 
-Plain arithmetic: the CPU fast paths (OpenBLAS GEMV, packed weights, the lean decoding step)
-live in :mod:`exitlm.backend`, applied to a built model by
-:func:`exitlm.backend.cpu.prepare_for_decoding`. Weights follow ``nn.Linear``'s
-``(out_features, in_features)`` convention so checkpoints map one-to-one; the backend may
-re-stride them without changing their values.
+Plain arithmetic. Which kernel multiplies a linear layer's weight is the caller's to choose:
+every product of a block goes through :func:`product`, which calls the layer itself unless the
+forward was given ``ops`` (a :data:`Products` callable, e.g. a runtime runner's CPU kernels,
+:mod:`exitlm.runtime`) - the model never knows which backend runs it, and nothing is swapped
+into it. Weights follow ``nn.Linear``'s ``(out_features, in_features)`` convention so
+checkpoints map one-to-one; a runner may re-stride them without changing their values.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +22,18 @@ from exitlm.model.kv_cache import KVCache, WritePlan
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``; its own class so that a backend can tell the model's layers apart
-    (:func:`exitlm.backend.cpu.prepare_for_decoding` gives them fast CPU kernels)."""
+    """``nn.Linear``; its own class so that a runner can tell the model's layers apart from
+    a parallel layout's (which communicate inside their forward) and give them its kernels."""
+
+
+Products = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``ops(layer, x)``: the product of linear layer ``layer`` with ``x``, computed by whatever
+kernel the caller chose (same values as ``layer(x)`` up to rounding)."""
+
+
+def product(layer: nn.Module, x: torch.Tensor, ops: Products | None) -> torch.Tensor:
+    """``layer(x)``, or ``ops(layer, x)`` when the forward was given kernels to use."""
+    return layer(x) if ops is None else ops(layer, x)
 
 
 class Norm(nn.Module):
@@ -112,12 +124,13 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.num_heads * cfg.hdim, cfg.dim, bias=cfg.out_bias)
 
     def kv(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+        ops: Products | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``(B, Hkv, T, D)`` of the (normed) input ``x`` ``(B, T, D)``."""
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.wqkv(x)
+        qkv = product(self.wqkv, x, ops)
         qkv = qkv.to(attention_dtype(qkv.dtype, qkv.device)).view(b, t, h + 2 * hkv, d)
         k, v = qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
         if rope is not None:
@@ -132,10 +145,11 @@ class Attention(nn.Module):
         slot: int,
         plan: WritePlan | None,
         mask: torch.Tensor | None,
+        ops: Products | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.wqkv(x)
+        qkv = product(self.wqkv, x, ops)
         adt = attention_dtype(qkv.dtype, qkv.device)
         if qkv.dtype != adt:
             qkv = qkv.to(adt)
@@ -157,7 +171,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=hkv != h
             )
         out = out.transpose(1, 2).reshape(b, t, h * d).to(x.dtype)  # (B, T, H*D)
-        return self.wo(out)
+        return product(self.wo, out, ops)
 
 
 _ACTIVATIONS = {
@@ -180,12 +194,12 @@ class MLP(nn.Module):
         self.w_out = Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.w_in(x)
+    def forward(self, x: torch.Tensor, ops: Products | None = None) -> torch.Tensor:
+        y = product(self.w_in, x, ops)
         if self.gated:
             gate, up = y.split(self.hidden, dim=-1)
-            return self.w_out(self.act(gate) * up)
-        return self.w_out(self.act(y))
+            return product(self.w_out, self.act(gate) * up, ops)
+        return product(self.w_out, self.act(y), ops)
 
 
 class Block(nn.Module):
@@ -206,12 +220,14 @@ class Block(nn.Module):
         slot: int,
         plan: WritePlan | None,
         mask: torch.Tensor | None,
+        ops: Products | None = None,
     ) -> torch.Tensor:
-        h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask)
-        return h + self.mlp(self.norm_mlp(h))
+        h = h + self.attn(self.norm_attn(h), rope, cache, slot, plan, mask, ops=ops)
+        return h + self.mlp(self.norm_mlp(h), ops=ops)
 
     def kv(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+        ops: Products | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention computes from its input ``h``."""
-        return self.attn.kv(self.norm_attn(h), rope)
+        return self.attn.kv(self.norm_attn(h), rope, ops)

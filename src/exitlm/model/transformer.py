@@ -15,6 +15,8 @@ layer range"):
 * :meth:`EarlyExitLM.final_logits` - final norm + LM head.
 
 The model never imports ``torch.distributed``; parallelism wraps it from ``exitlm.parallel``.
+It never knows which kernels run it either: a runtime runner (:mod:`exitlm.runtime`) passes
+its products through :class:`StepContext` (``ops``) and leaves the model as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from exitlm.model.layers import (
     Block,
     Linear,
     Norm,
+    Products,
     attention_dtype,
     rope_inv_freq,
     rope_tables,
@@ -86,12 +89,24 @@ class ExitRoute:
 @dataclass
 class StepContext:
     """What one forward over given positions shares across layers: rotary angles, the
-    cache write plan and the attention mask."""
+    cache write plan, the attention mask, and the kernels its products run on (``ops``,
+    :data:`~exitlm.model.layers.Products`; ``None``: each layer's own forward)."""
 
     positions: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None
     plan: WritePlan | None
     mask: torch.Tensor | None
+    ops: Products | None = None
+
+
+class OutputLayout:
+    """How a parallel layout computes the model's output products (every exit's and the LM
+    head's logits) when it shards the output embeddings by vocabulary rows: installed with
+    :meth:`EarlyExitLM.set_output_layout` (tensor parallelism, :mod:`exitlm.parallel`)."""
+
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Logits ``(..., V)`` of ``h`` on the (sharded) output embedding ``weight``."""
+        raise NotImplementedError
 
 
 class EarlyExitLM(nn.Module):
@@ -123,6 +138,9 @@ class EarlyExitLM(nn.Module):
         else:
             self.rope_inv_freq = None
         self._rope_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.output_layout: OutputLayout | None = None
+        """A parallel layout's output products (:meth:`set_output_layout`); ``None``: the
+        whole vocabulary here."""
         self.apply(self._init_weights)
 
     # ----- initialisation ------------------------------------------------------------------
@@ -152,13 +170,16 @@ class EarlyExitLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """Allocate a KV cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens."""
+        """Allocate a KV cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens,
+        holding the key/value heads the layers compute (a tensor-parallel shard's: its own)."""
         ref = self.embed_tokens.weight
+        kv_heads = next((b.attn.num_kv_heads for b in self.layers if isinstance(b, Block)),
+                        self.config.n_kv_heads)
         return KVCache(
             self.num_cache_slots,
             batch_size,
             max_seq_len or self.config.max_seq_len,
-            self.config.n_kv_heads,
+            kv_heads,
             self.config.hdim,
             dtype=dtype or attention_dtype(ref.dtype, ref.device),
             device=device or ref.device,
@@ -169,8 +190,10 @@ class EarlyExitLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ----- composable pieces ---------------------------------------------------------------
-    def context(self, positions: torch.Tensor, cache: KVCache | None = None) -> StepContext:
-        """Rotary angles, cache write plan and attention mask for a forward at ``positions``."""
+    def context(self, positions: torch.Tensor, cache: KVCache | None = None,
+                ops: Products | None = None) -> StepContext:
+        """Rotary angles, cache write plan and attention mask for a forward at ``positions``
+        (its products on ``ops``, default: the layers' own)."""
         rope = None
         if self.rope_inv_freq is not None:
             ref = self.embed_tokens.weight
@@ -184,7 +207,7 @@ class EarlyExitLM(nn.Module):
             if not (t == 1 and bool((last == plan.end - 1).all())):
                 slots = torch.arange(plan.end, device=positions.device)
                 mask = slots[None, None, None, :] <= positions[:, None, :, None]  # (B,1,T,S)
-        return StepContext(positions, rope, plan, mask)
+        return StepContext(positions, rope, plan, mask, ops)
 
     def _rope_table(self, positions: torch.Tensor, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,11 +286,11 @@ class EarlyExitLM(nn.Module):
         for i in range(start, end):
             rows = None if active is None else active[i - start]
             if rows is None:
-                h = self.layers[i](h, ctx.rope, cache, i, ctx.plan, ctx.mask)
+                h = self.layers[i](h, ctx.rope, cache, i, ctx.plan, ctx.mask, ops=ctx.ops)
             elif rows.numel() > 0:
                 rope = None if ctx.rope is None else (ctx.rope[0][rows], ctx.rope[1][rows])
                 mask = None if ctx.mask is None else ctx.mask[rows]
-                out = self.layers[i](h[rows], rope, None, i, None, mask)
+                out = self.layers[i](h[rows], rope, None, i, None, mask, ops=ctx.ops)
                 h = h.index_copy(0, rows, out)
         return h
 
@@ -327,13 +350,22 @@ class EarlyExitLM(nn.Module):
         """Logits of the last layer (final norm + LM head)."""
         return self.project(self.norm(h), self.output_embedding())
 
+    def set_output_layout(self, layout: OutputLayout | None) -> None:
+        """Route :meth:`project` through ``layout`` (a parallel layout that shards the output
+        embeddings by vocabulary rows; ``None``: back to one process's product)."""
+        self.output_layout = layout
+
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Logits ``h @ weight.T`` of an exit's features on an output embedding ``(V, D)``:
-        the one product every exit's and the final head's logits go through. A parallel
-        layout or a backend may replace it on a model instance (the vocabulary-parallel
-        output of :mod:`exitlm.parallel.tensor`, whose weights are sharded by vocabulary rows;
-        the CPU kernels of :func:`exitlm.backend.cpu.prepare_for_decoding`)."""
-        return F.linear(h, weight)
+        the one product every exit's and the final head's logits go through. A weight that
+        is not a tensor (a quantized weight, :mod:`exitlm.kernels.quant`) computes its own
+        product (``weight.linear(h)``); a parallel layout's :attr:`output_layout` computes
+        sharded ones."""
+        if self.output_layout is not None:
+            return self.output_layout.project(h, weight)
+        if isinstance(weight, torch.Tensor):
+            return F.linear(h, weight)
+        return weight.linear(h)
 
     def exit_logits(
         self,
@@ -369,15 +401,16 @@ class EarlyExitLM(nn.Module):
         vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight."""
         route = self.exit_route(layer, shared_ok=shared_ok)
         head = route.head
+        ops = None if ctx is None else ctx.ops
         if head is not None and head.block is not None:
             assert route.cache_slot is not None
             if ctx is None:
                 if positions is None:
                     positions = default_positions(h[..., 0])
                 ctx = self.context(positions, cache)
-            h = head.block(h, ctx.rope, cache, route.cache_slot, ctx.plan, ctx.mask)
+            h = head.block(h, ctx.rope, cache, route.cache_slot, ctx.plan, ctx.mask, ops=ops)
         if head is not None and head.mlp is not None:
-            h = h + head.mlp(head.mlp_norm(h))
+            h = h + head.mlp(head.mlp_norm(h), ops=ops)
         if route.norm == "own":
             assert head is not None
             h = head.norm(h)
@@ -392,14 +425,14 @@ class EarlyExitLM(nn.Module):
 
     def write_kv(
         self, h: torch.Tensor, layer: int, positions: torch.Tensor, cache: KVCache,
-        rows: torch.Tensor,
+        rows: torch.Tensor, ops: Products | None = None,
     ) -> None:
         """Write the keys/values that 0-based ``layer`` computes from its input hidden
         states ``h`` ``(n, T, D)`` at ``positions`` ``(n, T)`` of cache rows ``rows``
         ``(n,)``: the key/value half of the layer only (CALM-style state propagation,
         EE-LLM Sec. 4). ``cache.fill`` is left to the caller."""
         rope = self.context(positions).rope
-        k, v = self.layers[layer].kv(h, rope)
+        k, v = self.layers[layer].kv(h, rope, ops)
         cache.put(layer, rows, positions, k, v)
 
     def forward(

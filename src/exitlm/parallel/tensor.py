@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.model.layers import MLP, Attention, Block, Norm
-from exitlm.model.transformer import EarlyExitLM
+from exitlm.model.transformer import EarlyExitLM, OutputLayout
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
@@ -86,8 +86,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class TensorParallel:
-    """The tensor-parallel form of one model (or pipeline stage) on a 1-D ``tp`` mesh."""
+class TensorParallel(OutputLayout):
+    """The tensor-parallel form of one model (or pipeline stage) on a 1-D ``tp`` mesh; as
+    the model's :attr:`~exitlm.model.transformer.EarlyExitLM.output_layout` it computes the
+    vocabulary-parallel logits (:meth:`project`)."""
 
     mesh: DeviceMesh
     sequence_parallel: bool
@@ -185,7 +187,7 @@ def apply_tensor_parallel(model: EarlyExitLM, mesh: DeviceMesh, *,
         _shard_norm(model.norm, plan)
     if model.lm_head is not None and model.lm_head.weight.numel() > 0:
         _shard_rows(model.lm_head, mesh)
-    model.project = plan.project  # type: ignore[method-assign]
+    model.set_output_layout(plan)
     return plan
 
 

@@ -66,12 +66,13 @@ from exitlm.parallel.infer.pipeline_stage import (
     STEP,
     Links,
     Rows,
-    exit_decisions,
     owes_reply,
     serve_stage,
     stage_bounds,
     stage_checks,
 )
+from exitlm.runtime import prepare
+from exitlm.runtime.runner import Runner
 
 __all__ = ["PipelineDecoder", "PipelineGroup", "active_pipeline", "joined_pipeline", "pipeline",
            "serve_stage", "stage_bounds"]
@@ -163,10 +164,8 @@ def _stage_main(rank: int, world: int, cfg: Any, tensors: dict[str, torch.Tensor
                 timeout_s: float) -> None:
     """Entry of a self-started stage: rebuild the model on stage 0's tensors, give it the
     decoding backend stage 0 has (the same kernels, so the same bits), and serve."""
-    from exitlm.backend.cpu import prepare_for_decoding
-
-    model = prepare_for_decoding(rebuild_model(cfg, tensors, "pipeline stage 0"))
-    serve_stage(model, rank, world, timeout_s)
+    serve_stage(prepare(rebuild_model(cfg, tensors, "pipeline stage 0")), rank, world,
+                timeout_s)
 
 
 @contextlib.contextmanager
@@ -229,9 +228,10 @@ class PipelineDecoder(Decoder):
     name = "early-exit"
     stats_type = EarlyExitStats
 
-    def __init__(self, model: EarlyExitLM, options: Any, checks: tuple[int, ...],
+    def __init__(self, runner: Runner, options: Any, checks: tuple[int, ...],
                  group: PipelineGroup | None = None) -> None:
-        super().__init__(model, options)
+        super().__init__(runner, options)
+        model = runner.model
         self.num_layers = model.num_layers
         self.checks = tuple(sorted(c for c in checks if 0 < c < model.num_layers))
         self.own: PipelineGroup | None = None
@@ -277,7 +277,7 @@ class PipelineDecoder(Decoder):
             return self._step(batch)
 
     def _prefill(self, batch: Batch) -> list[Emit]:
-        h, lens = prefill_hidden(self.model, batch, end=self.end0, exits=self.checks)
+        h, lens = prefill_hidden(self.runner, batch, end=self.end0, exits=self.checks)
         n = len(batch)
         slots = self.group.new_slots(n)
         rows = Rows(slots, [int(x) for x in lens], [False] * n, [True] * n, [1.0] * n)
@@ -291,7 +291,7 @@ class PipelineDecoder(Decoder):
         return [Emit([tokens[i]], [layers[i]], self.num_layers) for i in range(n)]
 
     def _step(self, batch: Batch) -> list[Emit]:
-        model, cache, n = self.model, batch.cache, len(batch)
+        runner, cache, n = self.runner, batch.cache, len(batch)
         states = self._running(batch)
         q = cache.lengths.clone()
         force = [st.pending >= s.options.max_pending
@@ -301,16 +301,15 @@ class PipelineDecoder(Decoder):
         rows = Rows([st.slot for st in states], q.tolist(), [False] * n, force,
                      [s.options.threshold for s in batch.seqs])
         positions = q[:, None].to(self.device)
-        ctx = model.context(positions, cache)
-        h = model.embed(batch.lasts(self.device), positions)
+        h = runner.embed(batch.lasts(self.device), positions)
         tokens: dict[int, int] = {}
         layers: dict[int, int] = {}
-        for layer, h_at in model.walk(h, 0, self.end0, self.checks0, cache=cache, ctx=ctx):
+        for layer, h_at, ctx in runner.walk(h, 0, self.end0, self.checks0, positions, cache):
             h = h_at
             if layer in self.checks0:
-                cand = [i for i in range(n) if i not in layers and rows.may_exit(i)]
-                got, logits = exit_decisions(model, h, layer, cache, ctx, cand,
-                                              rows.threshold)
+                asked = [rows.threshold[i] if i not in layers and rows.may_exit(i) else None
+                         for i in range(n)]
+                got, logits = runner.probe(h, layer, asked, cache=cache, ctx=ctx)
                 if got:  # decided now; this stage finishes these rows' tokens
                     for i, tok in zip(got, batch.choose(logits, got), strict=True):
                         tokens[i], layers[i] = tok, layer

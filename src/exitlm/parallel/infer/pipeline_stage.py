@@ -35,11 +35,12 @@ import torch
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import last_positions
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.transformer import EarlyExitLM, StepContext
+from exitlm.model.transformer import EarlyExitLM
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S
 from exitlm.parallel.infer.shm_group import shm_channels
 from exitlm.parallel.infer.shm_p2p import ChannelP2P
 from exitlm.parallel.pipeline.p2p import P2P
+from exitlm.runtime.runner import Runner
 
 STOP, PREFILL, STEP = 0, 1, 2
 _HDR, _ROWS, _CHECKS, _HIDDEN, _REPLY, _LOGITS = 11, 12, 13, 14, 15, 16
@@ -104,28 +105,6 @@ def owes_reply(has_checks: bool, last: bool, rows: Rows, undecided: list[int]) -
     if not undecided:
         return False
     return last or (has_checks and any(rows.may_exit(i) for i in undecided))
-
-
-def exit_decisions(model: EarlyExitLM, h: torch.Tensor, layer: int, cache: KVCache,
-                    ctx: StepContext, cand: list[int], thresholds: list[float]
-                    ) -> tuple[list[int], torch.Tensor]:
-    """The rows of ``cand`` whose exit ``layer`` is confident for the last position of ``h``
-    ``(n, T, D)`` (maximum probability ``>=`` the row's threshold, EE-LLM Sec. 5.2), and their
-    logits ``(k, V)``. A block head runs for every row whatever the decision: later tokens
-    attend to its cache slot."""
-    block = model.exit_route(layer).has_block
-    if not cand:
-        if block:
-            model.exit_features(h, layer, cache=cache, ctx=ctx)
-        return [], h.new_zeros(0, model.config.vocab_size)
-    idx = torch.tensor(cand, device=h.device)
-    if block:
-        logits = model.exit_logits(h, layer, cache=cache, ctx=ctx)[idx, -1]
-    else:
-        logits = model.exit_logits(h[idx, -1], layer)
-    conf = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
-    sel = [j for j, i in enumerate(cand) if conf[j] >= thresholds[i]]
-    return [cand[j] for j in sel], logits[sel]
 
 
 class Links:
@@ -276,10 +255,11 @@ class StageRows:
         return self._reserve(n, length).rows(0, n)
 
 
-def serve_stage(model: EarlyExitLM, rank: int, world: int,
+def serve_stage(runner: Runner, rank: int, world: int,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run stage ``rank >= 1`` of a ``world``-stage pipeline until stage 0 says stop (the
     joined default group carries the transfers)."""
+    model = runner.model
     a, b = stage_bounds(model.num_layers, world)[rank]
     last = rank == world - 1
     links = Links(rank, world, timeout_s, model)
@@ -305,7 +285,7 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
                 assert h is not None
                 cache = held.arrange(rows.slots, max(rows.pos) + 1)
                 positions = torch.tensor(rows.pos)[:, None]
-            h = run_stage(model, links, rows, h, cache, positions, (a, b), last,
+            h = run_stage(runner, links, rows, h, cache, positions, (a, b), last,
                            stage_checks(checks, a, b, model.num_layers), prefill)
             if not last:
                 links.send_down(cmd, rows, h, checks)
@@ -317,15 +297,14 @@ def serve_stage(model: EarlyExitLM, rank: int, world: int,
                 cache.lengths = positions[:, 0] + 1
 
 
-def run_stage(model: EarlyExitLM, links: Links, rows: Rows, h: torch.Tensor, cache: KVCache,
-               positions: torch.Tensor, bounds: tuple[int, int], last: bool,
-               stops: tuple[int, ...], prefill: bool) -> torch.Tensor:
+def run_stage(runner: Runner, links: Links, rows: Rows, h: torch.Tensor, cache: KVCache,
+              positions: torch.Tensor, bounds: tuple[int, int], last: bool,
+              stops: tuple[int, ...], prefill: bool) -> torch.Tensor:
     """Run one command's rows through this stage's layers ``[a, b)``: the rows that arrived
     undecided and may exit are checked at the stage's exits, the last stage decides the rest
     with the final layer, the decisions go to stage 0 (the reply of the module docstring) and
     are marked in ``rows``. Returns the hidden states after layer ``b``."""
     a, b = bounds
-    ctx = model.context(positions, cache)
     undecided = [i for i in range(len(rows)) if not rows.decided[i]]
     owed = owes_reply(bool(stops), last, rows, undecided)
     layer_of: dict[int, int] = {}
@@ -335,12 +314,12 @@ def run_stage(model: EarlyExitLM, links: Links, rows: Rows, h: torch.Tensor, cac
         links.reply([layer_of.get(i, 0) for i in undecided],
                     [logits_of[i] for i in undecided if i in logits_of])
 
-    for layer, h_at in model.walk(h, a, b, stops, cache=cache, ctx=ctx):
+    for layer, h_at, ctx in runner.walk(h, a, b, stops, positions, cache):
         h = h_at
         if layer in stops:
-            cand = ([i for i in undecided if i not in layer_of and rows.may_exit(i)]
-                    if owed else [])
-            got, logits = exit_decisions(model, h, layer, cache, ctx, cand, rows.threshold)
+            asked = [rows.threshold[i] if owed and i in undecided and i not in layer_of
+                     and rows.may_exit(i) else None for i in range(len(rows))]
+            got, logits = runner.probe(h, layer, asked, cache=cache, ctx=ctx)
             for j, i in enumerate(got):
                 layer_of[i], logits_of[i] = layer, logits[j]
             if owed and (len(layer_of) == len(undecided) or (not last and layer == stops[-1])):
@@ -350,9 +329,9 @@ def run_stage(model: EarlyExitLM, links: Links, rows: Rows, h: torch.Tensor, cac
         rest = [i for i in undecided if i not in layer_of]
         ends = torch.tensor(rows.pos) if prefill else torch.ones(len(rows), dtype=torch.long)
         idx = torch.tensor(rest, device=h.device)
-        logits = model.final_logits(last_positions(h, ends)[idx])
+        logits = runner.logits(last_positions(h, ends)[idx], runner.num_layers)
         for j, i in enumerate(rest):
-            layer_of[i], logits_of[i] = model.num_layers, logits[j]
+            layer_of[i], logits_of[i] = runner.num_layers, logits[j]
         answer()
     for i in layer_of:
         rows.decided[i] = True

@@ -34,6 +34,7 @@ from exitlm.parallel.infer.tp_decode import (
     shard_model,
     tp_generate,
 )
+from exitlm.runtime import prepare
 
 Mode = Literal["tp", "pipeline"]
 
@@ -92,7 +93,7 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
                                threads=threads, **kwargs)
             return res if rank == 0 else None
         if rank > 0:
-            serve_stage(model, rank, world, timeout_s)
+            serve_stage(prepare(model), rank, world, timeout_s)
             return None
         with joined_pipeline(model, timeout_s=timeout_s):
             return generate(model, tokenizer, prompts, strategy=strategy, stream=stream,

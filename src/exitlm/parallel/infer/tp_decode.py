@@ -48,7 +48,6 @@ still one native call that runs both sums itself. Ranks on several machines use 
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Any
@@ -57,16 +56,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from exitlm.backend.linear import FastLinear, linear
+from exitlm.backend.layout import pack
+from exitlm.backend.linear import linear
 from exitlm.backend.native_reduce import ShmReducer
 from exitlm.backend.quant import GROUP, QuantizedWeight
-from exitlm.backend.quantized import QuantizedLinear, cat_rows, quantized_project
+from exitlm.backend.quantized import QuantizedLinear, cat_rows
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.infer.result import GenerationResult
 from exitlm.io.materialize import model_tensors, rebuild_model
-from exitlm.model.kv_cache import KVCache
-from exitlm.model.layers import MLP, Attention, Block, attention_dtype
-from exitlm.model.transformer import EarlyExitLM
+from exitlm.model.layers import MLP, Attention, Block
+from exitlm.model.transformer import EarlyExitLM, OutputLayout
 from exitlm.parallel.health import guard
 from exitlm.parallel.infer.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
 from exitlm.parallel.infer.shm_group import shm_reducer
@@ -91,18 +90,19 @@ def split(n: int, rank: int, tp: int) -> tuple[int, int]:
     return rank * n // tp, (rank + 1) * n // tp
 
 
-class RowParallelLinear(FastLinear):
+class RowParallelLinear(nn.Linear):
     """Rank ``r``'s input columns of a linear layer; the outputs are summed over the group
     (the bias, kept whole, is added once after the sum). Its product runs on the CPU
-    backend's kernels (:func:`~exitlm.backend.linear.linear`, with the packed copy
-    :func:`~exitlm.backend.cpu.prepare_for_decoding` makes); the sum goes through the
-    shared-memory reducer of the group's ranks when they have one (``native_reducer``, which
-    the native block then calls itself), else through gloo."""
+    kernels (:func:`~exitlm.backend.linear.linear`, with a oneDNN-packed copy of a bf16
+    weight); the sum goes through the shared-memory reducer of the group's ranks when they
+    have one (``native_reducer``, which the native block then calls itself), else through
+    gloo."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
                  reducer: ShmReducer | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.pack = pack(self.weight)
         self.full_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
         self.native_reducer = reducer
@@ -216,17 +216,22 @@ def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any, reducer: ShmReducer | N
     mlp.hidden = own[1] - own[0]
 
 
-def _vocab_parallel_project(rank: int, tp: int, group: Any,
-                            reducer: ShmReducer | None) -> Any:
-    """``project(h, weight)`` over rank ``rank``'s rows of ``weight`` with the logits
-    all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows). A quantized
-    output embedding keeps its rows of ``q``, ``scales`` and ``mins`` and multiplies on the
-    quantized kernels, as one process's output product does
-    (:func:`~exitlm.backend.quantized.quantized_project`); every logit is then computed
-    exactly as there."""
-    shards: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | QuantizedWeight]] = {}
+class VocabParallel(OutputLayout):
+    """The output products of rank ``rank``'s shard: its rows of every output embedding, the
+    logits all-gathered (a vocabulary not divisible by ``tp`` is padded with zero rows). A
+    quantized output embedding keeps its rows of ``q``, ``scales`` and ``mins`` and multiplies
+    on the quantized kernels, as one process's output product does; every logit is then
+    computed exactly as there. ``reducer``: the ranks' shared-memory collectives (aborted
+    when a rank fails, so the others fail at once)."""
 
-    def project(h: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def __init__(self, rank: int, tp: int, group: Any, reducer: ShmReducer | None) -> None:
+        self.rank, self.tp, self.group, self.reducer = rank, tp, group, reducer
+        self.shards: dict[int, tuple[weakref.ref[torch.Tensor],
+                                     torch.Tensor | QuantizedWeight]] = {}
+
+    def project(self, h: torch.Tensor, weight: torch.Tensor | QuantizedWeight  # type: ignore[override]
+                ) -> torch.Tensor:
+        rank, tp, shards = self.rank, self.tp, self.shards
         vocab = weight.shape[0]
         # a quantized module builds a new QuantizedWeight on every access: key on its q
         key = weight.q if isinstance(weight, QuantizedWeight) else weight
@@ -245,23 +250,10 @@ def _vocab_parallel_project(rank: int, tp: int, group: Any,
             entry = (weakref.ref(key), part)
             shards[id(key)] = entry
         w = entry[1]
-        local = (quantized_project(h, w) if isinstance(w, QuantizedWeight)
+        local = (w.linear(h) if isinstance(w, QuantizedWeight)
                  else linear(h, w)).contiguous()  # (..., ceil(V/T))
-        parts = _gather_over_group(local, tp, reducer, group)
+        parts = _gather_over_group(local, tp, self.reducer, self.group)
         return torch.cat(parts, dim=-1)[..., :vocab]
-
-    return project
-
-
-def _local_cache(model: EarlyExitLM, kv_heads: int, batch_size: int,
-                 max_seq_len: int | None = None, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> KVCache:
-    """``model.new_cache`` for a shard: only this rank's key/value heads."""
-    ref = model.embed_tokens.weight
-    return KVCache(model.num_cache_slots, batch_size, max_seq_len or model.config.max_seq_len,
-                   kv_heads, model.config.hdim,
-                   dtype=dtype or attention_dtype(ref.dtype, ref.device),
-                   device=device or ref.device)
 
 
 def check_quantized(model: nn.Module, tp: int) -> None:
@@ -328,10 +320,7 @@ def _shard(shard: EarlyExitLM, rank: int, tp: int, group: Any,
             _shard_attention(mod.attn, rank, tp, group, reducer)
         if isinstance(mod, MLP):
             _shard_mlp(mod, rank, tp, group, reducer)
-    shard.project = _vocab_parallel_project(rank, tp, group, reducer)  # type: ignore[method-assign]
-    k0, k1 = split(shard.config.n_kv_heads, rank, tp)
-    shard.new_cache = functools.partial(_local_cache, shard, k1 - k0)  # type: ignore[method-assign]
-    shard._tp_reducer = reducer  # type: ignore[assignment]
+    shard.set_output_layout(VocabParallel(rank, tp, group, reducer))
     return shard
 
 

@@ -50,6 +50,7 @@ from exitlm.parallel.infer.launch import (
     start_workers,
 )
 from exitlm.parallel.infer.tp_decode import (
+    VocabParallel,
     check_quantized,
     check_strategy,
     check_tp,
@@ -253,7 +254,8 @@ def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Ten
                     engine._cancel.add(ev["id"])
             engine.step()
     except BaseException:
-        reducer = getattr(shard, "_tp_reducer", None)
+        layout = shard.output_layout
+        reducer = layout.reducer if isinstance(layout, VocabParallel) else None
         if reducer is not None:
             reducer.abort()  # rank 0 fails its step at once instead of at the timeout
         raise

@@ -1,0 +1,318 @@
+"""The CPU runner on exitlm's native kernels: :class:`NativeRunner`.
+
+A small model's decoding step on CPU is bound as much by Python and op dispatch as by the
+weight products: through torch, each of a layer's ~15 small operations is a dispatch from
+caches the previous multi-megabyte product flushed (~0.6 ms per layer of the embedded 30-layer
+model, as much as the products). ``block.c`` computes a whole Llama-family block of one
+sequence in one call (:class:`~exitlm.backend.native_block.NativeBlock`), a run of blocks in one
+call, and two primitives whole:
+
+* :meth:`NativeRunner.chain` - embedding, layers and a greedy head per step, ``n`` steps, in
+  one ``exitlm_chain`` call (a plain step, self-drafting, a PPD branch);
+* :meth:`NativeRunner.segments` - one position's segments between exits over its pending
+  positions, probed at every exit, in one ``exitlm_segments`` call.
+
+Each takes one sequence (batch 1), rotary positions, float32 or float16 streams and heads
+through the shared final norm and LM head; anything else - batches, sampling picks, heads of
+their own, learned positions, hooks on the modules a call would skip - takes the eager
+runner's code (:class:`~exitlm.runtime.runner.Runner`), with this runner's products
+(:class:`~exitlm.runtime.products.Products`). Every row's arithmetic in ``block.c`` is fixed
+whatever the number of rows, so a step and a verification of the same positions give the same
+bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from exitlm.backend import native
+from exitlm.backend.blas import BLAS
+from exitlm.backend.native_block import (
+    NativeBlock,
+    Scratch,
+    build_native_block,
+    chain,
+    run_chain,
+    segments,
+    weight_struct,
+)
+from exitlm.backend.quant import ROW_THRESHOLD, QuantizedWeight
+from exitlm.model.kv_cache import KVCache
+from exitlm.model.layers import Block, Norm
+from exitlm.model.transformer import EarlyExitLM, StepContext
+from exitlm.runtime.products import Products, head_modules
+from exitlm.runtime.runner import Chain, Pick, Runner, Segments, commit_fill
+
+NATIVE_ROWS = ROW_THRESHOLD - 1
+"""The most positions of one sequence the native blocks run: every chunk the products compute
+row-invariantly (fewer than :data:`~exitlm.backend.quant.ROW_THRESHOLD` rows), so that
+verification of up to 64 drafts and long KV recomputations round exactly like plain steps,
+int8 activations included (:func:`~exitlm.backend.native.int8_activations`)."""
+NATIVE_HEAD_ROWS = 64
+"""The most rows of an output-embedding product the native kernels take (decoding steps,
+verification, batches); longer ones (logits over whole sequences) take the products."""
+
+_NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
+
+
+def _threads() -> int:
+    return BLAS.threads_override or 1
+
+
+class NativeRunner(Runner):
+    """The runner of a CPU model on the native library ``lib`` (module docstring)."""
+
+    kind = "native"
+
+    def __init__(self, model: EarlyExitLM, lib: ctypes.CDLL, *, pack_rows: bool = False
+                 ) -> None:
+        # the native kernels read block and head weights by rows
+        in_blocks = frozenset(id(m) for b in model.modules() if type(b) is Block
+                              for m in b.modules())
+        heads = frozenset(id(m) for m in head_modules(model))
+        super().__init__(model, Products(model, pack_rows=pack_rows,
+                                         row_major=in_blocks | heads))
+        self.lib = lib
+        self.scratch = Scratch()
+        self.blocks: list[NativeBlock | None] = [
+            build_native_block(lib, layer, self.scratch) if type(layer) is Block else None
+            for layer in model.layers]
+
+    # ----- layers ------------------------------------------------------------------------------
+    def layers(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor | None,
+               cache: KVCache | None, ctx: StepContext | None = None) -> torch.Tensor:
+        """Runs of consecutive native blocks of one sequence in one call each (the other
+        layers through the eager code); batches and prefills take the eager runner's."""
+        p0 = self._native_positions(h, positions, cache)
+        if p0 is None or end <= start:
+            return super().layers(h, start, end, positions, cache, ctx)
+        assert cache is not None and positions is not None
+        m = h.shape[1]
+        tables = self._tables(p0 + m - 1)
+        if tables is None:
+            return super().layers(h, start, end, positions, cache, ctx)
+        rope = (tables[0][p0 : p0 + m], tables[1][p0 : p0 + m])
+        i = start
+        while i < end:
+            j = i
+            while j < end and self._serves(j, cache):
+                j += 1
+            if j > i:  # layers [i, j) in one call
+                blocks = [self.blocks[k] for k in range(i, j)]
+                rows = [(cache.keys[k][0], cache.values[k][0]) for k in range(i, j)]
+                h = run_chain(blocks, h, rope, rows, p0, _threads())  # type: ignore[arg-type]
+                fill = cache.fill[i:j]
+                fill.clamp_(min=p0 + m)
+                i = j
+            else:  # a layer the native block does not serve: the eager code, with its context
+                if ctx is None:
+                    ctx = self.context(positions, cache)
+                h = self.model.run_layers(h, i, i + 1, cache=cache, ctx=ctx)
+                i += 1
+        return h
+
+    def _native_positions(self, h: torch.Tensor, positions: torch.Tensor | None,
+                          cache: KVCache | None) -> int | None:
+        """The first position when ``h`` can take the native blocks - one sequence of
+        1..:data:`NATIVE_ROWS` consecutive positions that fit the cache, an fp32 or fp16
+        stream, rotary positions, no gradient - else None."""
+        if (cache is None or positions is None or h.shape[0] != 1 or cache.batch_size != 1
+                or not 1 <= h.shape[1] <= NATIVE_ROWS
+                or (h.dtype is not torch.float32 and h.dtype is not torch.float16)
+                or not h.is_cpu or torch.is_grad_enabled() or h.requires_grad
+                or self.model.rope_inv_freq is None):
+            return None
+        m = h.shape[1]
+        p0 = int(positions[0, 0])
+        if p0 < 0 or p0 + m > cache.max_seq_len:
+            return None  # the eager code raises the cache's own error
+        if m > 1 and not torch.equal(positions[0], torch.arange(p0, p0 + m)):
+            return None
+        return p0
+
+    def _serves(self, layer: int, cache: KVCache) -> bool:
+        nb = self.blocks[layer]
+        if nb is None:
+            return False
+        block = self.model.layers[layer]
+        if block._forward_hooks or block._forward_pre_hooks:
+            return False
+        if not nb.serves(block, cache, layer):
+            if not nb.moved():
+                return False
+            # weights moved to other storage (shared memory): point a new call at them
+            nb = self.blocks[layer] = build_native_block(self.lib, block, self.scratch)
+            return nb is not None and nb.serves(block, cache, layer)
+        return True
+
+    def _chain_blocks(self, end: int, cache: KVCache
+                      ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The native calls of layers ``[0, end)`` and their cache rows, or None unless every
+        one serves ``cache``."""
+        if not all(self._serves(i, cache) for i in range(end)):
+            return None
+        return ([self.blocks[i] for i in range(end)],  # type: ignore[misc]
+                [(cache.keys[i][0], cache.values[i][0]) for i in range(end)])
+
+    def _tables(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float32 rotary tables ``(N, 1, hd)`` covering position ``last``."""
+        cos, ssin = self.model._rope_table(torch.tensor(last), torch.float32)
+        if not (cos.is_contiguous() and ssin.is_contiguous()):
+            return None
+        return cos, ssin
+
+    # ----- heads -------------------------------------------------------------------------------
+    def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Output products through exitlm's kernels: fp32/fp16 embeddings read row after row
+        (SmolLM2's tied 49152 x 576: fp32 ~39 GB/s against ~34 for OpenBLAS' GEMV, fp16 ~40
+        against ~24 for torch's), every row the same bits whatever the number of rows;
+        quantized ones through theirs; longer products through the packed kernels."""
+        if self.model.output_layout is not None:
+            return self.model.output_layout.project(h, weight)
+        if isinstance(weight, QuantizedWeight):
+            return weight.linear(h)
+        if (weight.dtype in _NATIVE_HEADS and h.dtype is weight.dtype and h.is_cpu
+                and weight.is_cpu and weight.is_contiguous() and not torch.is_grad_enabled()
+                and h.numel() <= NATIVE_HEAD_ROWS * h.shape[-1]):
+            flat = h.reshape(-1, h.shape[-1]).float()
+            out = _NATIVE_HEADS[weight.dtype](flat, weight.detach(), _threads())
+            return out.to(h.dtype).reshape(*h.shape[:-1], weight.shape[0])
+        return super().project(h, weight)
+
+    def _shared_head(self, vocab: int
+                     ) -> tuple[torch.Tensor, float, tuple[Any, tuple[torch.Tensor, ...]]] | None:
+        """The final RMSNorm's fp32 weight and eps, and the native description of the first
+        ``vocab`` rows of the output embedding; None for what the native calls do not take
+        (another norm, hooks on it, an fp16 or bf16 head, a sharded head)."""
+        model = self.model
+        norm = model.norm
+        if (type(norm) is not Norm or norm.kind != "rmsnorm" or norm._forward_hooks
+                or norm._forward_pre_hooks or model.output_layout is not None):
+            return None
+        w_norm = norm._parameters["weight"]
+        if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
+            return None
+        head = weight_struct(model.output_embedding()[:vocab])
+        if head is None or head[0].fmt == 1:
+            return None
+        return w_norm, norm.eps, head
+
+    def _native_steps(self, exits: Sequence[int], cache: KVCache, positions: int) -> bool:
+        """Whether the native chain and segment calls take these exits and this cache: rotary
+        positions, every exit through the final norm and LM head (no head of its own), one
+        sequence with room for ``positions``, no gradient."""
+        model = self.model
+        if torch.is_grad_enabled() or model.rope_inv_freq is None:
+            return False
+        if model.embed_positions is not None:
+            return False
+        if any(model.exit_route(e).head is not None for e in exits):
+            return False
+        return cache.batch_size == 1 and positions <= cache.max_seq_len
+
+    # ----- chains ------------------------------------------------------------------------------
+    def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, depth: int, *,
+              vocab: int | None = None, logits: bool = False, pick: Pick | None = None
+              ) -> Chain:
+        """One greedy sequence's chain in one native call (``exitlm_chain``); the last step's
+        logits, when asked for, through :meth:`logits`. The tokens are those of the eager
+        chain except where two logits tie within the last bits (the call's norm sums in
+        another order); the hidden states are the same bits."""
+        got = None
+        if tokens.shape[0] == 1 and pick is None:
+            got = self._native_chain(int(tokens[0]), cache, n, depth, vocab)
+        if got is None:
+            return super().chain(tokens, cache, n, depth, vocab=vocab, logits=logits, pick=pick)
+        steps, hidden = got
+        hidden = hidden[None]
+        if hidden.dtype != self.dtype:
+            hidden = hidden.to(self.dtype)
+        last = None
+        if logits:  # (an exit block, never in a call with drafts, writes its slot here)
+            pos = (cache.lengths[:1] + n)[:, None]
+            last = self.logits(hidden[:, -1:], depth, positions=pos, cache=cache)[:, 0]
+        return Chain(steps[None], hidden, last)
+
+    def _native_chain(self, token: int, cache: KVCache, n: int, depth: int,
+                      vocab: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        model = self.model
+        start = int(cache.lengths[0])
+        if n < 0 or not self._native_steps((depth,) if n else (), cache, start + n + 1):
+            return None
+        head = None
+        w_norm, eps = None, 0.0
+        if n:
+            shared = self._shared_head(vocab or model.config.vocab_size)
+            if shared is None:
+                return None
+            w_norm, eps, head = shared
+        embed = weight_struct(model.embed_tokens.weight)
+        if embed is None or embed[0].fmt == 1:
+            return None  # float16 models keep a float16 stream
+        if model.embed_tokens._forward_hooks or model.embed_tokens._forward_pre_hooks:
+            return None
+        blocks = self._chain_blocks(depth, cache)
+        tables = self._tables(start + n)
+        if blocks is None or tables is None:
+            return None
+        out = chain(blocks[0], blocks[1], token, n, tables, start, embed,  # type: ignore[arg-type]
+                    w_norm, eps, head, _threads())
+        fill = cache.fill[:depth]
+        fill.clamp_(min=start + n + 1)
+        return out
+
+    # ----- segments ----------------------------------------------------------------------------
+    def segments(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
+                 bounds: Sequence[int], thresholds: Sequence[float | None]) -> Segments:
+        """One sequence's segments in one native call (``exitlm_segments``), where it takes
+        them: float32 states, exits through the shared head, at most :data:`NATIVE_ROWS`
+        positions per segment. Keys/values and states get the bits of the eager segments; the
+        confidence is summed in another order than torch's softmax, so an exit decision can
+        differ only where a confidence lies within rounding of its threshold."""
+        got = self._native_segments(tokens, hidden, cache, list(bounds), thresholds)
+        if got is None:
+            return super().segments(tokens, hidden, cache, bounds, thresholds)
+        return got
+
+    def _native_segments(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
+                         bounds: list[int], thresholds: Sequence[float | None]
+                         ) -> Segments | None:
+        model = self.model
+        if tokens.shape[0] != 1 or hidden.dtype is not torch.float32:
+            return None
+        q = int(cache.lengths[0])
+        row = hidden[0]
+        if not (row.is_contiguous() and row.shape[0] > q and not row.requires_grad):
+            return None
+        starts = [int(cache.fill[a, 0]) for a in bounds[:-1]]
+        if q - min(starts) + 1 > NATIVE_ROWS:  # as many rows as the native layers take
+            return None
+        if not self._native_steps(bounds[1:-1], cache, q + 1):
+            return None
+        shared = self._shared_head(model.config.vocab_size)
+        blocks = self._chain_blocks(model.num_layers, cache)
+        tables = self._tables(q)
+        if shared is None or blocks is None or tables is None:
+            return None
+        fill_old = cache.fill.clone()
+        row[q] = self.embed(tokens[:, None], torch.tensor([[q]]))[0, 0]
+        w_norm, eps, head = shared
+        ran, stopped, exit_logits = segments(
+            blocks[0], blocks[1], row, q, starts, bounds, thresholds[0],  # type: ignore[arg-type]
+            tables, w_norm, eps, head, _threads())
+        evals = recomputed = 0
+        for a, e, s in zip(bounds[:ran], bounds[1 : ran + 1], starts, strict=False):
+            m = q - s + 1
+            evals += (e - a) * m
+            recomputed += (e - a) * (m - 1)
+        if stopped:
+            exit_at, out = stopped, exit_logits
+        else:
+            exit_at, out = model.num_layers, self.logits(row[q][None], model.num_layers)[0]
+        assert out is not None
+        commit_fill(cache, fill_old, torch.tensor([q]), [exit_at], {})
+        return Segments([exit_at], out[None], [evals], [recomputed])

@@ -1,0 +1,342 @@
+"""The CPU runner's fused native calls against the same runner's primitive-by-primitive code:
+a chain (``exitlm_chain``) against its steps through :meth:`NativeRunner.layers` and the head,
+segments (``exitlm_segments``) against the segment loop, runs of blocks against blocks one by
+one - bit for bit, keys/values and fill included - and the cases the calls leave to the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from _byte_models import sharp_model
+from exitlm.backend import native
+from exitlm.backend.quantized import quantize_model
+from exitlm.config import ExitConfig, ModelConfig
+from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
+from exitlm.model.kv_cache import KVCache
+from exitlm.runtime import NativeRunner, prepare
+from exitlm.runtime import native as native_runner
+from exitlm.runtime.runner import Runner
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+
+KINDS = (None, "int8", "int4")
+
+
+def _runner(kind: str | None, exits: ExitConfig | None = None, max_seq_len: int = 96,
+            half: bool = False) -> NativeRunner:
+    model = sharp_model(ModelConfig(
+        vocab_size=48, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
+        max_seq_len=max_seq_len, exits=exits or ExitConfig(every_layer=True, norm="final")))
+    model = model if kind is None else quantize_model(model, kind)
+    runner = prepare(model.half() if half else model, backend="native")
+    assert isinstance(runner, NativeRunner)
+    return runner
+
+
+def _counting(name: str) -> tuple[Callable[..., Any], list[bool]]:
+    """A stand-in for ``NativeRunner.<name>`` recording, per call, whether the native call
+    took it (returned something)."""
+    calls: list[bool] = []
+    real = getattr(NativeRunner, name)
+
+    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    return counting, calls
+
+
+def _caches(runner: Runner, start: int, seed: int) -> list[KVCache]:
+    """Two one-row caches holding the same random keys/values before ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [runner.new_cache(1, 96), runner.new_cache(1, 96)]
+    for i, t in enumerate((*caches[0].keys, *caches[0].values)):
+        t[:, :, :start] = torch.randn(t[:, :, :start].shape, generator=gen)
+        (*caches[1].keys, *caches[1].values)[i].copy_(t)
+    for c in caches:
+        c.fill[:] = start
+        c.lengths = torch.tensor([start])
+    return caches
+
+
+def _same_caches(a: KVCache, b: KVCache) -> None:
+    for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values), strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(a.fill, b.fill)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_a_native_chain_equals_its_steps(kind: str | None) -> None:
+    """Tokens, hidden states (bit for bit), the chain's layers' keys/values and fill equal the
+    eager chain's on the same runner (one native layers call per step, the head, the argmax);
+    the layers after ``depth`` are left alone. Whole and restricted vocabularies, several
+    offsets, 0 to 6 steps."""
+    runner = _runner(kind)
+    for seed, (start, n, depth, vocab) in enumerate(
+            ((0, 4, 2, 48), (7, 6, 1, 48), (30, 3, 3, 20), (11, 0, 2, 48), (5, 0, 4, 48))):
+        fused, loop = _caches(runner, start, seed)
+        token = torch.tensor([5 + seed])
+        got = runner.chain(token, fused, n, depth, vocab=vocab, logits=True)
+        want = Runner.chain(runner, token, loop, n, depth, vocab=vocab, logits=True)
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert all(t < vocab for t in got.tokens[0].tolist())
+        assert torch.equal(got.hidden, want.hidden)
+        assert got.logits is not None and want.logits is not None
+        assert torch.equal(got.logits, want.logits)
+        _same_caches(fused, loop)
+        assert fused.fill[:depth].eq(start + n + 1).all()
+        assert fused.fill[depth:].eq(start).all()
+
+
+@pytest.mark.parametrize("kind", (None, "int8", "fp16"))
+@torch.no_grad()
+def test_runs_of_native_blocks_equal_blocks_one_by_one(kind: str | None) -> None:
+    """:meth:`NativeRunner.layers` runs consecutive blocks in one call: the hidden states,
+    keys/values and fill equal those of the blocks called one layer at a time, for one
+    position and for a verification-sized chunk."""
+    runner = _runner(None, half=True) if kind == "fp16" else _runner(kind)
+    dtype = torch.float16 if kind == "fp16" else torch.float32
+    n = runner.num_layers
+    gen = torch.Generator().manual_seed(5)
+    for start, m in ((0, 1), (4, 1), (5, 6)):
+        h = torch.randn(1, m, 64, generator=gen).to(dtype)
+        whole, single = _caches(runner, start, start)
+        pos = torch.arange(start, start + m)[None]
+        chained = runner.layers(h, 0, n, pos, whole)
+        one_by_one = h
+        for i in range(n):
+            one_by_one = runner.layers(one_by_one, i, i + 1, pos, single)
+        assert torch.equal(chained, one_by_one)
+        _same_caches(whole, single)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_self_speculation_through_native_chains_equals_plain_decoding(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy self-spec takes the native chain (counted) and emits plain decoding's tokens
+    with the loop's acceptance; a draft threshold or sampling keeps the loop."""
+    runner = _runner(kind)
+    counting, calls = _counting("_native_chain")
+    monkeypatch.setattr(NativeRunner, "_native_chain", counting)
+    prompt = [3, 7, 1, 9, 4]
+    kw = {"max_new_tokens": 24, "threads": 1, "ignore_eos": True}
+    ar = generate(runner, None, prompt, **kw).token_ids
+    for e, d in ((1, 3), (2, 4), (3, 6)):
+        calls.clear()
+        res = generate(runner, None, prompt, strategy="self-spec", exit_layer=e,
+                       num_speculations=d, **kw)
+        assert res.token_ids == ar
+        assert calls and all(calls)
+        with monkeypatch.context() as mp:  # the loop: same drafts, so the same acceptance
+            mp.setattr(NativeRunner, "_native_chain", lambda *a, **k: None)
+            loop = generate(runner, None, prompt, strategy="self-spec", exit_layer=e,
+                            num_speculations=d, **kw)
+        assert loop.token_ids == ar
+        assert (loop.stats.accepted, loop.stats.drafted) == (res.stats.accepted,
+                                                             res.stats.drafted)
+    calls.clear()
+    thr = generate(runner, None, prompt, strategy="self-spec", exit_layer=2,
+                   draft_threshold=0.5, **kw)
+    assert thr.token_ids == ar and not calls
+    generate(runner, None, prompt, strategy="self-spec", exit_layer=2, temperature=0.8,
+             seed=1, **kw)
+    assert not calls
+
+
+@torch.no_grad()
+def test_chains_the_native_call_does_not_take() -> None:
+    """The eager chain runs (with the same result shape) for a hooked final norm, a batch of
+    two, a cache too short, an fp16 model's drafts and an exit with a head of its own."""
+    runner = _runner(None)
+    token = torch.tensor([1])
+
+    def native_took(r: NativeRunner, cache: KVCache, n: int = 3, tokens: torch.Tensor = token
+                    ) -> bool:
+        took: list[bool] = []
+        real = NativeRunner._native_chain
+
+        def spy(self, *a, **k):  # type: ignore[no-untyped-def]
+            out = real(self, *a, **k)
+            took.append(out is not None)
+            return out
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(NativeRunner, "_native_chain", spy)
+            out = r.chain(tokens, cache, n, 2)
+        assert out.tokens.shape == (tokens.shape[0], n)
+        return bool(took and took[0])
+
+    assert native_took(runner, _caches(runner, 4, 0)[0])
+    handle = runner.model.norm.register_forward_hook(lambda *_: None)
+    try:
+        assert not native_took(runner, _caches(runner, 4, 0)[0])
+    finally:
+        handle.remove()
+    assert not native_took(runner, runner.new_cache(2, 96), tokens=torch.tensor([1, 2]))
+    short = runner.new_cache(1, 6)
+    short.lengths = torch.tensor([4])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        runner.chain(token, short, 3, 2)
+    half = _runner(None, half=True)
+    assert not native_took(half, half.new_cache(1, 96))
+    own = _runner(None, ExitConfig(layers=(2,)))
+    assert not native_took(own, own.new_cache(1, 96))
+    assert native_took(own, own.new_cache(1, 96), n=0)  # no head in the call: it takes it
+
+
+def _early_exit_run(runner: Runner, prompt: list[int], opts: EarlyExitOptions, steps: int
+                    ) -> tuple[list[int], list[int], int, tuple[int, int], list[torch.Tensor]]:
+    """Tokens, exit layers, layer evaluations, (recompute evaluations, forced passes) and the
+    final cache/hidden state of one sequence decoded by the engine."""
+    engine = Engine(runner, None, "early-exit", opts, max_batch=1)
+    req = engine.submit(prompt, SamplingOptions(max_new_tokens=steps + 4, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    cache = engine.pool.cache
+    assert cache is not None
+    n = int(cache.lengths[0])
+    state = [t[0, :, :n].clone() for t in (*cache.keys, *cache.values)]
+    state += [cache.fill[:, 0].clone(), engine.pool.aux["hidden"][0, :n].clone()]
+    stats = req.stats
+    return (list(req.token_ids), list(req.exit_layers), req.layer_evaluations,
+            (stats.recompute_evaluations, stats.forced_full), state)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_segments_equal_the_segment_loop(kind: str | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens, exit layers, layer evaluations, recomputation counts, every layer's
+    keys/values, fill and the pending tokens' hidden states equal the segment loop's, at
+    thresholds that exit often (with forced full passes) and never."""
+    runner = _runner(kind)
+    counting, calls = _counting("_native_segments")
+    prompt = [3, 7, 1, 9, 4, 11]
+    early = 0
+    for threshold, pending, checks in ((0.0, 3, (2,)), (0.3, 2, None), (0.6, 8, (1, 2, 3)),
+                                       (0.9, 4, (1, 3)), (1.0, 8, None)):
+        opts = EarlyExitOptions(threshold=threshold, max_pending=pending, exit_layers=checks)
+        calls.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(NativeRunner, "_native_segments", counting)
+            got = _early_exit_run(runner, prompt, opts, 20)
+        assert calls and all(calls)
+        with monkeypatch.context() as mp:
+            mp.setattr(NativeRunner, "_native_segments", lambda *a, **k: None)
+            want = _early_exit_run(runner, prompt, opts, 20)
+        assert got[:4] == want[:4], (threshold, pending, checks)
+        for a, b in zip(got[4], want[4], strict=True):
+            assert torch.equal(a, b)
+        early += sum(x < runner.num_layers for x in got[1])
+        if threshold == 1.0:
+            assert set(got[1]) == {runner.num_layers}
+    assert early > 0
+
+
+def test_long_pending_runs_take_the_segment_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More pending positions than the native blocks take (NATIVE_ROWS) leave the step to
+    the segment loop: the output equals the loop's throughout."""
+    rows = native_runner.NATIVE_ROWS
+    runner = _runner(None, max_seq_len=256)
+    counting, calls = _counting("_native_segments")
+    opts = EarlyExitOptions(threshold=0.0, max_pending=rows + 20, exit_layers=(1,))
+    with monkeypatch.context() as mp:
+        mp.setattr(NativeRunner, "_native_segments", counting)
+        got = _early_exit_run(runner, [3, 7, 1], opts, rows + 30)
+    assert calls[:rows - 1] == [True] * (rows - 1)
+    assert False in calls  # the long pending runs went to the loop
+    with monkeypatch.context() as mp:
+        mp.setattr(NativeRunner, "_native_segments", lambda *a, **k: None)
+        want = _early_exit_run(runner, [3, 7, 1], opts, rows + 30)
+    assert got[:4] == want[:4]
+    for a, b in zip(got[4], want[4], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_and_fixed_exit_steps_take_the_native_chain(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AR and fixed-layer exit of one sequence take the native chain (counted) and emit the
+    tokens of the loop; a batch of two keeps the eager chain."""
+    runner = _runner(kind)
+    counting, calls = _counting("_native_chain")
+    prompt = [3, 7, 1, 9, 4]
+    kw = {"max_new_tokens": 20, "threads": 1, "ignore_eos": True}
+    for extra in ({}, {"strategy": "early-exit", "exit_layer": 2}):
+        monkeypatch.setattr(NativeRunner, "_native_chain", counting)
+        calls.clear()
+        got = generate(runner, None, prompt, **kw, **extra)
+        assert len(calls) == 19 and all(calls)
+        calls.clear()
+        generate(runner, None, [prompt, [5, 2, 8]], **kw, **extra)
+        assert not any(calls)
+        monkeypatch.setattr(NativeRunner, "_native_chain", lambda *a, **k: None)
+        want = generate(runner, None, prompt, **kw, **extra)
+        assert got.token_ids == want.token_ids
+        assert got.sequences[0].exit_layers == want.sequences[0].exit_layers
+
+
+@torch.no_grad()
+def test_moved_weights_rebuild_the_call_and_hooks_take_the_torch_path() -> None:
+    runner = _runner(None)
+    model = runner.model
+    cache = runner.new_cache(1, 96)
+    assert runner._serves(1, cache)
+    lin = model.layers[1].mlp.w_in
+    lin.weight.data = lin.weight.data.clone().share_memory_()  # storage moved, same module
+    assert runner._serves(1, cache)  # a new call points at the new storage
+    seen: list[int] = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+    try:
+        assert not runner._serves(1, cache)
+        generate(runner, None, [1, 2, 3], max_new_tokens=3, threads=1)
+        assert seen
+    finally:
+        handle.remove()
+
+
+def test_threads_decode_with_their_own_scratch() -> None:
+    """Two threads decoding at once (PPD's branch threads) each use their own scratch."""
+    import threading
+
+    runner = _runner("int8")
+    h = runner.embed(torch.tensor([[4, 5, 6]]))
+
+    def decode() -> torch.Tensor:
+        cache = runner.new_cache(1, 96)
+        out = []
+        with torch.no_grad():
+            for i in range(3):  # one position at a time: the native blocks
+                pos = torch.tensor([[i]])
+                out.append(runner.layers(h[:, i:i + 1], 0, 4, pos, cache))
+        return torch.cat(out, 1)
+
+    want = decode()
+    got: list[torch.Tensor] = []
+    workers = [threading.Thread(target=lambda: got.append(decode())) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(got) == 4 and all(torch.equal(g, want) for g in got)
+
+
+def test_fp16_model_decodes_through_the_native_blocks() -> None:
+    """fp16 weights: the blocks compute in fp32 and round the residual stream back to fp16;
+    plain decoding and self-speculative decoding agree exactly; an fp16 norm weight changed
+    in place stops the call."""
+    runner = _runner(None, half=True)
+    assert all(b is not None for b in runner.blocks)
+    kw = {"max_new_tokens": 14, "threads": 1}
+    ar = generate(runner, None, [3, 1, 4, 1, 5], **kw).token_ids
+    ss = generate(runner, None, [3, 1, 4, 1, 5], strategy="self-spec", exit_layer=2,
+                  num_speculations=3, **kw).token_ids
+    assert ss == ar
+    with torch.no_grad():
+        runner.model.layers[0].norm_attn.weight.mul_(2)
+    assert not runner._serves(0, runner.new_cache(1, 96))
