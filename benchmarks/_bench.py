@@ -42,7 +42,7 @@ def held_out_prompt_ids(tokenizer: Any, n: int, context: int, new_tokens: int,
                         keep: int = 128) -> list[list[int]]:
     """Token ids of ``n`` held-out standard-library prompts (``exitlm bench``'s), each cut to
     its last ``keep`` tokens and to what leaves room for ``new_tokens`` in ``context``."""
-    from exitlm.infer.bench import builtin_prompts
+    from exitlm.bench.run import builtin_prompts
 
     keep = max(1, min(keep, context - new_tokens - 1))
     return [tokenizer.encode(p)[-keep:] for p in builtin_prompts(n)]

@@ -27,9 +27,9 @@ import torch
 from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
 from exitlm.infer.cli import load_for_strategy, tokenizer_for
+from exitlm.infer.executors.pipeline import pipeline
+from exitlm.infer.executors.tp_shard import tp_run
 from exitlm.infer.result import GenerationResult
-from exitlm.parallel.infer.pipeline_ee import pipeline
-from exitlm.parallel.infer.tp_decode import tp_run
 
 
 def _summary(results: list[GenerationResult], ref: list[GenerationResult] | None

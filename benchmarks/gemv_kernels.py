@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from _bench import note
-from exitlm.backend import native, quant
+from exitlm.kernels import native, quant
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from _bench import StreamTimer, held_out_prompt_ids, note, one_line_errors
-from exitlm.cli import int_at_least
-from exitlm.infer.bench import Run, ppd_vs_theory
+from exitlm.args import int_at_least
+from exitlm.bench.run import Run, ppd_vs_theory
 from exitlm.infer.engine import Engine
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.strategies import get_strategy

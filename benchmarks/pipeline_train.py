@@ -3,7 +3,7 @@
 ``--pp`` gloo processes (one per stage, one thread each) train a small-but-not-tiny model
 (default: debug preset with dim 256, 8 layers, vocab 8192, untied LM head, so the output
 layer is a real share of the work) with exitlm's
-:class:`~exitlm.parallel.pipeline.engine.PipelineEngine` (1F1B). Three measurements, all
+:class:`~exitlm.train.parallel.pipeline.engine.PipelineEngine` (1F1B). Three measurements, all
 taken in this run; every ratio compares numbers of this run:
 
 1. **Exits** (EE-LLM Fig. 7, Table 1): 0, 1, 2, 3 minimalistic early exits (``linear`` head,
@@ -72,10 +72,10 @@ import torch.nn.functional as F
 
 from exitlm.config import ExitConfig, ModelConfig, preset
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.pipeline.engine import PipelineEngine
-from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.pipeline.engine import PipelineEngine
+from exitlm.train.parallel.pipeline.executor import Microbatch
+from exitlm.train.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
 
 CPU = torch.device("cpu")
 

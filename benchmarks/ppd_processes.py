@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="give a model without exits LayerSkip exits at every layer")
     args = ap.parse_args(argv)
 
+    from exitlm.bench.run import builtin_prompts
     from exitlm.config import ExitConfig
-    from exitlm.infer.bench import builtin_prompts
     from exitlm.infer.cli import DTYPES
     from exitlm.infer.engine import Engine
     from exitlm.infer.ppd import PPDOptions, PPDStats

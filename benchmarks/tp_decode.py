@@ -29,7 +29,7 @@ import torch
 from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
 from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
-from exitlm.parallel.infer.tp_decode import tp_run
+from exitlm.infer.executors.tp_shard import tp_run
 
 
 def _rate(results: list[Any]) -> float:

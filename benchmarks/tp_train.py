@@ -1,7 +1,7 @@
 """Tensor-parallel early-exit training: step time and per-rank memory at tp=1 and tp=2.
 
 ``tp`` processes (gloo on CPU, one thread each; NCCL with ``--device cuda``, one GPU each)
-train the same model through :func:`exitlm.parallel.layout.parallelize` - the path
+train the same model through :func:`exitlm.train.parallel.layout.parallelize` - the path
 ``exitlm train parallel.tp=T`` takes - with and without early exits, and with sequence
 parallelism on and off. Default model: debug preset with dim 256, 8 layers, 4 query / 2
 key-value heads, MLP width 1024, vocabulary 8192, untied LM head; the exits are EE-LLM's
@@ -50,12 +50,12 @@ import torch.multiprocessing as mp
 
 from exitlm.config import ExitConfig, preset
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.groups import ProcessGroups
-from exitlm.parallel.layout import Layout, parallelize
-from exitlm.parallel.memory import SavedBytes, param_storages
-from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.tensor import local
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.groups import ProcessGroups
+from exitlm.train.parallel.layout import Layout, parallelize
+from exitlm.train.parallel.memory import SavedBytes, param_storages
+from exitlm.train.parallel.pipeline.executor import Microbatch
+from exitlm.train.parallel.tensor import local
 
 
 def build(a: dict[str, Any], exits: tuple[int, ...], device: torch.device) -> EarlyExitLM:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from exitlm.errors import ExitlmError, ExitlmWarning
@@ -24,7 +22,7 @@ from exitlm.errors import ExitlmError, ExitlmWarning
 # ``set_defaults(func=...)`` where ``func(args) -> int`` is the exit status.
 _COMMAND_MODULES: tuple[str, ...] = (
     "exitlm.io.cli", "exitlm.infer.cli", "exitlm.plan.cli", "exitlm.train.cli",
-    "exitlm.infer.bench_cli", "exitlm.eval.cli",
+    "exitlm.bench.cli", "exitlm.eval.cli",
     "exitlm.serve.cli",
 )
 
@@ -75,33 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{name}: interrupted", file=sys.stderr)
             return 130
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``low`` (a one-line error otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}"
-                                             ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def finite_float(text: str) -> float:
-    """An argparse ``type``: a finite number (``nan`` and ``inf`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
 
 
 def error_lines(command: str, err: ExitlmError) -> str:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from exitlm.backend import native
+from exitlm.kernels import native
 
 
 @pytest.fixture

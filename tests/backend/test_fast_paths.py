@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exitlm.backend import blas
-from exitlm.backend.blas import BLAS, SMALL_ROWS, thread_split
-from exitlm.backend.layout import pack
-from exitlm.backend.linear import linear
+from exitlm.kernels import blas
+from exitlm.kernels.blas import BLAS, SMALL_ROWS, thread_split
+from exitlm.kernels.layout import pack
+from exitlm.kernels.linear import linear
 
 needs_numpy_blas = pytest.mark.skipif(not BLAS.enabled,
                                       reason="numpy's OpenBLAS not found: fast path unused")
@@ -26,7 +26,7 @@ def test_numpy_gemv_matches_f_linear() -> None:
         got = linear(x, w, b)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert got.shape == (1, 1, 96)
-        wc = w.t().contiguous().t()  # column-major weights (exitlm.backend.layout)
+        wc = w.t().contiguous().t()  # column-major weights (exitlm.kernels.layout)
         torch.testing.assert_close(linear(x, wc), F.linear(x, w), rtol=1e-5, atol=1e-5)
     # with gradients the autograd path runs
     xg = x.clone().requires_grad_()

@@ -1,4 +1,4 @@
-"""Native batch-small kernels (exitlm.backend.native): values against a float64 reference,
+"""Native batch-small kernels (exitlm.kernels.native): values against a float64 reference,
 bit-exact row invariance (rows and threads), argument checking, the build cache and the
 fallbacks when the library is disabled or cannot be built.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from exitlm.backend import native
 from exitlm.errors import ExitlmWarning
+from exitlm.kernels import native
 
 TOL = 2e-5
 
@@ -375,7 +375,7 @@ def test_int8_activation_setting_from_the_environment(tmp_path: Path) -> None:
     """``EXITLM_INT8_ACTIVATIONS``: on by default, 0 turns it off, a typo warns and keeps it
     on; set_int8_activations exports the setting to processes started later."""
     code = ("import warnings; warnings.simplefilter('always')\n"
-            "from exitlm.backend import native\n"
+            "from exitlm.kernels import native\n"
             "print(native.int8_activations())\n"
             "native.set_int8_activations(False)\n"
             "import os; print(os.environ['EXITLM_INT8_ACTIVATIONS'])\n")

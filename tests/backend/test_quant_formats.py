@@ -1,4 +1,4 @@
-"""Quantized weight formats (exitlm.backend.quant): round-trip error bounds, the GGUF nibble
+"""Quantized weight formats (exitlm.kernels.quant): round-trip error bounds, the GGUF nibble
 order, row slices as views, embedding rows, and qlinear / dense_linear on both sides of the row
 threshold (exact per-row kernels below it) and without the native library."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exitlm.backend import native, quant
-from exitlm.backend.quant import QuantizedWeight, qlinear, quantize
+from exitlm.kernels import native, quant
+from exitlm.kernels.quant import QuantizedWeight, qlinear, quantize
 
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason=f"native kernels: {native.unavailable_reason()}")

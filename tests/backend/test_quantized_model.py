@@ -14,20 +14,20 @@ import torch
 
 from _byte_models import sharp_model
 from _default_model import requires_default_model
-from exitlm.backend import native
-from exitlm.backend.quant import QuantizedWeight
-from exitlm.backend.quantized import (
+from exitlm.cli import main
+from exitlm.config import ConfigError, ExitConfig, ModelConfig
+from exitlm.infer import generate
+from exitlm.io import load_model
+from exitlm.io.native import save_native
+from exitlm.kernels import native
+from exitlm.kernels.quant import QuantizedWeight
+from exitlm.kernels.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     is_quantized,
     quantize_model,
     quantized_numel,
 )
-from exitlm.cli import main
-from exitlm.config import ConfigError, ExitConfig, ModelConfig
-from exitlm.infer import generate
-from exitlm.io import load_model
-from exitlm.io.native import save_native
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exitlm.config import ExitConfig, preset
-from exitlm.eval.per_exit import evaluate_exits, format_table
+from exitlm.infer.per_exit import evaluate_exits, format_table
 from exitlm.model.transformer import EarlyExitLM
 
 

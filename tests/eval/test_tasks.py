@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from exitlm.bench.tasks import docstring_items
 from exitlm.config import ExitConfig, ModelConfig
-from exitlm.eval.tasks import docstring_items
 from exitlm.model.transformer import EarlyExitLM
 
 

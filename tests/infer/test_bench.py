@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from exitlm.bench.run import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
 from exitlm.cli import main
-from exitlm.infer.bench import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
 from exitlm.infer.ppd import PPDStats
 from exitlm.infer.rouge import rouge_l, words
 from exitlm.infer.self_speculative import SelfSpecStats

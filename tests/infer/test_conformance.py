@@ -25,8 +25,8 @@ import torch
 
 from _ee_models import ee_model, random_prompts
 from _reference import early_exit_reference, greedy_reference
-from exitlm.backend import native
 from exitlm.infer import generate
+from exitlm.kernels import native
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner

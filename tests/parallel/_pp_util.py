@@ -4,7 +4,7 @@ A *case* is a dict: ``pp``, ``dp``, ``tp``, ``sp`` (sequence parallelism), ``sch
 ``deferred``, ``placement``, ``slices``, ``fill``, ``fill_microbatches``, ``ratio``,
 ``boundaries``, ``microbatches``, ``exits`` (ExitConfig fields), ``model`` (ModelConfig
 overrides), ``preset``, ``weights`` (layer -> w), ``dropout`` (p_max), ``flat`` (run through
-:func:`exitlm.parallel.layout.parallelize` without a pipeline: tensor x data parallelism).
+:func:`exitlm.train.parallel.layout.parallelize` without a pipeline: tensor x data parallelism).
 Every process builds the same model and data from seeds; each rank's gradients (whole
 tensors: tensor-parallel shards are gathered) go to ``ROOT/<case>/rank<r>.safetensors``.
 """
@@ -23,15 +23,15 @@ from safetensors.torch import save_file
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.groups import ProcessGroups
-from exitlm.parallel.layout import Layout, PipelineLayout, parallelize
-from exitlm.parallel.pipeline.engine import PipelineEngine
-from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.pipeline.stage import build_stages, stage_parameter_names
-from exitlm.parallel.tensor import local
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import multi_exit_loss
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.groups import ProcessGroups
+from exitlm.train.parallel.layout import Layout, PipelineLayout, parallelize
+from exitlm.train.parallel.pipeline.engine import PipelineEngine
+from exitlm.train.parallel.pipeline.executor import Microbatch
+from exitlm.train.parallel.pipeline.stage import build_stages, stage_parameter_names
+from exitlm.train.parallel.tensor import local
 
 SEQ = 12
 BATCH = 2

@@ -24,7 +24,7 @@ def stall_at(monkeypatch: pytest.MonkeyPatch, call: int, rank: int) -> list[int]
     """Make stage 0's ``call``-th decoder call (1: the prefill, n: step n - 1) first stop
     (``SIGSTOP``) the process of stage ``rank`` of the active pipeline: it stays alive, holds
     its sockets and says nothing. Returns the list the stage processes' ids are put in."""
-    from exitlm.parallel.infer import pipeline_ee
+    from exitlm.infer.executors import pipeline as pipeline_ee
 
     pids: list[int] = []
     calls = [0]

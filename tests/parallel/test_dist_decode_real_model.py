@@ -11,7 +11,7 @@ import torch
 
 from _default_model import requires_default_model
 from exitlm.infer import generate
-from exitlm.parallel.infer.tp_decode import tp_generate
+from exitlm.infer.executors.tp_shard import tp_generate
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow, requires_default_model]
 

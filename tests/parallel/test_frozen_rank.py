@@ -70,8 +70,8 @@ def test_frozen_rank_is_named_within_the_timeout(tmp_path: Path,
 
 
 def _slow_rank0(rank: int, port: int, root: str) -> None:
-    from exitlm.parallel.dims import ParallelDims
-    from exitlm.parallel.groups import ProcessGroups
+    from exitlm.train.parallel.dims import ParallelDims
+    from exitlm.train.parallel.groups import ProcessGroups
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))

@@ -18,7 +18,7 @@ from _ee_models import ee_model, random_prompts
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.early_exit import EarlyExitOptions
-from exitlm.parallel.infer.pipeline_ee import pipeline, stage_bounds
+from exitlm.infer.executors.pipeline import pipeline, stage_bounds
 
 STEPS = 24
 TIMEOUT_S = 4.0
@@ -148,7 +148,7 @@ def test_bad_stage_settings() -> None:
 def test_dead_stage_is_an_error_not_a_hang() -> None:
     import time
 
-    from exitlm.parallel.health import ParallelError
+    from exitlm.comm.health import ParallelError
 
     torch.set_num_threads(1)
     model = ee_model("linear")
@@ -230,8 +230,8 @@ def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, 
     """A stage that stops answering but stays alive (SIGSTOP) ends the job with a
     ParallelError naming its rank, not a hang, and no stage process outlives the job (also
     when the decoder started the pipeline itself and closes it in the engine's cleanup)."""
-    from exitlm.parallel.health import ParallelError
-    from exitlm.parallel.infer import pipeline_ee
+    from exitlm.comm.health import ParallelError
+    from exitlm.infer.executors import pipeline as pipeline_ee
 
     torch.set_num_threads(1)
     model = ee_model("linear")

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from _pp_util import SEQ, batches_of, build_model
 
 from _dist import free_port
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.pipeline.engine import PipelineEngine
-from exitlm.parallel.pipeline.p2p import PipelineError
+from exitlm.comm.p2p import PipelineError
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.pipeline.engine import PipelineEngine
 
 
 def _worker(rank: int, port: int, root: str, mode: str) -> None:

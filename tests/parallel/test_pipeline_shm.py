@@ -1,6 +1,6 @@
 """The shared-memory channels between pipeline stages (``channel.c``,
-:mod:`exitlm.backend.native_channel`, :func:`exitlm.parallel.infer.shm_group.shm_channels`,
-:mod:`exitlm.parallel.infer.shm_p2p`) in real processes: bytes arrive whole and in order,
+:mod:`exitlm.comm.native_channel`, :func:`exitlm.comm.shm.shm_channels`,
+:mod:`exitlm.comm.shm_p2p`) in real processes: bytes arrive whole and in order,
 also messages many times the ring's size; a wait ends on its deadline, on an aborting peer
 and on a killed one; an idle receiver sleeps instead of spinning; the set-up leaves no file
 behind; and the pipeline decodes the same over shared memory and over gloo."""
@@ -21,14 +21,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
-from exitlm.backend import native
-from exitlm.backend.native_channel import DEAD, PEER, TIMEOUT, ChannelError
+from exitlm.comm.launch import join_group
+from exitlm.comm.native_channel import DEAD, PEER, TIMEOUT, ChannelError
+from exitlm.comm.p2p import P2P
+from exitlm.comm.shm import pipeline_pairs, shm_channels
+from exitlm.comm.shm_p2p import ChannelP2P
 from exitlm.infer import generate
-from exitlm.parallel.infer.launch import join_group
-from exitlm.parallel.infer.pipeline_ee import pipeline
-from exitlm.parallel.infer.shm_group import pipeline_pairs, shm_channels
-from exitlm.parallel.infer.shm_p2p import ChannelP2P
-from exitlm.parallel.pipeline.p2p import P2P
+from exitlm.infer.executors.pipeline import pipeline
+from exitlm.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
-from exitlm.backend import native
-from exitlm.backend.quantized import quantize_model
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
+from exitlm.infer.executors.pipeline import pipeline
+from exitlm.kernels import native
+from exitlm.kernels.quantized import quantize_model
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.infer.pipeline_ee import pipeline
 from exitlm.runtime import NativeRunner, prepare
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
@@ -83,7 +83,7 @@ def test_tensor_parallel_ranks_on_quantized_weights(monkeypatch: pytest.MonkeyPa
     the quantized modules from the parent's buffers and keeps the parent's activation setting,
     so with float32 activations its tokens are one process's (int8 activations and the other
     strategies: tests/parallel/test_tp_quantized.py)."""
-    from exitlm.parallel.infer.tp_decode import tp_generate
+    from exitlm.infer.executors.tp_shard import tp_generate
 
     torch.set_num_threads(1)
     monkeypatch.setenv("EXITLM_INT8_ACTIVATIONS", "0")

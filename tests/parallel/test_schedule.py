@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from exitlm.config import ConfigError
-from exitlm.parallel.pipeline.schedule import (
+from exitlm.plan.cost_model import bubble_fill_capacity, part2_backward_stages
+from exitlm.plan.schedule import (
     Action,
     PipelineSchedule,
     Route,
@@ -16,7 +17,6 @@ from exitlm.parallel.pipeline.schedule import (
     check_schedule,
     fill_routes,
 )
-from exitlm.plan.cost_model import bubble_fill_capacity, part2_backward_stages
 
 
 def _names(sched: PipelineSchedule, stage: int) -> str:

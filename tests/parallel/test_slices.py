@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.pipeline.engine import PipelineEngine
-from exitlm.parallel.pipeline.executor import Microbatch
 from exitlm.train.losses import multi_exit_loss
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.pipeline.engine import PipelineEngine
+from exitlm.train.parallel.pipeline.executor import Microbatch
 
 
 @pytest.mark.parametrize("head,deferred,gpt2", [("linear", True, False), ("mlp", False, False),

@@ -10,8 +10,8 @@ import torch
 
 from exitlm import EarlyExitLM, ExitConfig, preset
 from exitlm.config import ConfigError
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.pipeline.stage import (
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.pipeline.stage import (
     build_stages,
     prune_to_stage,
     shared_parameter_users,

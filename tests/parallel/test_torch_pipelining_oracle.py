@@ -1,10 +1,10 @@
 """``torch.distributed.pipelining``'s Schedule1F1B as a second gradient oracle (no exits).
 
 Two gloo processes build the same seeded model. Each cuts its stage the way exitlm does
-(:func:`~exitlm.parallel.pipeline.stage.build_stages`: layers ``[0, 2)`` and ``[2, 4)``),
+(:func:`~exitlm.train.parallel.pipeline.stage.build_stages`: layers ``[0, 2)`` and ``[2, 4)``),
 wraps it as an ``nn.Module`` (stage 0: embedding + layers; stage 1: layers + final norm and
 LM head) for ``torch.distributed.pipelining.PipelineStage`` and runs ``Schedule1F1B`` over
-three microbatches. Then exitlm's :class:`~exitlm.parallel.pipeline.engine.PipelineEngine`
+three microbatches. Then exitlm's :class:`~exitlm.train.parallel.pipeline.engine.PipelineEngine`
 (1F1B, final loss only) runs on a second copy of the model with the same microbatches.
 
 Loss scaling: exitlm multiplies each microbatch's mean cross-entropy by ``1 / M``; torch's
@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from _dist import free_port, run_processes
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.parallel.dims import ParallelConfig, ParallelDims
-from exitlm.parallel.pipeline.engine import PipelineEngine
-from exitlm.parallel.pipeline.executor import Microbatch
-from exitlm.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
+from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+from exitlm.train.parallel.pipeline.engine import PipelineEngine
+from exitlm.train.parallel.pipeline.executor import Microbatch
+from exitlm.train.parallel.pipeline.stage import StageModule, build_stages, prune_to_stage
 
 PP = 2
 M = 3  # microbatches

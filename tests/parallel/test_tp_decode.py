@@ -15,10 +15,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
+from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError
 from exitlm.infer import generate
-from exitlm.parallel.infer.launch import join_group
-from exitlm.parallel.infer.tp_decode import check_strategy, check_tp, shard_model, tp_generate
+from exitlm.infer.executors.tp_shard import check_strategy, check_tp, shard_model, tp_generate
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("ar", {}),
@@ -116,7 +116,7 @@ def test_unseeded_sampling_draws_one_seed_for_every_rank() -> None:
     """Sampling without ``--seed``: rank 0 draws the seed for all ranks. Before, each rank
     drew its own, fed its shard other tokens than its peers (nonsense text) and, on a model
     with an end token, stopped at another length and left its peers waiting."""
-    from exitlm.parallel.infer.tp_decode import draw_seed
+    from exitlm.infer.executors.tp_shard import draw_seed
 
     torch.set_num_threads(1)
     model = ee_model("linear", eos=(3,))

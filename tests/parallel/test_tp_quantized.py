@@ -26,19 +26,19 @@ import torch.distributed as dist
 
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
-from exitlm.backend import native
-from exitlm.backend.quant import GROUP, QuantizedWeight, qlinear, quantize
-from exitlm.backend.quantized import QuantizedLinear, quantize_model
+from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError, ExitConfig, ModelConfig
 from exitlm.infer import generate
-from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.infer.launch import join_group
-from exitlm.parallel.infer.tp_decode import (
+from exitlm.infer.executors.tp_shard import (
     QuantizedRowParallelLinear,
     check_quantized,
     shard_model,
     tp_run,
 )
+from exitlm.kernels import native
+from exitlm.kernels.quant import GROUP, QuantizedWeight, qlinear, quantize
+from exitlm.kernels.quantized import QuantizedLinear, quantize_model
+from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import NativeRunner, prepare
 from exitlm.runtime.runner import Runner
 
@@ -252,8 +252,8 @@ def test_sliced_weights_are_held_as_quantized_buffers() -> None:
     """One rank's shard (TP=1 needs no group) keeps the model's quantized modules on the
     model's own buffers - made in this process, and as a spawned rank makes it from the
     model's tensors (:func:`~exitlm.io.materialize.model_tensors`)."""
+    from exitlm.infer.executors.tp_shard import rank_shard
     from exitlm.io.materialize import model_tensors
-    from exitlm.parallel.infer.tp_decode import rank_shard
 
     model = _model("int4", "block-heads")
     for shard in (shard_model(model, 0, 1),

@@ -1,5 +1,5 @@
 """The shared-memory collectives of tensor-parallel decoding (``reduce.c``,
-:mod:`exitlm.backend.native_reduce`, :mod:`exitlm.parallel.infer.shm_group`) in real
+:mod:`exitlm.comm.native_reduce`, :mod:`exitlm.comm.shm`) in real
 processes: rank-order sums with the same bits on every rank, gathers, tensors larger than a
 round, a peer that never comes or fails, and the set-up leaving no file behind; then
 tensor-parallel decoding with a rank count that does not divide the heads."""
@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
 from _ee_models import random_prompts
-from exitlm.backend import native
+from exitlm.comm.launch import join_group
+from exitlm.comm.shm import shm_reducer
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
+from exitlm.infer.executors.tp_shard import agree_seed, shard_model, split, tp_generate
+from exitlm.kernels import native
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.infer.launch import join_group
-from exitlm.parallel.infer.shm_group import shm_reducer
-from exitlm.parallel.infer.tp_decode import agree_seed, shard_model, split, tp_generate
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
@@ -48,7 +48,7 @@ def _collectives(rank: int, world: int, port: int, root: str) -> None:
             out[f"sum{n}"] = got.tolist()
             out[f"gather{n}"] = red.gather(x.view(-1, 5) if n % 5 == 0 else x).tolist()
         # fp16 / bf16 partial sums and logits go through shared memory too (added in fp32)
-        from exitlm.parallel.infer import tp_decode
+        from exitlm.infer.executors import tp_shard as tp_decode
 
         def no_gloo(*_a: object, **_k: object) -> None:
             raise AssertionError("gloo used")

@@ -115,8 +115,8 @@ def test_plan_pipeline_simulates_the_actions_train_executes(capsys, fill: str,
     import torch
 
     from exitlm import EarlyExitLM, ExitConfig
-    from exitlm.parallel.dims import ParallelConfig, ParallelDims
-    from exitlm.parallel.pipeline.engine import PipelineEngine
+    from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
+    from exitlm.train.parallel.pipeline.engine import PipelineEngine
 
     plan_fill = {"none": "none", "both": "both", "cooldown": "part2"}[fill]
     rc, out = _run(capsys, ["plan", "pipeline", "--stages", "4", "--microbatches", "6",

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from exitlm.errors import ExitlmError, ExitlmWarning
 from exitlm.io import export_hf, load_model
-from exitlm.train.default_ee import save_bundle
+from exitlm.io.bundle import save_bundle
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
-from exitlm.backend import native
-from exitlm.backend.quantized import quantize_model
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
+from exitlm.kernels import native
+from exitlm.kernels.quantized import quantize_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.runtime import NativeRunner, prepare
 from exitlm.runtime import native as native_runner

@@ -13,8 +13,8 @@ import torch
 
 from _byte_models import sharp_model
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.backend import native
 from exitlm.infer import Engine, SamplingOptions, generate
+from exitlm.kernels import native
 from exitlm.model import layers
 from exitlm.runtime import BACKENDS, GraphRunner, NativeRunner, Runner, prepare
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from exitlm import EarlyExitLM, ExitConfig, preset
-from exitlm.backend import native
+from exitlm.kernels import native
 from exitlm.runtime import prepare
 from exitlm.runtime.products import Products
 from exitlm.runtime.runner import Runner

@@ -9,10 +9,10 @@ import torch
 
 from _default_model import requires_default_model
 from exitlm.config import ExitConfig, preset
-from exitlm.eval.per_exit import evaluate_exits
+from exitlm.infer.per_exit import evaluate_exits
 from exitlm.io import load_model, save_model
+from exitlm.io.bundle import find_bundle, save_bundle
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.train.default_ee import find_bundle, save_bundle
 from exitlm.train.tuning import freeze_backbone, init_heads_from_final
 
 
@@ -55,13 +55,13 @@ def test_bundle_round_trip(tmp_path: Path) -> None:
 @pytest.mark.real_model
 @requires_default_model
 def test_default_ee_agrees_with_final_more_than_untuned() -> None:
-    from exitlm.train.data import DataConfig, _is_val, list_sources
+    from exitlm.io.corpus import DataConfig, is_held_out, list_sources
 
     tuned = load_model("default-ee")
     layers = list(tuned.config.exits.layers)
     assert layers and tuned.tokenizer is not None
     cfg = DataConfig()
-    held_out = [p for k, p in list_sources(cfg) if _is_val(k, cfg.val_fraction, cfg.seed)]
+    held_out = [p for k, p in list_sources(cfg) if is_held_out(k, cfg.val_fraction, cfg.seed)]
     ids = tuned.tokenizer.encode(held_out[0].read_text(encoding="utf-8"))[:257]
     x = torch.tensor([ids])
     batch = [(x[:, :-1], x[:, 1:])]

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from exitlm.config import ConfigError
+from exitlm.io.corpus import DataConfig, list_sources
 from exitlm.train.data import (
     BatchStream,
     ByteTokenizer,
-    DataConfig,
     TokenFile,
     data_dir_for,
-    list_sources,
     open_split,
     prepare,
 )

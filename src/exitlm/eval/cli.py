@@ -22,7 +22,7 @@ import argparse
 import json
 from typing import Any
 
-from exitlm.cli import int_at_least
+from exitlm.args import int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         from lm_eval._cli import HarnessCLI
         from lm_eval.utils import setup_logging
 
+        # lazy: loaded when the command runs
         import exitlm.eval.lm_eval_adapter  # noqa: F401 - registers the "exitlm" model
     except ImportError as err:
         raise ConfigError(f"lm-eval is not installed ({err}); pip install lm-eval") from None
@@ -115,9 +116,11 @@ def run_humaneval(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm humaneval``: prints one JSON object."""
     from pathlib import Path
 
-    from exitlm.eval import humaneval
+    from exitlm.eval import humaneval  # lazy: loaded when the command runs
+
+    # lazy: loaded when the command runs
     from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
-    from exitlm.infer.strategies import get_strategy
+    from exitlm.infer.strategies import get_strategy  # lazy: loaded when the command runs
 
     items = humaneval.problems(args.limit)
     options = get_strategy(args.strategy).options(**strategy_overrides(args, args.strategy))

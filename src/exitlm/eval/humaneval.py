@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.config import ConfigError
+from exitlm.infer import Engine, SamplingOptions
 
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 """Where a HumanEval completion ends (the body of the one function asked for)."""
@@ -92,7 +93,6 @@ def generate(model: Any, tokenizer: Any, strategy: str, options: Any, items: lis
              threads: int | None = None) -> tuple[list[str], dict[str, float]]:
     """Greedy completions of ``items``' prompts through the engine, and the decode timing
     (new tokens, seconds, tokens per second)."""
-    from exitlm.infer import Engine, SamplingOptions
 
     engine = Engine(model, tokenizer, strategy, options, max_batch=max_batch, threads=threads)
     sampling = SamplingOptions(max_new_tokens=max_new_tokens, stop_strings=STOP)

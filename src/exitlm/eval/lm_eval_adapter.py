@@ -1,7 +1,6 @@
 """An lm-evaluation-harness model for exitlm: any checkpoint, any exit, any decoding strategy.
 
 Importing this module registers the model as ``exitlm`` (lm-eval has no plugin discovery)::
-
     from exitlm.eval.lm_eval_adapter import ExitlmLM
     import lm_eval
     lm = ExitlmLM(pretrained="default-ee", strategy="self-spec", exit_layer=20)
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, get_strategy
+from exitlm.infer.cli import load_for_strategy, tokenizer_for
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer
@@ -80,8 +80,6 @@ class ExitlmLM(TemplateLM):
     ) -> None:
         super().__init__()
         if isinstance(pretrained, str):
-            from exitlm.infer.cli import load_for_strategy, tokenizer_for
-
             if dtype not in _DTYPES:
                 raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
             loaded = load_for_strategy(pretrained, _DTYPES[dtype], strategy)

@@ -26,21 +26,23 @@ from typing import Any
 
 import torch
 
-from exitlm.cli import int_at_least
-from exitlm.config import ConfigError
+from exitlm.args import int_at_least
+from exitlm.config import ConfigError, ExitConfig
 from exitlm.infer.api import generate
+from exitlm.infer.executors.run import distributed_generate, distributed_mode
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.options import SamplingOptions
+from exitlm.infer.ppd import PPDStats
 from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.infer.threads import set_threads
-from exitlm.parallel.infer.run import distributed_generate, distributed_mode
+from exitlm.io import load_model
 from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
 DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": "int8", "int4": "int4",  # weight-only quantized (exitlm.backend.quantized)
+    "int8": "int8", "int4": "int4",  # weight-only quantized (exitlm.kernels.quantized)
 }
 
 
@@ -116,8 +118,6 @@ def unescape(text: str) -> str:
 def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
     """Load a model for decoding; strategies other than ``ar`` need exits, so a model without
     any gets LayerSkip-style exits at every layer (through the final norm and head)."""
-    from exitlm.config import ExitConfig
-    from exitlm.io import load_model
 
     loaded = load_model(source, dtype=dtype)
     if strategy != "ar" and not loaded.model.config.exit_layers:
@@ -312,7 +312,6 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 def ppd_theory_of(result: GenerationResult, num_layers: int) -> dict[str, float] | None:
     """PPD Theorem 4.1's prediction for a ``ppd`` result's measured ``p_correct`` (per
     sequence of the mean length), or ``None`` for other strategies / nothing forked."""
-    from exitlm.infer.ppd import PPDStats
 
     st = result.stats
     if not isinstance(st, PPDStats) or not st.forks or not result.sequences:

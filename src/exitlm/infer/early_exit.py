@@ -17,7 +17,7 @@ Three ways to emit a token before the last layer, chosen by :class:`EarlyExitOpt
   keys/values, so even the full-depth predictions drift. Offered for comparison only.
 * ``kv="pipeline"`` (EE-LLM Sec. 4, pipeline-based inference): the model split into
   ``stages`` processes by layer range; an exited token is decided at once and the later
-  stages keep running it, filling their KV caches (:mod:`exitlm.parallel.infer.pipeline_ee`).
+  stages keep running it, filling their KV caches (:mod:`exitlm.infer.executors.pipeline`).
   Same tokens as ``recompute`` under the same exit decisions; a step carries every running
   sequence, each row deciding on its own.
 
@@ -33,6 +33,7 @@ from typing import Literal
 from exitlm.config import ConfigError
 from exitlm.infer.autoregressive import DepthDecoder
 from exitlm.infer.decoder import Decoder
+from exitlm.infer.executors.pipeline import PipelineDecoder
 from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
 from exitlm.infer.options import option
 from exitlm.model.transformer import EarlyExitLM
@@ -110,7 +111,6 @@ def early_exit_decoder(runner: Runner, options: EarlyExitOptions) -> Decoder:
             raise ConfigError("kv='copy' does not support block exit heads; use kv='recompute'")
         return CopyDecoder(runner, options, checks)
     if options.kv == "pipeline":
-        from exitlm.parallel.infer.pipeline_ee import PipelineDecoder
 
         return PipelineDecoder(runner, options, checks)
     return RecomputeDecoder(runner, options, checks)

@@ -36,16 +36,17 @@ from typing import Any, Literal
 
 import torch
 
-from exitlm.backend.blas import gemv_bound
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Decoder, Emit, Seq
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.pool import SlotPool
 from exitlm.infer.result import DecodeStats, FinishReason, SequenceResult, TokenLogprob
 from exitlm.infer.sampling import make_generator
+from exitlm.infer.score import score_tokens
 from exitlm.infer.stopping import TextTracker
 from exitlm.infer.strategies import get_strategy
 from exitlm.infer.threads import ThreadPolicy
+from exitlm.kernels.blas import gemv_bound
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner
@@ -75,7 +76,7 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING
 
 class EngineBroken(RuntimeError):
     """The engine cannot serve any more requests (an engine over several processes whose
-    ranks failed, :class:`~exitlm.parallel.infer.tp_engine.TPEngine`); the message says why
+    ranks failed, :class:`~exitlm.infer.executors.tp.TPEngine`); the message says why
     and what to do."""
 
 
@@ -294,7 +295,6 @@ class Engine:
     def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob | None]:
         """Log-probabilities of ``ids`` under the final layer (the server's ``echo`` with
         ``logprobs``); call it between steps, on the thread that steps."""
-        from exitlm.infer.score import score_tokens
 
         return score_tokens(self.runner, ids, top=top)
 

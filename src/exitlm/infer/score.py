@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from exitlm.config import ConfigError
 from exitlm.infer.result import TokenLogprob
 from exitlm.infer.sampling import token_logprobs
 from exitlm.model.transformer import EarlyExitLM
@@ -27,8 +28,6 @@ def score_tokens(model: EarlyExitLM | Runner, ids: list[int], *, top: int = 0,
     runner = model if isinstance(model, Runner) else prepare(model)
     model = runner.model
     if len(ids) > model.config.max_seq_len:
-        from exitlm.config import ConfigError
-
         raise ConfigError(f"{len(ids)} tokens exceed the model's context of "
                           f"{model.config.max_seq_len}")
     layer = model.num_layers if layer is None else layer

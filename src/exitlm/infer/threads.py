@@ -15,7 +15,7 @@ the count instead.
 
 Every step has a *kind*: ``gemv`` steps (one fp32 sequence on CPU: its products are numpy
 GEMVs) give the threads to OpenBLAS and leave torch one; ``torch`` steps (batches: few-row
-products through oneDNN) give them to torch (:func:`~exitlm.backend.blas.thread_split`).
+products through oneDNN) give them to torch (:func:`~exitlm.kernels.blas.thread_split`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exitlm.backend.blas import thread_split
 from exitlm.config import ConfigError
+from exitlm.kernels.blas import thread_split
 
 WINDOW = 4
 """Steps per measurement window (the median is compared)."""

@@ -44,8 +44,8 @@ def register(subparsers: Any) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from exitlm.io import export_hf, load_model, save_model
-    from exitlm.io.st import check_replaceable
+    from exitlm.io import export_hf, load_model, save_model  # lazy: loaded when the command runs
+    from exitlm.io.st import check_replaceable  # lazy: loaded when the command runs
 
     dst = Path(args.dst).expanduser()
     check_not_source(dst, source_paths(args.src))
@@ -61,7 +61,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def source_paths(src: str) -> list[Path]:
     """The files and directories that loading ``src`` reads (what a write must not touch)."""
-    from exitlm.train.default_ee import find_bundle
+    from exitlm.io.bundle import find_bundle  # lazy: loaded when the command runs
 
     paths: list[Path] = []
     bundle = find_bundle(src)
@@ -75,6 +75,7 @@ def source_paths(src: str) -> list[Path]:
         if isinstance(base, str) and find_bundle(base) is None:
             paths += source_paths(base)
     elif src == "default":
+        # lazy: loaded when the command runs
         from exitlm.io.default_model import cache_dir_for, default_gguf_path
 
         try:
@@ -103,7 +104,8 @@ def check_not_source(dst: Path, sources: list[Path]) -> None:
 
 def describe(loaded: Any) -> dict[str, Any]:
     """Facts about a :class:`~exitlm.io.LoadedModel` (what ``exitlm info`` prints)."""
-    from exitlm.backend.quantized import is_quantized, quantized_numel
+    # lazy: loaded when the command runs
+    from exitlm.kernels.quantized import is_quantized, quantized_numel
 
     model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
     total = model.num_parameters() + quantized_numel(model)
@@ -133,7 +135,7 @@ def describe(loaded: Any) -> dict[str, Any]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from exitlm.io import load_model
+    from exitlm.io import load_model  # lazy: loaded when the command runs
 
     info = describe(load_model(args.model))
     if args.json:

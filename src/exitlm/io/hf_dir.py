@@ -23,10 +23,15 @@ from exitlm.io.hf_map import (
     exitlm_to_hf,
     hf_to_exitlm,
 )
-from exitlm.io.loader import LoadedModel, _fill_special, keep_matching_exits
+from exitlm.io.loaded import LoadedModel, fill_special, keep_matching_exits
 from exitlm.io.materialize import model_from_tensors
-from exitlm.io.native import FORMAT_KEY, load_tokenizer_dir
-from exitlm.io.save import EXITS_CONFIG, EXITS_WEIGHTS
+from exitlm.io.native import (
+    EXITS_CONFIG,
+    EXITS_WEIGHTS,
+    FORMAT_KEY,
+    load_tokenizer_dir,
+    native_tensors_of,
+)
 from exitlm.io.st import PICKLE_SUFFIXES, read_json, refuse_pickle, stream_file, tensor_shapes
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.schema import build
@@ -176,8 +181,6 @@ def load_hf_dir(
     def exit_stream() -> Iterator[tuple[str, torch.Tensor]]:
         file = path / EXITS_WEIGHTS
         if file.is_file() and ckpt.exits.layers:
-            from exitlm.io.native import native_tensors_of
-
             yield from native_tensors_of(file)
 
     def all_tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -188,4 +191,4 @@ def load_hf_dir(
         cfg, all_tensors(), source=str(path), dtype=dtype,
         allow_missing_exits=exits is not None,
     )
-    return LoadedModel(model, _fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
+    return LoadedModel(model, fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from exitlm.backend.quantized import cat_rows
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.errors import ExitlmError
+from exitlm.kernels.quantized import cat_rows
 from exitlm.schema import convert, field_hints
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -4,14 +4,14 @@ Accepted sources, tried in this order:
 
 * ``"default"`` - the embedded SmolLM2-135M-Instruct (converted once into a local cache);
 * an exit-head bundle: ``"default-ee"`` or a directory with ``exits.json`` (backbone + tuned
-  exit heads, :mod:`exitlm.train.default_ee`);
+  exit heads, :mod:`exitlm.io.bundle`);
 * a path to a ``.gguf`` file;
 * a directory written by :func:`save_model` (``config.json`` carries ``exitlm_format_version``);
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not);
 * a preset name from :data:`exitlm.config.PRESETS` (random initialisation, no tokenizer).
 
 ``dtype`` is a torch floating dtype or a weight-only quantization, ``"int8"`` / ``"int4"``
-(:mod:`exitlm.backend.quantized`): GGUF tensors stored as Q8_0/Q4_0/Q4_1 blocks (the embedded
+(:mod:`exitlm.kernels.quantized`): GGUF tensors stored as Q8_0/Q4_0/Q4_1 blocks (the embedded
 model's, among them) are kept as they are, and every other linear weight is quantized to the
 requested kind. A checkpoint saved quantized (``exitlm convert --quantize``) loads quantized.
 """
@@ -19,22 +19,31 @@ requested kind. A checkpoint saved quantized (``exitlm convert --quantize``) loa
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exitlm.config import PRESETS, ExitConfig, ModelConfig
+from exitlm.config import PRESETS, ExitConfig, preset
+from exitlm.io.bundle import attach_heads, find_bundle, read_bundle
 from exitlm.io.default_model import (
     DEFAULT_NAME,
     cache_dir_for,
     default_gguf_path,
     progress_note,
 )
+from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
 from exitlm.io.header_check import check_config_against_tensors
+from exitlm.io.hf_dir import load_hf_dir
 from exitlm.io.hf_map import CheckpointError, hf_to_exitlm
+from exitlm.io.loaded import (
+    LoadedModel,
+    cast_parameters,
+    fill_special,
+    keep_matching_exits,
+    rebuild,
+)
 from exitlm.io.materialize import model_from_tensors
 from exitlm.io.native import (
     is_native_dir,
@@ -44,19 +53,8 @@ from exitlm.io.native import (
     save_native,
 )
 from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle, tensor_shapes
-from exitlm.model.layers import rope_inv_freq
+from exitlm.kernels.quantized import check_kind, quantize_model
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.tokenizer import Tokenizer
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for use, its tokenizer (``None`` for presets), config and origin."""
-
-    model: EarlyExitLM
-    tokenizer: Tokenizer | None
-    config: ModelConfig
-    source: str
 
 
 def load_model(
@@ -79,15 +77,12 @@ def load_model(
     path = Path(src).expanduser()
     quant = None
     if isinstance(dtype, str):
-        from exitlm.backend.quantized import check_kind
-
         quant, dtype = check_kind(dtype), torch.float32
-    # Exit-head bundles ("default-ee", OUT/exits of exit tuning): see exitlm.train.default_ee.
-    from exitlm.train.default_ee import find_bundle, load_bundle
-
-    bundle = find_bundle(src)
+    bundle = find_bundle(src)  # exit-head bundles ("default-ee", OUT/exits of exit tuning)
     if bundle is not None:
-        loaded = load_bundle(bundle, dtype=dtype, exits=exits)
+        base, bundle_exits = read_bundle(bundle)
+        loaded = attach_heads(load_model(base, exits=bundle_exits), bundle, dtype=dtype,
+                              exits=exits)
     elif src == "default":
         loaded = _load_default(dtype, exits, quant)
     elif path.is_file():
@@ -104,8 +99,6 @@ def load_model(
         if is_native_dir(path):
             loaded = load_native(path, dtype=dtype, exits=exits)
         else:
-            from exitlm.io.hf_dir import load_hf_dir
-
             loaded = load_hf_dir(path, dtype=dtype, exits=exits)
     elif src in PRESETS:
         loaded = _load_preset(src, dtype, exits)
@@ -115,8 +108,6 @@ def load_model(
             f"nor a preset ({sorted(PRESETS)})"
         )
     if quant is not None:
-        from exitlm.backend.quantized import quantize_model
-
         quantize_model(loaded.model, quant)
     if torch.device(device) != torch.device("cpu"):
         loaded.model.to(device)
@@ -126,8 +117,6 @@ def load_model(
 # ----- sources -------------------------------------------------------------------------------
 
 def _load_preset(name: str, dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
-    from exitlm.config import preset
-
     cfg = preset(name) if exits is None else preset(name, exits=exits)
     model = EarlyExitLM(cfg)
     cast_parameters(model, dtype)
@@ -147,7 +136,7 @@ def load_native(
         cfg, keep_matching_exits(native_tensors(path), ckpt, cfg),
         source=str(path / "model.safetensors"), dtype=dtype, allow_missing_exits=exits is not None,
     )
-    return LoadedModel(model, _fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
+    return LoadedModel(model, fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
 
 
 def load_gguf(
@@ -162,7 +151,6 @@ def load_gguf(
     """Load a GGUF file: dequantized weights (with ``keep_quantized="int8"|"int4"``: blocks
     of that precision or finer as quantized modules, see
     :func:`~exitlm.io.gguf_load.gguf_hf_tensors`) and the tokenizer from its metadata."""
-    from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
 
     g = open_gguf(path)
     cfg = gguf_config(g, name=name)
@@ -203,8 +191,6 @@ def _load_default(dtype: torch.dtype, exits: ExitConfig | None,
     loaded = load_gguf(gguf, dtype=torch.float32, name=DEFAULT_NAME, progress=True,
                        keep_quantized=quant)
     if quant is not None:
-        from exitlm.backend.quantized import quantize_model
-
         quantize_model(loaded.model, quant)
     try:
         save_native(loaded.model, cache, loaded.tokenizer)
@@ -219,55 +205,5 @@ def _load_default(dtype: torch.dtype, exits: ExitConfig | None,
     return rebuild(loaded, dtype=dtype, exits=exits)
 
 
-def rebuild(
-    loaded: LoadedModel, *, dtype: torch.dtype, exits: ExitConfig | None
-) -> LoadedModel:
-    """The same weights in another dtype and/or with another exit configuration."""
-    ckpt = loaded.config
-    cfg = ckpt if exits is None else ckpt.replace(exits=exits)
-    state = loaded.model.state_dict()
-    model = model_from_tensors(
-        cfg, keep_matching_exits(state.items(), ckpt, cfg), source=loaded.source, dtype=dtype,
-        allow_missing_exits=exits is not None,
-    )
-    return LoadedModel(model, loaded.tokenizer, cfg, loaded.source)
-
-
 # ----- helpers -------------------------------------------------------------------------------
 
-def keep_matching_exits(
-    tensors: Iterable[tuple[str, torch.Tensor]], ckpt: ModelConfig, cfg: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Drop checkpoint exit tensors that the requested exit configuration does not use.
-
-    A checkpoint head is kept when its layer is still requested and the head structure
-    (``head``, ``norm``, ``output``) is unchanged; anything else is re-initialised.
-    """
-    same = (ckpt.exits.head, ckpt.exits.norm, ckpt.exits.output) == (
-        cfg.exits.head, cfg.exits.norm, cfg.exits.output)
-    wanted = {str(x) for x in cfg.exits.layers} if same else set()
-    for name, t in tensors:
-        if name.startswith("exits.") and name.split(".", 2)[1] not in wanted:
-            continue
-        yield name, t
-
-
-def cast_parameters(model: EarlyExitLM, dtype: torch.dtype) -> None:
-    """Cast parameters to ``dtype`` keeping the rotary frequencies in fp32."""
-    model.to(dtype)
-    if model.rope_inv_freq is not None:
-        c = model.config
-        model.rope_inv_freq = rope_inv_freq(c.hdim, c.rope_theta, c.rope_scaling)
-
-
-def _fill_special(tok: Tokenizer | None, cfg: ModelConfig) -> Tokenizer | None:
-    """Take special-token ids the tokenizer files do not state from the model config."""
-    if tok is None:
-        return None
-    if not tok.eos_token_ids and cfg.eos_token_ids:
-        tok.eos_token_ids = tuple(cfg.eos_token_ids)
-    if tok.bos_token_id is None:
-        tok.bos_token_id = cfg.bos_token_id
-    if tok.pad_token_id is None:
-        tok.pad_token_id = cfg.pad_token_id
-    return tok

@@ -13,11 +13,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from exitlm.backend.quant import QuantizedWeight
 from exitlm.config import ModelConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import all_finite
+from exitlm.kernels.quant import QuantizedWeight
+from exitlm.kernels.quantized import install
 from exitlm.model.layers import rope_inv_freq
 from exitlm.model.transformer import EarlyExitLM
 
@@ -34,10 +35,10 @@ def model_from_tensors(
 
     Args:
         tensors: ``(exitlm_name, tensor)`` pairs, consumed lazily. A linear or embedding
-            weight may come quantized: as a :class:`~exitlm.backend.quant.QuantizedWeight`
+            weight may come quantized: as a :class:`~exitlm.kernels.quant.QuantizedWeight`
             under the weight's name (GGUF blocks) or as the buffers ``<module>.q``,
             ``.scales`` (and ``.mins``) of a saved quantized model; its module is replaced by
-            the quantized one (:func:`exitlm.backend.quantized.install`).
+            the quantized one (:func:`exitlm.kernels.quantized.install`).
         source: file or directory named in error messages.
         allow_missing_exits: exit-head parameters absent from the stream are freshly
             initialised (a backbone checkpoint loaded with new exits) instead of an error.
@@ -165,8 +166,6 @@ def _assembled(got: dict[str, torch.Tensor], what: str) -> QuantizedWeight | Non
 
 
 def _install_quantized(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
-    from exitlm.backend.quantized import install
-
     owner = name.rpartition(".")[0]
     module = model.get_submodule(owner)
     bias = getattr(module, "bias", None)

@@ -31,6 +31,9 @@ from exitlm.tokenizer import Tokenizer
 
 FORMAT_KEY = "exitlm_format_version"
 FORMAT_VERSION = 1
+EXITS_WEIGHTS = "exitlm_exits.safetensors"
+"""A Hugging Face export's exit heads, beside the backbone's weights (:mod:`exitlm.io.save`)."""
+EXITS_CONFIG = "exitlm_exits.json"
 WEIGHTS = "model.safetensors"
 
 

@@ -14,16 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exitlm.io.hf_map import config_to_hf, exitlm_to_hf
-from exitlm.io.native import FORMAT_KEY, FORMAT_VERSION, save_native
+from exitlm.io.native import EXITS_CONFIG, EXITS_WEIGHTS, FORMAT_KEY, FORMAT_VERSION, save_native
 from exitlm.io.st import atomic_dir, tensors_for_saving, write_safetensors
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from exitlm.io.loader import LoadedModel
+    from exitlm.io.loaded import LoadedModel
 
-EXITS_WEIGHTS = "exitlm_exits.safetensors"
-EXITS_CONFIG = "exitlm_exits.json"
 
 _DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16",
                 "torch.bfloat16": "bfloat16"}

@@ -14,7 +14,7 @@ layer range"):
   place that says which head, norm, output matrix and cache slot an exit uses;
 * :meth:`EarlyExitLM.final_logits` - final norm + LM head.
 
-The model never imports ``torch.distributed``; parallelism wraps it from ``exitlm.parallel``.
+The model never imports ``torch.distributed``; parallelism wraps it from ``exitlm.train.parallel``.
 It never knows which kernels run it either: a runtime runner (:mod:`exitlm.runtime`) passes
 its products through :class:`StepContext` (``ops``) and leaves the model as it is.
 """
@@ -102,7 +102,7 @@ class StepContext:
 class OutputLayout:
     """How a parallel layout computes the model's output products (every exit's and the LM
     head's logits) when it shards the output embeddings by vocabulary rows: installed with
-    :meth:`EarlyExitLM.set_output_layout` (tensor parallelism, :mod:`exitlm.parallel`)."""
+    :meth:`EarlyExitLM.set_output_layout` (tensor parallelism, :mod:`exitlm.train.parallel`)."""
 
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Logits ``(..., V)`` of ``h`` on the (sharded) output embedding ``weight``."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from exitlm.cli import finite_float, int_at_least
+from exitlm.args import finite_float, int_at_least
 from exitlm.plan.cost_model import (
     OpCost,
     PipelineSpec,
@@ -163,6 +163,7 @@ def _run(fn: Any, args: argparse.Namespace) -> int:
 
 def _cmd_ppd(args: argparse.Namespace) -> int:
     def body(a: argparse.Namespace) -> int:
+        # lazy: loaded when the command runs
         from exitlm.plan.ppd_theory import monte_carlo, predict
 
         out: dict[str, Any] = {"d": a.layers, "d_bar": a.exit_layer, "k": a.k,
@@ -185,7 +186,7 @@ def _cmd_ppd(args: argparse.Namespace) -> int:
 def check_plan_size(seq_len: Any, what: str) -> None:
     """Refuse a TeraPipe plan whose ``(L+1) x (L+1)`` cost matrices (a few float64 copies)
     would not fit in this machine's memory."""
-    from exitlm.config import physical_memory
+    from exitlm.config import physical_memory  # lazy: loaded when the command runs
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise PlanError(f"{what}: expected an integer >= 1, got {seq_len!r}")
@@ -200,7 +201,7 @@ def check_plan_size(seq_len: Any, what: str) -> None:
 # ----- terapipe ------------------------------------------------------------------------------
 
 def _perf(d: dict[str, Any], suffix: str, where: str) -> Any:
-    from exitlm.plan.terapipe import PerfModel
+    from exitlm.plan.terapipe import PerfModel  # lazy: loaded when the command runs
 
     key = "t_noctx" + suffix
     if key not in d:
@@ -217,6 +218,7 @@ def _cost(d: dict[str, Any], backward: bool, where: str) -> np.ndarray:
 
 def _cmd_terapipe(args: argparse.Namespace) -> int:
     def body(a: argparse.Namespace) -> int:
+        # lazy: loaded when the command runs
         from exitlm.plan.terapipe import best_uniform, plan_batch, plan_slices
 
         if a.profile:
@@ -228,7 +230,7 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
             if not a.seq_len or not a.stages:
                 raise PlanError("--model needs --seq-len L and --stages K")
             check_plan_size(a.seq_len, "--seq-len")
-            from exitlm.plan.profile import profile_terapipe
+            from exitlm.plan.profile import profile_terapipe  # lazy: loaded when the command runs
 
             pm, raw = profile_terapipe(_load_config(a.model), a.seq_len, a.stages,
                                        threads=a.threads)
@@ -267,8 +269,9 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
                "best_uniform": {"latency": uni["latency"], "num_slices": uni["num_slices"]},
                "uniform_over_dp": uni["latency"] / res["latency"]}
         if a.plot:
+            # lazy: loaded when the command runs
             from exitlm.plan.simulate import simulate, terapipe_schedule
-            from exitlm.plan.timeline import draw_timeline
+            from exitlm.plan.timeline import draw_timeline  # lazy: loaded when the command runs
 
             def tf(ln: int, c: int) -> float:
                 return float(cost[ln, c])
@@ -284,13 +287,13 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
 # ----- pipeline ------------------------------------------------------------------------------
 
 def _load_config(name: str) -> Any:
-    from exitlm.config import PRESETS, ModelConfig, preset
+    from exitlm.config import PRESETS, ModelConfig, preset  # lazy: loaded when the command runs
 
     if name in PRESETS:
         return preset(name)
     if os.path.exists(name):
-        from exitlm.config import check_fits_in_memory
-        from exitlm.io.st import read_json
+        from exitlm.config import check_fits_in_memory  # lazy: loaded when the command runs
+        from exitlm.io.st import read_json  # lazy: loaded when the command runs
 
         cfg = ModelConfig.from_dict(read_json(Path(name)), where=name)
         check_fits_in_memory(cfg, f"--model {name}")
@@ -307,6 +310,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     def body(a: argparse.Namespace) -> int:
+        # lazy: loaded when the command runs
         from exitlm.plan.simulate import simulate, training_ops, training_schedule
 
         p = a.stages
@@ -321,16 +325,17 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         if a.model:
             cfg = _load_config(a.model)
             if a.measure:
-                from exitlm.plan.profile import profile_costs
+                from exitlm.plan.profile import profile_costs  # lazy: loaded when the command runs
                 costs = profile_costs(cfg, p, a.seq_len, a.micro_batch, threads=1)
             else:
-                from exitlm.plan.profile import analytic_costs
+                from exitlm.plan.profile import analytic_costs  # lazy: loaded when the command runs
                 costs = analytic_costs(cfg, p, a.seq_len, a.micro_batch, a.flops, a.bandwidth)
             if a.recommend is not None:
                 rec = recommend_exits(cfg.num_layers, p, a.recommend)
                 notes["recommendation"] = rec
                 n = tuple(rec["exits_per_stage"])  # type: ignore[arg-type]
             elif not a.exits_per_stage and cfg.exit_layers:
+                # lazy: loaded when the command runs
                 from exitlm.plan.cost_model import exits_per_stage
                 n = exits_per_stage(cfg.exit_layers, cfg.num_layers, p)
         elif not a.times:
@@ -381,7 +386,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         # parallel.schedule / bubble_fill / backward_forward_ratio / token_slices set alike
         out["actions"] = [" ".join(map(str, acts)) for acts in sched.actions]
         if a.plot:
-            from exitlm.plan.timeline import draw_timeline
+            from exitlm.plan.timeline import draw_timeline  # lazy: loaded when the command runs
             out["plot"] = draw_timeline(sim, a.plot, f"{a.schedule.upper()} P={p} "
                                         f"M={a.microbatches}: {sim.makespan:.4g}")
         if not all(math.isfinite(x) for x in (sim.makespan,)):

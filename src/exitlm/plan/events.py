@@ -5,7 +5,7 @@ Each stage (device) executes a fixed, ordered list of operations; an operation s
 its stage is free *and* every operation it depends on has finished (P2P latency ignored, as
 in EE-LLM App. A.3 and TeraPipe Sec. 3.3). With fixed per-stage orders this list schedule is
 exactly the discrete-event execution of the pipeline. Pure Python: the pipeline schedule
-builder (:mod:`exitlm.parallel.pipeline.schedule`) uses it to order bubble-filling work.
+builder (:mod:`exitlm.plan.schedule`) uses it to order bubble-filling work.
 """
 
 from __future__ import annotations

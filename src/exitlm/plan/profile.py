@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from exitlm.config import ExitConfig, ModelConfig
+from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan.cost_model import OpCost, PlanError
 from exitlm.plan.terapipe import PerfModel, fit_ctx_coef
 
@@ -170,7 +171,6 @@ def profile_costs(cfg: ModelConfig, stages: int, seq_len: int, micro_batch: int 
     BB is ``L/P`` consecutive :class:`Block` s; EE is one exit head of ``cfg.exits`` plus the
     cross-entropy loss; FE is the final norm + LM head + loss; IN is the embedding.
     """
-    from exitlm.model.transformer import EarlyExitLM
 
     per = _per_stage(cfg, stages)
     exits = dataclasses.replace(cfg.exits, layers=(1,), every_layer=False)
@@ -219,7 +219,6 @@ def profile_terapipe(cfg: ModelConfig, seq_len: int, stages: int,
     between; ``t_ctx`` is fitted on a 4 x 4 grid of ``(i, j)``. Returns the model and the raw
     measurements.
     """
-    from exitlm.model.transformer import EarlyExitLM
 
     if stages < 1 or seq_len < 1:
         raise PlanError("--seq-len and --stages must be >= 1")

@@ -3,7 +3,7 @@
 Schedules timed here:
 
 * training: exactly the per-stage action lists ``exitlm train`` executes
-  (:func:`exitlm.parallel.pipeline.schedule.build_schedule`: GPipe or 1F1B, EE-LLM's
+  (:func:`exitlm.plan.schedule.build_schedule`: GPipe or 1F1B, EE-LLM's
   bubble filling of App. C.2.1, TeraPipe token slices), each action timed by EE-LLM's cost
   model with exits deferred (Fig. 3c, App. A.2) or not (Fig. 3b);
 * TeraPipe token slices (TeraPipe Fig. 2, Sec. 3.2) optionally over batch splits (Sec. 3.4);
@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
+from exitlm.config import ConfigError
 from exitlm.plan.cost_model import PipelineSpec, PlanError, stage_step_times
 from exitlm.plan.events import Op, SimResult, simulate
+from exitlm.plan.schedule import build_schedule
 
 if TYPE_CHECKING:
-    from exitlm.parallel.pipeline.schedule import PipelineSchedule
+    from exitlm.plan.schedule import PipelineSchedule
 
 __all__ = ["Op", "SimResult", "inference_schedule", "simulate", "simulate_training",
            "terapipe_schedule", "training_ops", "training_schedule"]
@@ -51,7 +53,7 @@ def _segments(spec: PipelineSpec, s: int, backward: bool) -> list[tuple[str, flo
 
 def training_ops(spec: PipelineSpec, sched: PipelineSchedule) -> list[list[Op]]:
     """The per-stage ops of one training iteration that executes ``sched`` - the action
-    lists :class:`~exitlm.parallel.pipeline.engine.PipelineEngine` runs - timed by
+    lists :class:`~exitlm.train.parallel.pipeline.engine.PipelineEngine` runs - timed by
     ``spec`` (EE-LLM Table 2 quantities; a token slice takes its share of a microbatch's
     time). Labels: regular microbatches ``1..M``, bubble-filling ones ``a1..`` (Part 1,
     warm-up) and ``z1..`` (Part 2, cool-down), ``.s`` for slice ``s``."""
@@ -92,12 +94,10 @@ def training_schedule(spec: PipelineSpec, schedule: str = "1f1b", fill: str = "n
                       fill_microbatches: int | None = None,
                       slices: Sequence[int] = (1,)) -> PipelineSchedule:
     """The schedule ``exitlm train`` would execute for ``spec``'s pipeline
-    (:func:`exitlm.parallel.pipeline.schedule.build_schedule`): ``schedule`` ``1f1b`` or
+    (:func:`exitlm.plan.schedule.build_schedule`): ``schedule`` ``1f1b`` or
     ``gpipe``; ``fill`` ``none`` / ``warmup`` (EE-LLM App. C.2.1 Part 1) / ``cooldown``
     (Part 2) / ``both``; the fill counts from the backward/forward ratio, by default the
     cost model's ``b / f`` of the slowest stage (as ``parallel.backward_forward_ratio``)."""
-    from exitlm.config import ConfigError
-    from exitlm.parallel.pipeline.schedule import build_schedule
 
     if backward_forward_ratio is None:
         steps = stage_step_times(spec)

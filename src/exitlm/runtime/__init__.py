@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from exitlm.backend import native as native_lib
+from exitlm.kernels import native as native_lib
+from exitlm.kernels import native_block
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.graphs import GraphRunner, graphs_wanted
 from exitlm.runtime.native import NativeRunner
@@ -47,7 +48,7 @@ def prepare(model: EarlyExitLM, *, backend: Backend = "auto", pack_rows: bool = 
     if device.type != "cpu":
         return Runner(model)
     if backend == "native":
-        lib = native_lib.library()
+        lib = native_lib.bound(native_block.bind)
         if lib is None:
             raise RuntimeError(f"the native kernels are unavailable: "
                                f"{native_lib.unavailable_reason()}")

@@ -4,7 +4,7 @@ A small model's decoding step on CPU is bound as much by Python and op dispatch 
 weight products: through torch, each of a layer's ~15 small operations is a dispatch from
 caches the previous multi-megabyte product flushed (~0.6 ms per layer of the embedded 30-layer
 model, as much as the products). ``block.c`` computes a whole Llama-family block of one
-sequence in one call (:class:`~exitlm.backend.native_block.NativeBlock`), a run of blocks in one
+sequence in one call (:class:`~exitlm.kernels.native_block.NativeBlock`), a run of blocks in one
 call, and two primitives whole:
 
 * :meth:`NativeRunner.chain` - embedding, layers and a greedy head per step, ``n`` steps, in
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from exitlm.backend import native
-from exitlm.backend.blas import BLAS
-from exitlm.backend.native_block import (
+from exitlm.kernels import native
+from exitlm.kernels.blas import BLAS
+from exitlm.kernels.native_block import (
     NativeBlock,
     Scratch,
     build_native_block,
@@ -40,7 +40,7 @@ from exitlm.backend.native_block import (
     segments,
     weight_struct,
 )
-from exitlm.backend.quant import ROW_THRESHOLD, QuantizedWeight
+from exitlm.kernels.quant import ROW_THRESHOLD, QuantizedWeight
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import Block, Norm
 from exitlm.model.transformer import EarlyExitLM, StepContext
@@ -49,9 +49,9 @@ from exitlm.runtime.runner import Chain, Pick, Runner, Segments, commit_fill
 
 NATIVE_ROWS = ROW_THRESHOLD - 1
 """The most positions of one sequence the native blocks run: every chunk the products compute
-row-invariantly (fewer than :data:`~exitlm.backend.quant.ROW_THRESHOLD` rows), so that
+row-invariantly (fewer than :data:`~exitlm.kernels.quant.ROW_THRESHOLD` rows), so that
 verification of up to 64 drafts and long KV recomputations round exactly like plain steps,
-int8 activations included (:func:`~exitlm.backend.native.int8_activations`)."""
+int8 activations included (:func:`~exitlm.kernels.native.int8_activations`)."""
 NATIVE_HEAD_ROWS = 64
 """The most rows of an output-embedding product the native kernels take (decoding steps,
 verification, batches); longer ones (logits over whole sequences) take the products."""

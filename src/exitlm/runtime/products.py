@@ -3,13 +3,13 @@
 gpt-fast applies speed to a built model with a handler; exitlm keeps the model untouched and
 hands the choice of kernel to every forward instead (``ops`` of
 :class:`~exitlm.model.transformer.StepContext`): each product of a plain
-:class:`~exitlm.model.layers.Linear` goes through :func:`~exitlm.backend.linear.linear` with
+:class:`~exitlm.model.layers.Linear` goes through :func:`~exitlm.kernels.linear.linear` with
 this object's packed copy of the weight - numpy's OpenBLAS for 1-8 fp32 rows, oneDNN-packed
 copies of bf16 weights and (``pack_rows``) of fp32 weights for 2-32-row products, fp32 GEMM for
 fp16 prefills. Layers of another class (quantized layers, a parallel layout's layers, which
 communicate inside their forward) run their own forward.
 
-The one change made to the model is the layout of its weights (:func:`~exitlm.backend.layout.
+The one change made to the model is the layout of its weights (:func:`~exitlm.kernels.layout.
 restride`: the same values, the same Parameter objects, other strides): column-major for fp32
 weights with ``out > in`` that OpenBLAS multiplies by one row, row-major for those the native
 kernels read by rows. Packed copies belong to this object, never to the model.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exitlm.backend.layout import Packed, pack, restride
-from exitlm.backend.linear import linear
+from exitlm.kernels.layout import Packed, pack, restride
+from exitlm.kernels.linear import linear
 from exitlm.model.layers import Linear
 from exitlm.model.transformer import EarlyExitLM
 
@@ -72,7 +72,7 @@ class Products:
         return self.packs.get(id(weight))
 
     def __call__(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)``: through :func:`~exitlm.backend.linear.linear` for a plain linear
+        """``layer(x)``: through :func:`~exitlm.kernels.linear.linear` for a plain linear
         layer, the layer's own forward otherwise (and whenever it carries forward hooks,
         which then run)."""
         if type(layer) is Linear and not (layer._forward_hooks or layer._forward_pre_hooks):
@@ -81,7 +81,7 @@ class Products:
         return layer(x)
 
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """An output embedding's product through :func:`~exitlm.backend.linear.linear` with
+        """An output embedding's product through :func:`~exitlm.kernels.linear.linear` with
         its packed copy."""
         return linear(h, weight, None, self.packs.get(id(weight)))
 

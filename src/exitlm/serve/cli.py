@@ -22,7 +22,7 @@ import socket
 import sys
 from typing import Any
 
-from exitlm.cli import finite_float, int_at_least
+from exitlm.args import finite_float, int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
@@ -82,10 +82,12 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm serve``: load, listen, serve until a signal, drain."""
     import uvicorn  # the server's modules load only for this command
 
-    from exitlm.infer.engine import Engine
-    from exitlm.serve.app import create_app
+    from exitlm.infer.engine import Engine  # lazy: loaded when the command runs
+    from exitlm.serve.app import create_app  # lazy: loaded when the command runs
+
+    # lazy: loaded when the command runs
     from exitlm.serve.server import Server, signals_end_quietly
-    from exitlm.serve.state import ServerState
+    from exitlm.serve.state import ServerState  # lazy: loaded when the command runs
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     limits = {"max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
               "max_queue": args.max_queue}
     if args.tp > 1:
-        from exitlm.parallel.infer.tp_engine import tp_engine
+        from exitlm.infer.executors.tp import tp_engine  # lazy: loaded when the command runs
 
         engine: Engine = tp_engine(loaded.model, tokenizer, args.strategy, options, tp=args.tp,
                                    threads=args.threads or 1, timeout_s=args.dist_timeout,

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from exitlm.cli import int_at_least
+from exitlm.args import int_at_least
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 
 
 def register(subparsers: Any) -> None:
     """Add the ``train`` and ``eval`` sub-commands."""
-    from exitlm.train.config import PRESETS
+    from exitlm.train.config import PRESETS  # lazy: loaded when the command runs
 
     p = subparsers.add_parser(
         "train", help="train a model with early exits (EE-LLM / LayerSkip / exit tuning)",
@@ -73,7 +73,7 @@ def register(subparsers: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from exitlm.train.config import load_config
+    from exitlm.train.config import load_config  # lazy: loaded when the command runs
 
     if (args.allow_changes or args.init_missing) and not args.resume:
         raise ConfigError("--allow-changes and --init-missing apply to --resume")
@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from exitlm.train.trainer import Trainer
+    from exitlm.train.trainer import Trainer  # lazy: loaded when the command runs
 
     trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite,
                       allow_changes=args.allow_changes, init_missing=args.init_missing)
@@ -97,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval_tokenizer_spec(name: str, model_dir: Path | None) -> str | None:
-    from exitlm.io.st import read_json
+    from exitlm.io.st import read_json  # lazy: loaded when the command runs
 
     if name in ("default", "default-ee"):
         return "default"
@@ -128,8 +128,11 @@ def _dig(d: Any, *keys: str) -> Any:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from exitlm.eval.per_exit import evaluate_exits, format_table
-    from exitlm.io import load_model
+    # lazy: loaded when the command runs
+    from exitlm.infer.per_exit import evaluate_exits, format_table
+    from exitlm.io import load_model  # lazy: loaded when the command runs
+
+    # lazy: loaded when the command runs
     from exitlm.train.data import ByteTokenizer, load_tokenizer
 
     if args.threads is not None:
@@ -188,7 +191,10 @@ def eval_data(
     ``paths``."""
     import numpy as np
 
-    from exitlm.train.data import DataConfig, TokenFile, eval_batches, iter_documents, prepare
+    from exitlm.io.corpus import DataConfig, iter_documents  # lazy: loaded when the command runs
+
+    # lazy: loaded when the command runs
+    from exitlm.train.data import TokenFile, eval_batches, prepare
 
     if not paths:
         cfg = DataConfig(tokenizer=spec, seq_len=seq_len)

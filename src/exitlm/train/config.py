@@ -27,7 +27,7 @@ import yaml
 
 from exitlm.config import PRESETS as MODEL_PRESETS
 from exitlm.config import ConfigError, ExitConfig, ModelConfig, preset
-from exitlm.parallel.dims import ParallelConfig
+from exitlm.io.corpus import DataConfig
 from exitlm.schema import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -40,9 +40,9 @@ from exitlm.schema import (
     check,
     convert_fields,
 )
-from exitlm.train.data import DataConfig
 from exitlm.train.layer_dropout import LayerDropout
 from exitlm.train.losses import LossConfig
+from exitlm.train.parallel.dims import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ joined by a separator token) and ``meta.json`` into a directory named by a finge
 inputs. Files are written under temporary names and renamed; ``meta.json`` comes last and marks
 the directory complete, so an interrupted run is simply redone when run again.
 
-The default corpus is the Python standard library's source (DESIGN.md), split by file.
+The corpus itself - which documents, which are held out - is :mod:`exitlm.io.corpus`'s.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from exitlm.config import ConfigError
-from exitlm.schema import PositiveInt, Range, Seed, check
+from exitlm.io import load_model
+from exitlm.io.corpus import DataConfig, is_held_out, iter_documents, list_sources, stdlib_root
+from exitlm.io.default_model import cache_root
+from exitlm.io.st import pid_alive
+from exitlm.tokenizer import Tokenizer
 
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 DATA_FORMAT = 1
 
 
@@ -60,115 +61,13 @@ def load_tokenizer(spec: str) -> Any:
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
-        from exitlm.tokenizer import Tokenizer
-
         return Tokenizer.load(path)
-    from exitlm.io import load_model
 
     tok = load_model(spec).tokenizer
     if tok is None:
         raise ConfigError(f"data.tokenizer={spec!r} has no tokenizer; use 'bytes', 'default' or "
                           "a checkpoint directory with tokenizer.json")
     return tok
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where training text comes from and how it is cut.
-
-    ``paths``: text files, directories (``*.py``, ``*.txt``, ``*.md``, ``*.rst`` inside,
-    recursively) and ``.jsonl`` files (one document per line, field ``text_field``). Empty: the
-    Python standard library's source. ``val_fraction`` of the files (of the lines for JSONL)
-    go to the held-out split, chosen by a hash of their path, so the split never changes.
-    """
-
-    paths: tuple[str, ...] = ()
-    tokenizer: str = "bytes"
-    seq_len: Annotated[int, Range(ge=2)] = 128
-    val_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.02
-    seed: Seed = 0
-    max_files: PositiveInt | None = None
-    text_field: str = "text"
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        check(self, "data")
-
-
-# ----- documents --------------------------------------------------------------------------------
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
-    """``(key, path)`` for every input file; ``key`` (path relative to its root) decides the
-    split. Sorted, so the order is the same on every machine with the same files."""
-    roots = [Path(p).expanduser() for p in cfg.paths] or [stdlib_root()]
-    out: list[tuple[str, Path]] = []
-    for root in roots:
-        if root.is_file():
-            out.append((root.name, root))
-        elif root.is_dir():
-            stdlib = not cfg.paths  # the default corpus: the standard library's *.py only
-            suffixes = (".py",) if stdlib else (*TEXT_SUFFIXES, ".jsonl")
-            for p in sorted(root.rglob("*")):
-                if p.suffix not in suffixes or not p.is_file():
-                    continue
-                rel = p.relative_to(root)
-                if stdlib and ("site-packages" in rel.parts or "dist-packages" in rel.parts):
-                    continue
-                out.append((rel.as_posix(), p))
-        else:
-            raise ConfigError(f"data.paths: {root} does not exist")
-    if cfg.max_files is not None:
-        out = out[: cfg.max_files]
-    if not out:
-        raise ConfigError(f"data.paths {list(cfg.paths)} contain no text files "
-                          f"({', '.join(TEXT_SUFFIXES)}, .jsonl)")
-    return out
-
-
-def _is_val(key: str, fraction: float, seed: int) -> bool:
-    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64 < fraction
-
-
-def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
-    """``(0-based line number, decoded JSON value)`` per non-blank line of a JSONL file;
-    a line that is not JSON raises :class:`ConfigError` naming the file and line. ``errors``:
-    how undecodable UTF-8 is handled (``open``'s argument)."""
-    try:
-        f = Path(path).open(encoding="utf-8", errors=errors)  # noqa: SIM115
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
-    with f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except (ValueError, RecursionError) as err:
-                raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
-
-
-def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
-    """``(key, text)`` per document: a whole file, or one JSONL line (key ``file:line``)."""
-    for key, path in list_sources(cfg):
-        if path.suffix == ".jsonl":
-            for i, rec in iter_jsonl(path, errors="replace"):
-                text = rec.get(cfg.text_field) if isinstance(rec, dict) else None
-                if not isinstance(text, str):
-                    raise ConfigError(f"{path}:{i + 1}: no string field "
-                                      f"{cfg.text_field!r} (set data.text_field)")
-                yield f"{key}:{i}", text
-        else:
-            try:
-                data = path.read_bytes()
-            except OSError as err:
-                raise ConfigError(f"data.paths: cannot read {path} ({err.strerror or err})"
-                                  ) from None
-            yield key, data.decode("utf-8", errors="replace")
 
 
 # ----- preprocessing ----------------------------------------------------------------------------
@@ -181,12 +80,7 @@ def data_dir_for(cfg: DataConfig) -> Path:
         h.update(f"{key}|{path}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     h.update(f"{cfg.tokenizer}|{cfg.val_fraction}|{cfg.seed}|{cfg.text_field}|{DATA_FORMAT}"
              .encode())
-    if cfg.cache_dir:
-        root = Path(cfg.cache_dir).expanduser()
-    else:
-        from exitlm.io.default_model import cache_root
-
-        root = cache_root() / "data"
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "data"
     return root / h.hexdigest()[:20]
 
 
@@ -216,7 +110,7 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
         last_file = None
         val_keys: list[str] = []
         for key, text in iter_documents(cfg):
-            split = "val" if _is_val(key, cfg.val_fraction, cfg.seed) else "train"
+            split = "val" if is_held_out(key, cfg.val_fraction, cfg.seed) else "train"
             if isinstance(tok, ByteTokenizer):
                 ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
             else:
@@ -259,7 +153,6 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
 
 def _remove_dead_temps(out: Path) -> None:
     """Delete ``*.tmp-PID`` files that preprocessing runs killed mid-way left in ``out``."""
-    from exitlm.io.st import pid_alive
 
     for f in out.glob("*.tmp-*"):
         pid = f.name.rsplit(".tmp-", 1)[1]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.errors import ConfigError, ExitlmError
-from exitlm.io.st import remove_path
+from exitlm.io.st import remove_path, write_text_atomic
 
 try:
     import fcntl
@@ -144,7 +144,6 @@ class RunDir:
     def start(self, run_id: str | None = None) -> str:
         """Record the run's identity (and the writing process) in ``run.json``; returns the
         run id (a new one unless given)."""
-        from exitlm.io.st import write_text_atomic
 
         rid = run_id or uuid.uuid4().hex
         info = {"run_id": rid, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -3,8 +3,8 @@
 The same checkpoint format serves every layout (one process, DDP, FSDP, any ``pp x dp x
 tp``): model tensors under the whole model's parameter names and optimizer state keyed by
 parameter name (:mod:`exitlm.train.checkpoint`). The layout gathers them on rank 0
-(:meth:`exitlm.parallel.layout.Layout.state`) and, on resume, every process takes its part
-(:meth:`~exitlm.parallel.layout.Layout.load`), so a checkpoint written by one layout resumes
+(:meth:`exitlm.train.parallel.layout.Layout.state`) and, on resume, every process takes its part
+(:meth:`~exitlm.train.parallel.layout.Layout.load`), so a checkpoint written by one layout resumes
 under any other.
 """
 
@@ -21,7 +21,6 @@ from exitlm.errors import ExitlmError, warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import write_text_atomic
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.layout import Layout
 from exitlm.train.checkpoint import (
     TrainState,
     checkpoints,
@@ -30,6 +29,7 @@ from exitlm.train.checkpoint import (
     save_checkpoint,
 )
 from exitlm.train.finite import refuse_non_finite
+from exitlm.train.parallel.layout import Layout
 from exitlm.train.run_dir import RUN_FILE, RunDir
 from exitlm.train.schedules import lr_at
 

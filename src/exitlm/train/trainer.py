@@ -1,6 +1,6 @@
 """The training loop: multi-exit loss, layer dropout, AdamW + cosine LR, gradient accumulation
 and clipping, checkpoints and logs - on whatever layout ``parallel`` / ``torchrun`` ask for
-(:func:`exitlm.parallel.layout.parallelize`: one process, DDP, FSDP, pipeline, tensor
+(:func:`exitlm.train.parallel.layout.parallelize`: one process, DDP, FSDP, pipeline, tensor
 parallelism and their combinations behind one interface; the loop never asks which).
 
 One step ``t``:
@@ -27,12 +27,18 @@ import torch
 
 from exitlm.config import PRESETS as MODEL_PRESETS
 from exitlm.config import ConfigError, check_fits_in_memory
+from exitlm.infer.per_exit import evaluate_exits
+from exitlm.io import load_model, save_model
+from exitlm.io.bundle import save_bundle
+from exitlm.io.loaded import rebuild
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.parallel.groups import ProcessGroups
-from exitlm.parallel.layout import Microbatch, parallelize
+from exitlm.tokenizer import Tokenizer
 from exitlm.train.config import ModelSpec, TrainConfig
 from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
 from exitlm.train.finite import NonFiniteGuard, refuse_non_finite
+from exitlm.train.parallel.groups import ProcessGroups
+from exitlm.train.parallel.layout import Microbatch, parallelize
+from exitlm.train.plot import plot_log
 from exitlm.train.run_dir import RunDir
 from exitlm.train.run_state import RunStateMixin
 from exitlm.train.schedules import lr_at  # noqa: F401 - re-exported
@@ -54,8 +60,6 @@ def build_model(spec: ModelSpec, seed: int = 0) -> BuiltModel:
         check_fits_in_memory(cfg, "model (model.init / model.overrides)")
         torch.manual_seed(seed)
         return BuiltModel(EarlyExitLM(cfg), None, [])
-    from exitlm.io import load_model
-    from exitlm.io.loader import rebuild
 
     base = load_model(spec.init)
     if exits is None:
@@ -82,7 +86,7 @@ class Trainer(RunStateMixin):
                  allow_changes: bool = False, init_missing: bool = False) -> None:
         self.cfg = cfg
         run = cfg.train
-        # the job's processes, groups and device (exitlm.parallel.groups): validated
+        # the job's processes, groups and device (exitlm.train.parallel.groups): validated
         # pp x dp x tp, every collective with parallel.timeout_s
         self.groups = ProcessGroups.create(cfg.parallel, run.device)
         self.dims = self.groups.dims
@@ -126,7 +130,7 @@ class Trainer(RunStateMixin):
         self.train_data = open_split(self.data_dir, "train", cfg.data.seq_len)
         self.val_data = open_split(self.data_dir, "val", cfg.data.seq_len)
         self.amp_dtype = self._amp_dtype()
-        # the layout: this process's part of the model and how it trains (exitlm.parallel)
+        # the layout: this process's part of the model and how it trains (exitlm.train.parallel)
         self.layout = parallelize(
             model, self.groups, cfg.parallel, microbatches=run.grad_accum,
             seq_len=cfg.data.seq_len, data_parallel=run.parallel, amp_dtype=self.amp_dtype,
@@ -205,7 +209,6 @@ class Trainer(RunStateMixin):
 
     def evaluate(self, model: EarlyExitLM | None = None) -> dict[str, Any]:
         """Per-exit held-out metrics (all exits the model has plus the final layer)."""
-        from exitlm.eval.per_exit import evaluate_exits
 
         batches = eval_batches(self.val_data, self.cfg.train.batch_size,
                                self.cfg.train.eval_samples)
@@ -286,13 +289,10 @@ class Trainer(RunStateMixin):
         host = self.layout.host_model()
         if host is not None:
             refuse_non_finite(host.state_dict(), f"the trained model to {self.out}")
-            from exitlm.io import save_model
-            from exitlm.tokenizer import Tokenizer
 
             info = {"data": {"tokenizer": self.cfg.data.tokenizer}, "config": self.cfg.to_dict()}
             if self.cfg.tune.freeze_backbone:
                 # exit tuning: only the heads changed; write them as a small bundle
-                from exitlm.train.default_ee import save_bundle
 
                 save_bundle(host, self.out / "exits", self.cfg.model.init,
                             {"steps": self.step, "data": info["data"]})
@@ -304,7 +304,6 @@ class Trainer(RunStateMixin):
                 path = save_model(host, self.out / "model", tokenizer=tok)
                 (path / "exitlm_train.json").write_text(json.dumps(info, indent=2) + "\n",
                                                         encoding="utf-8")
-            from exitlm.train.plot import plot_log
 
             plot_log(self.out / "log.jsonl", self.out / "loss.png")
         self.groups.wait_for_rank0("waiting for rank 0 to save the model")

@@ -1,0 +1,164 @@
+"""``exitlm bench``: decoding strategies against each other and against ``transformers``.
+
+    exitlm bench                                   # default-ee, built-in code prompts, all
+    exitlm bench --strategies ar,self-spec,hf-ee --exit-layer 20 --num-speculations 4
+    exitlm bench --prompts prompts.jsonl --max-new-tokens 128 --repeats 2
+    exitlm bench --sweep speculation --sweep-exits 12,16,20,24 --sweep-speculations 2,4,6
+    exitlm bench --sweep threshold --sweep-thresholds 1,0.9,0.8,0.6,0.4
+    exitlm bench --task humaneval --limit 40 --strategies ar,early-exit,self-spec
+    exitlm bench --task docstrings --threshold 0.8
+
+Prints one JSON object (also written to ``--out-dir/bench.json``); sweeps also write a CSV and
+a PNG there. See :mod:`exitlm.bench.run` for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from exitlm.args import int_at_least
+from exitlm.bench.run import (
+    OURS,
+    THEIRS,
+    Bench,
+    BenchConfig,
+    describe,
+    run_comparison,
+    sweep_self_spec,
+    sweep_thresholds,
+)
+from exitlm.config import ConfigError
+from exitlm.infer.flags import add_strategy_flags, strategies_taking
+from exitlm.infer.strategies import STRATEGIES
+
+# --exit-layer is the draft exit of self-spec (and transformers' assistant_early_exit) in the
+# benchmark, not early-exit's fixed exit; hf-ee mirrors self-spec's drafting options
+_NOT_IN_BENCH = {"exit_layer": ("early-exit",)}
+_HF_EE = ("exit_layer", "num_speculations", "draft_threshold")
+
+
+def routes(name: str) -> tuple[str, ...]:
+    """The benchmarked strategies a strategy flag configures."""
+    targets = [s for s in strategies_taking(name) if s not in _NOT_IN_BENCH.get(name, ())]
+    return (*targets, "hf-ee") if name in _HF_EE else tuple(targets)
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` sub-command to the ``exitlm`` parser."""
+    p = subparsers.add_parser(
+        "bench", help="benchmark decoding strategies (tokens/s, acceptance, agreement)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="default-ee",
+                   help="model to benchmark (falls back to 'default' if default-ee is missing)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "int8", "int4"),
+                   default="float32",
+                   help="weights of the benchmarked model; int8/int4 are weight-only quantized "
+                        "(the transformers baseline then runs the fp32 weights)")
+    p.add_argument("--strategies", default=",".join(OURS + THEIRS),
+                   help=f"comma-separated subset of {list(OURS + THEIRS)} (hf = transformers "
+                        "generate, hf-ee = transformers assistant_early_exit)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="JSONL prompts (strings or {\"prompt\": ...}); default: code-completion "
+                        "prompts from held-out standard-library files")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                   help="tokens per prompt (default: 64; with --task, the task's own budget)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per prompt and strategy; the fastest is kept")
+    p.add_argument("--threads", type=int_at_least(1), default=1,
+                   help="torch threads (1 is fastest for "
+                   "batch-1 decoding on a shared CPU)")
+    p.add_argument("--layerskip-exits", action="store_true",
+                   help="exit through the final norm + head at every layer (LayerSkip; the "
+                        "exits transformers' assistant_early_exit uses) instead of the "
+                        "model's own exit heads")
+    add_strategy_flags(p)
+    p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
+                   help="speculation: self-spec over exit layer x speculations (LayerSkip "
+                        "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
+    p.add_argument("--sweep-exits", type=_ints, default=None,
+                   help="exit layers for --sweep speculation")
+    p.add_argument("--sweep-speculations", type=_ints, default="1,2,4,6",
+                   help="speculations for --sweep speculation")
+    p.add_argument("--sweep-thresholds", type=_floats, default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
+                   help="thresholds for --sweep threshold")
+    p.add_argument("--task", choices=("humaneval", "docstrings"), default=None,
+                   help="task-level quality vs speed of every strategy: HumanEval pass@1 or "
+                        "held-out docstring continuation ROUGE-L (LayerSkip Table 3)")
+    p.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="items of --task (default: all 164 HumanEval problems / 40 docstrings)")
+    p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
+                   help="where bench.json, CSVs and plots go")
+    p.set_defaults(func=run)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
+                                         ) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    options: dict[str, dict[str, Any]] = {}
+    names = {f for s in STRATEGIES.values() for f in s.options_type.__dataclass_fields__}
+    for name in sorted(names):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        for t in routes(name):
+            options.setdefault(t, {})[name] = value
+    return BenchConfig(
+        model=args.model, dtype=args.dtype, strategies=strategies, prompts_file=args.prompts,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens or 64,
+        repeats=max(1, args.repeats), threads=args.threads,
+        layerskip_exits=args.layerskip_exits, options=options,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``exitlm bench``; returns the exit status (bad input raises an
+    :class:`~exitlm.errors.ExitlmError`)."""
+    cfg = config_from_args(args)
+    out_dir: Path = args.out_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({err.strerror})") from None
+    bench = Bench(cfg)
+    report: dict[str, Any] = describe(bench)
+    if args.task is not None:
+        from exitlm.bench.tasks import run_task  # lazy: loaded when the command runs
+
+        report["task"] = run_task(bench, args.task, args.limit, out_dir, args.max_new_tokens)
+    elif args.sweep == "speculation":
+        ecfg = bench.model.config.exits
+        exits = (args.sweep_exits if args.sweep_exits
+                 else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
+                 else sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
+        report["sweep"] = sweep_self_spec(bench, list(exits), list(args.sweep_speculations),
+                                          out_dir)
+    elif args.sweep == "threshold":
+        report["sweep"] = sweep_thresholds(bench, list(args.sweep_thresholds), out_dir)
+    else:
+        report.update(run_comparison(bench))
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    name = (f"task_{args.task}_report.json" if args.task else "bench.json" if args.sweep is None
+            else f"sweep_{args.sweep}.json")
+    (out_dir / name).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0

@@ -1,0 +1,203 @@
+"""Quantized models: weight-only int8/int4 linear layers and embeddings (issue 16).
+
+A quantized model is the same :class:`~exitlm.model.transformer.EarlyExitLM` built with other
+modules, gpt-fast style (``WeightOnlyInt8QuantHandler``): every ``nn.Linear`` of the blocks and
+exit heads becomes a :class:`QuantizedLinear`, the token embedding (which is also the LM head
+when tied) a :class:`QuantizedEmbedding`, whose :class:`~exitlm.kernels.quant.QuantizedWeight`
+computes its own product when the model's one output product
+(:meth:`~exitlm.model.transformer.EarlyExitLM.project`) meets it. Norms and rotary tables stay
+fp32. The fused native blocks round the activations of their int8/int4 products to int8 in
+groups of 32 (as llama.cpp does; :func:`exitlm.kernels.native.int8_activations`); the products
+called from here (batches, prefills of 96+ positions, exit heads, the LM head) keep them fp32.
+
+The quantized buffers are ordinary module buffers named ``<module>.q``, ``<module>.scales``
+and ``<module>.mins``, so ``state_dict()`` / :func:`~exitlm.io.native.save_native` write a
+quantized checkpoint as it is and :func:`~exitlm.io.materialize.model_from_tensors` reads it
+back (``exitlm convert --quantize``).
+
+Exactness: :func:`~exitlm.kernels.quant.qlinear` computes every output row with the same
+arithmetic whatever the number of rows multiplied together, so decoders that verify several
+tokens at once (self-speculative decoding, PPD, KV recomputation) emit exactly the tokens
+plain decoding emits with the same quantized weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from exitlm.config import ConfigError
+from exitlm.kernels.quant import (
+    GROUP,
+    QUANT_KINDS,
+    QuantizedWeight,
+    embedding_rows,
+    qlinear,
+    quantize,
+)
+
+SUFFIXES = ("q", "scales", "mins")
+"""Buffer names of a quantized module in a state dict (``mins`` for int4 only)."""
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it is a supported quantization, else a :class:`ConfigError`."""
+    if kind not in QUANT_KINDS:
+        raise ConfigError(f"unknown quantization {kind!r}; choose one of {list(QUANT_KINDS)}")
+    return kind
+
+
+class _Quantized(nn.Module):
+    """Holds one :class:`QuantizedWeight` as buffers ``q``, ``scales`` (and ``mins``)."""
+
+    kind: str
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.kind = weight.kind
+        self.register_buffer("q", weight.q)
+        self.register_buffer("scales", weight.scales)
+        if weight.mins is not None:
+            self.register_buffer("mins", weight.mins)
+        else:
+            self.mins = None
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        """The quantized ``(out, in)`` weight (built from the buffers, which ``.to()`` and
+        ``load_state_dict`` may have replaced)."""
+        return QuantizedWeight(self.kind, self.q, self.scales, self.mins)
+
+    def hold(self, weight: QuantizedWeight) -> None:
+        """Hold ``weight`` (of this module's kind) instead of the current one, as buffers of
+        the same names: a tensor-parallel shard keeps some of a layer's output rows."""
+        if weight.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} holds {self.kind} weights, not "
+                             f"{weight.kind}")
+        self.q, self.scales = weight.q, weight.scales
+        if weight.mins is not None:
+            self.mins = weight.mins
+
+    def extra_repr(self) -> str:
+        n, k = self.weight.shape
+        return f"{k} -> {n}, {self.kind}, groups of {GROUP}"
+
+
+class QuantizedLinear(_Quantized):
+    """``y = x W^T (+ b)`` with a weight-only quantized ``W`` (fp32 in and out)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                           requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = qlinear(x if x.dtype == torch.float32 else x.float(), self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantizedEmbedding(_Quantized):
+    """Token embedding rows dequantized on lookup; as the tied LM head its :attr:`weight`
+    goes through :func:`quantized_project`."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_rows(self.weight, ids)
+
+
+def quantized_project(h: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """The model's output product ``h @ weight.T`` for a plain or a quantized weight."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear(h if h.dtype == torch.float32 else h.float(), weight)
+    return torch.nn.functional.linear(h, weight)
+
+
+def cat_rows(parts: list[Any]) -> torch.Tensor | QuantizedWeight:
+    """Stack weights along their output rows (q, k, v -> one fused projection): quantized
+    parts of one kind stay quantized; a mix is dequantized to fp32 first."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.kind for p in parts}) == 1:
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QuantizedWeight(parts[0].kind, torch.cat([p.q for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins)
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float()
+                      for p in parts])
+
+
+def quantized_numel(model: nn.Module) -> int:
+    """Number of weights ``model`` holds quantized (not counted by ``parameters()``)."""
+    return sum(m.weight.shape.numel() for m in model.modules() if isinstance(m, _Quantized))
+
+
+def is_quantized(model: nn.Module) -> str | None:
+    """The quantization kind of ``model`` (``"int8"``, ``"int4"``, ``"mixed"``) or None."""
+    kinds = {m.kind for m in model.modules() if isinstance(m, _Quantized)}
+    if not kinds:
+        return None
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def install(model: nn.Module, name: str, weight: QuantizedWeight,
+            bias: torch.Tensor | None = None) -> None:
+    """Replace the linear or embedding module ``name`` of ``model`` by its quantized form
+    holding ``weight`` (shape-checked), and route the model's output product through
+    :func:`quantized_project`."""
+    owner, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(owner) if owner else model
+    old = getattr(parent, leaf)
+    if isinstance(old, nn.Embedding | QuantizedEmbedding):
+        new: nn.Module = QuantizedEmbedding(weight)
+        expect = (old.num_embeddings, old.embedding_dim) if isinstance(old, nn.Embedding) \
+            else tuple(old.weight.shape)
+    elif isinstance(old, nn.Linear | QuantizedLinear):
+        new = QuantizedLinear(weight, bias)
+        expect = (old.out_features, old.in_features)
+    else:
+        raise TypeError(f"{name} is a {type(old).__name__}, not a linear layer or embedding")
+    if tuple(weight.shape) != tuple(expect):
+        raise ValueError(f"{name}: quantized weight of shape {tuple(weight.shape)}, "
+                         f"the model expects {tuple(expect)}")
+    setattr(parent, leaf, new)
+
+
+def quantizable(model: nn.Module) -> list[str]:
+    """Names of the modules :func:`quantize_model` converts: the linear layers of blocks,
+    exit heads and the LM head, and the token embedding, where the input width is a multiple
+    of the group size (32)."""
+    names = []
+    for name, mod in model.named_modules():
+        if (isinstance(mod, nn.Linear) and mod.in_features % GROUP == 0) or (
+                isinstance(mod, nn.Embedding) and name == "embed_tokens"
+                and mod.embedding_dim % GROUP == 0):
+            names.append(name)
+    return names
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, kind: str) -> nn.Module:
+    """Quantize every still-float linear layer and the token embedding of ``model`` to
+    ``kind`` in place (modules already quantized, e.g. loaded from GGUF blocks, are kept as
+    they are). Returns ``model`` in eval mode; a quantized model is for inference only."""
+    check_kind(kind)
+
+    for name in quantizable(model):
+        mod = model.get_submodule(name)
+        bias = getattr(mod, "bias", None)
+        install(model, name, quantize(mod.weight.detach().float(), kind),
+                None if bias is None else bias.detach())
+    # what stays float (norms, position embeddings, biases) computes in fp32
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.dtype != torch.float32 and p.is_floating_point():
+            p.data = p.data.float()
+    return model.eval()
