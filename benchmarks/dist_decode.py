@@ -27,9 +27,10 @@ import torch
 from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
 from exitlm.infer.cli import load_for_strategy, tokenizer_for
-from exitlm.infer.executors.pipeline import pipeline
-from exitlm.infer.executors.tp_shard import tp_run
+from exitlm.infer.executors.pipeline import PipelineExecutor
+from exitlm.infer.executors.tp import TPExecutor
 from exitlm.infer.result import GenerationResult
+from exitlm.runtime import prepare
 
 
 def _summary(results: list[GenerationResult], ref: list[GenerationResult] | None
@@ -112,14 +113,15 @@ def main() -> None:
             for thr in thresholds:
                 keep("recompute", thr, [generate(model, None, threads=a.threads, **c)
                                         for c in calls(thr)])
-            with pipeline(model, a.stages, threads=a.threads):
-                generate(model, None, threads=a.threads, kv="pipeline", **warm)
+            with PipelineExecutor(prepare(model), a.stages, threads=a.threads) as pipe:
+                generate(pipe, None, threads=a.threads, kv="pipeline", **warm)
                 for thr in thresholds:
-                    keep("pipeline", thr, [generate(model, None, threads=a.threads, **c)
+                    keep("pipeline", thr, [generate(pipe, None, threads=a.threads, **c)
                                            for c in calls(thr, kv="pipeline")])
             ar_calls = [{"prompts": [p], "strategy": "ar", **base} for p in prompts]
             every = [warm] + ar_calls + [c for thr in thresholds for c in calls(thr)]
-            got_all = tp_run(model, every, tp=a.tp, threads=a.threads)[1:]
+            with TPExecutor(model, a.tp, threads=a.threads) as ranks:
+                got_all = [generate(ranks, None, threads=a.threads, **c) for c in every][1:]
             keep("ar_tp", 1.0, got_all[: len(prompts)])
             got_all = got_all[len(prompts):]
             for i, thr in enumerate(thresholds):

@@ -9,7 +9,7 @@ token of:
   token / d);
 * ``ppd-thread``: PPD with its branch on a Python thread (serialised by the GIL on CPU);
 * ``ppd-process``: PPD with its branch in a spawned worker process, KV in shared memory
-  (:mod:`exitlm.infer.ppd_workers`);
+  (:mod:`exitlm.infer.executors.ppd_worker`);
 
 every process at one thread. It reports the measured ``p_correct``, PPD Theorem 4.1's
 predicted latency for it, exact match with AR, and the per-token hand-off cost (round trip of

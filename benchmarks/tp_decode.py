@@ -29,7 +29,7 @@ import torch
 from _bench import held_out_prompt_ids, note, one_line_errors
 from exitlm.infer import generate
 from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
-from exitlm.infer.executors.tp_shard import tp_run
+from exitlm.infer.executors.tp import TPExecutor
 
 
 def _rate(results: list[Any]) -> float:
@@ -79,7 +79,8 @@ def main() -> None:
                 one.append(_rate(ref))
                 threaded.append(_rate([generate(model, None, threads=a.tp, **c)
                                        for c in calls]))
-                got = tp_run(model, calls, tp=a.tp, threads=1)
+                with TPExecutor(model, a.tp, threads=1) as ranks:
+                    got = [generate(ranks, None, threads=1, **c) for c in calls]
                 many.append(_rate(got))
                 same = same and all(x.sequences[0].token_ids == y.sequences[0].token_ids
                                     for x, y in zip(ref, got, strict=True))

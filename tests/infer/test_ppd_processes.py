@@ -13,11 +13,12 @@ import pytest
 from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from exitlm.cli import main
 from exitlm.config import ConfigError
-from exitlm.infer import generate, ppd_workers
+from exitlm.infer import generate
 from exitlm.infer.engine import Engine
+from exitlm.infer.executors import ppd_worker as ppd_workers
+from exitlm.infer.executors.ppd_worker import BranchWorker, BranchWorkerError
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.ppd import PPDOptions
-from exitlm.infer.ppd_workers import BranchWorker, BranchWorkerError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,7 +22,7 @@ def _gone(pid: int) -> bool:
 
 def stall_at(monkeypatch: pytest.MonkeyPatch, call: int, rank: int) -> list[int]:
     """Make stage 0's ``call``-th decoder call (1: the prefill, n: step n - 1) first stop
-    (``SIGSTOP``) the process of stage ``rank`` of the active pipeline: it stays alive, holds
+    (``SIGSTOP``) the process of stage ``rank`` of its pipeline: it stays alive, holds
     its sockets and says nothing. Returns the list the stage processes' ids are put in."""
     from exitlm.infer.executors import pipeline as pipeline_ee
 
@@ -33,8 +33,8 @@ def stall_at(monkeypatch: pytest.MonkeyPatch, call: int, rank: int) -> list[int]
         def wrapped(self: pipeline_ee.PipelineDecoder, batch: object) -> object:
             calls[0] += 1
             if calls[0] == call:
-                group = pipeline_ee.active_pipeline()
-                assert group is not None and group.workers is not None
+                group = self.group
+                assert group.workers is not None
                 pids.extend(p.pid for p in group.workers.ctx.processes)
                 os.kill(pids[rank - 1], signal.SIGSTOP)
             return method(self, batch)

@@ -11,7 +11,7 @@ import torch
 
 from _default_model import requires_default_model
 from exitlm.infer import generate
-from exitlm.infer.executors.tp_shard import tp_generate
+from exitlm.infer.executors.tp import TPExecutor
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow, requires_default_model]
 
@@ -36,5 +36,6 @@ def test_pipeline_and_tp_on_smollm2(loaded: Any) -> None:
     assert (pipe.token_ids, pipe.exit_layers) == (ref.token_ids, ref.exit_layers)
     assert any(x < loaded.model.num_layers for x in ref.exit_layers)
     for tp in (2, 3):
-        got = tp_generate(loaded.model, loaded.tokenizer, PROMPT, tp=tp, **kw).sequences[0]
+        with TPExecutor(loaded.model, tp) as ranks:
+            got = generate(ranks, loaded.tokenizer, PROMPT, **kw).sequences[0]
         assert (got.token_ids, got.exit_layers) == (ref.token_ids, ref.exit_layers), tp

@@ -18,19 +18,20 @@ from _ee_models import ee_model, random_prompts
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.early_exit import EarlyExitOptions
-from exitlm.infer.executors.pipeline import pipeline, stage_bounds
+from exitlm.infer.executors.pipeline import PipelineExecutor, stage_bounds
+from exitlm.runtime import prepare
 
 STEPS = 24
 TIMEOUT_S = 4.0
 
 
-def _run(model: torch.nn.Module, prompt: list[int], **kw: object) -> tuple[list[int], list[int]]:
+def _run(model: Any, prompt: list[int], **kw: object) -> tuple[list[int], list[int]]:
     res = generate(model, None, [prompt], max_new_tokens=STEPS, ignore_eos=True, threads=1,
                    **kw)
     return res.sequences[0].token_ids, res.sequences[0].exit_layers
 
 
-def _run_batch(model: torch.nn.Module, prompts: list[list[int]], **kw: object
+def _run_batch(model: Any, prompts: list[list[int]], **kw: object
                ) -> list[tuple[list[int], list[int]]]:
     res = generate(model, None, prompts, max_new_tokens=STEPS, ignore_eos=True, threads=1,
                    **kw)
@@ -50,12 +51,12 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
     torch.manual_seed(1)
     prompts = random_prompts()
     early = mixed = 0
-    with torch.inference_mode(), pipeline(model, stages):
+    with torch.inference_mode(), PipelineExecutor(prepare(model), stages) as pipe:
         for thr, pending in ((0.5, 8), (0.7, 2), (1.0, 8)):
             for p in prompts:
                 ref = _run(model, p, strategy="early-exit", threshold=thr, max_pending=pending,
                            **checks)
-                got = _run(model, p, strategy="early-exit", threshold=thr, max_pending=pending,
+                got = _run(pipe, p, strategy="early-exit", threshold=thr, max_pending=pending,
                            kv="pipeline", **checks)
                 assert got == ref, (kind, stages, thr, p)
                 early += sum(layer < model.num_layers for layer in got[1])
@@ -64,7 +65,7 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
             # all prompts (different lengths) as one batch: every row decides on its own
             ref_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
                                max_pending=pending, **checks)
-            got_b = _run_batch(model, prompts, strategy="early-exit", threshold=thr,
+            got_b = _run_batch(pipe, prompts, strategy="early-exit", threshold=thr,
                                max_pending=pending, kv="pipeline", **checks)
             assert got_b == ref_b, (kind, stages, thr, "batch")
             if thr == 1.0:
@@ -77,7 +78,7 @@ def test_pipeline_equals_recompute(kind: str, stages: int) -> None:
     assert mixed  # and a batch's rows really decide at different layers in one step
 
 
-def _engine_run(model: torch.nn.Module, kv: str, requests: list[dict[str, Any]],
+def _engine_run(model: Any, kv: str, requests: list[dict[str, Any]],
                 max_batch: int) -> list[tuple[list[int], list[int]]]:
     """Decode ``requests`` (prompt, max_new_tokens, threshold) with continuous batching:
     at most ``max_batch`` rows, later requests join as earlier ones leave."""
@@ -107,9 +108,9 @@ def test_continuous_batching_equals_recompute(kind: str, stages: int) -> None:
     prompts = random_prompts(sizes=(5, 9, 3, 7, 4))
     requests = [{"prompt": p, "new": n, "threshold": t} for p, n, t in
                 zip(prompts, (20, 6, 14, 9, 17), (0.5, 0.7, 1.0, 0.4, 0.6), strict=True)]
-    with torch.inference_mode(), pipeline(model, stages):
+    with torch.inference_mode(), PipelineExecutor(prepare(model), stages) as pipe:
         ref = _engine_run(model, "recompute", requests, max_batch=3)
-        got = _engine_run(model, "pipeline", requests, max_batch=3)
+        got = _engine_run(pipe, "pipeline", requests, max_batch=3)
     assert got == ref
     assert [len(t) for t, _ in got] == [r["new"] for r in requests]
     assert any(layer < model.num_layers for _, layers in got for layer in layers)
@@ -153,10 +154,12 @@ def test_dead_stage_is_an_error_not_a_hang() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear")
     start = time.monotonic()
-    with pytest.raises(ParallelError), pipeline(model, 2, timeout_s=30) as group:
+    with pytest.raises(ParallelError), PipelineExecutor(prepare(model), 2,
+                                                        timeout_s=30) as pipe:
+        group = pipe.group
         assert group.workers is not None
         group.workers.ctx.processes[0].kill()
-        generate(model, None, [[1, 2, 3]], strategy="early-exit", kv="pipeline",
+        generate(pipe, None, [[1, 2, 3]], strategy="early-exit", kv="pipeline",
                  max_new_tokens=8, threads=1)
     assert time.monotonic() - start < 30
     assert not any(p.is_alive() for p in group.workers.ctx.processes)
@@ -172,12 +175,12 @@ def test_idle_pipeline_outlives_its_timeout() -> None:
     model = ee_model("linear")
     kw = {"strategy": "early-exit", "kv": "pipeline", "threshold": 0.5, "max_new_tokens": 6,
           "ignore_eos": True, "threads": 1}
-    with torch.inference_mode(), pipeline(model, 3, timeout_s=1.5) as group:
-        first = generate(model, None, [[1, 2, 3]], **kw).sequences[0].token_ids
+    with torch.inference_mode(), PipelineExecutor(prepare(model), 3, timeout_s=1.5) as pipe:
+        first = generate(pipe, None, [[1, 2, 3]], **kw).sequences[0].token_ids
         time.sleep(3.0)
-        assert group.workers is not None
-        assert all(p.is_alive() for p in group.workers.ctx.processes)
-        again = generate(model, None, [[1, 2, 3]], **kw).sequences[0].token_ids
+        assert pipe.group.workers is not None
+        assert all(p.is_alive() for p in pipe.group.workers.ctx.processes)
+        again = generate(pipe, None, [[1, 2, 3]], **kw).sequences[0].token_ids
     assert again == first and len(first) == 6
 
 
@@ -191,10 +194,10 @@ def test_sends_do_not_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
     model = ee_model("linear")
     kw = {"strategy": "early-exit", "kv": "pipeline", "threshold": 0.5, "max_new_tokens": 30,
           "ignore_eos": True, "threads": 1}
-    with torch.inference_mode(), pipeline(model, 2) as group:
-        generate(model, None, [[1, 2, 3]], **kw)
-        generate(model, None, [[4, 5], [6, 7, 8]], **kw)
-        assert len(group.links.p2p.pending) <= 2  # one step's command header and rows table
+    with torch.inference_mode(), PipelineExecutor(prepare(model), 2) as pipe:
+        generate(pipe, None, [[1, 2, 3]], **kw)
+        generate(pipe, None, [[4, 5], [6, 7, 8]], **kw)
+        assert len(pipe.group.links.p2p.pending) <= 2  # one step's command header and rows
 
 
 def test_several_prompts_batched_through_three_stages() -> None:
@@ -229,15 +232,15 @@ def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, 
                                                threshold: float, waited: str) -> None:
     """A stage that stops answering but stays alive (SIGSTOP) ends the job with a
     ParallelError naming its rank, not a hang, and no stage process outlives the job (also
-    when the decoder started the pipeline itself and closes it in the engine's cleanup)."""
+    when the engine started the pipeline itself and closes it in its cleanup)."""
     from exitlm.comm.health import ParallelError
-    from exitlm.infer.executors import pipeline as pipeline_ee
+    from exitlm.infer import executors
 
     torch.set_num_threads(1)
     model = ee_model("linear")
     pids = stall_at(monkeypatch, call, stalled)
-    monkeypatch.setattr(pipeline_ee, "pipeline",
-                        functools.partial(pipeline_ee.pipeline, timeout_s=TIMEOUT_S))
+    with_timeout = functools.partial(PipelineExecutor, timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(executors, "PipelineExecutor", with_timeout)  # what engines start
     # threshold 1.0: every token needs the last stage's decision; 0.0: none does
     kw: dict[str, Any] = {"strategy": "early-exit", "kv": "pipeline", "threshold": threshold,
                           "max_pending": 100, "max_new_tokens": 12, "ignore_eos": True,
@@ -247,8 +250,8 @@ def test_stalled_stage_is_named_and_cleaned_up(monkeypatch: pytest.MonkeyPatch, 
             if own:
                 generate(model, None, [[1, 2, 3]], stages=stages, **kw)
             else:
-                with pipeline_ee.pipeline(model, stages):
-                    generate(model, None, [[1, 2, 3]], **kw)
+                with with_timeout(prepare(model), stages) as pipe:
+                    generate(pipe, None, [[1, 2, 3]], **kw)
     finally:
         left = kill_all(pids)  # never leave a stopped process behind, even on failure
     assert len(pids) == stages - 1  # the stage really was stopped

@@ -27,8 +27,9 @@ from exitlm.comm.p2p import P2P
 from exitlm.comm.shm import pipeline_pairs, shm_channels
 from exitlm.comm.shm_p2p import ChannelP2P
 from exitlm.infer import generate
-from exitlm.infer.executors.pipeline import pipeline
+from exitlm.infer.executors.pipeline import PipelineExecutor
 from exitlm.kernels import native
+from exitlm.runtime import prepare
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
@@ -173,8 +174,8 @@ def test_pipeline_decodes_alike_over_shared_memory_and_gloo(
         want = [(s.token_ids, s.exit_layers) for s in ref.sequences]
         for shm, transport in (("1", ChannelP2P), ("0", P2P)):
             monkeypatch.setenv("EXITLM_SHM", shm)  # inherited by the spawned stages
-            with pipeline(model, 3) as group:
-                assert isinstance(group.links.p2p, transport)
-                got = generate(model, None, prompts, kv="pipeline", **kw)
+            with PipelineExecutor(prepare(model), 3) as pipe:
+                assert isinstance(pipe.group.links.p2p, transport)
+                got = generate(pipe, None, prompts, kv="pipeline", **kw)
             assert [(s.token_ids, s.exit_layers) for s in got.sequences] == want, shm
     assert any(layer < model.num_layers for _, layers in want for layer in layers)

@@ -10,13 +10,16 @@ shards of the same quantized weights."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from _byte_models import sharp_model
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
-from exitlm.infer.executors.pipeline import pipeline
+from exitlm.infer.executors.pipeline import PipelineExecutor
+from exitlm.infer.executors.tp import TPExecutor
 from exitlm.kernels import native
 from exitlm.kernels.quantized import quantize_model
 from exitlm.model.transformer import EarlyExitLM
@@ -39,7 +42,7 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (6, 3)]
 
 
-def _tokens(model: EarlyExitLM, prompt: list[int], **kw: object) -> tuple[list, list]:
+def _tokens(model: Any, prompt: list[int], **kw: object) -> tuple[list, list]:
     res = generate(model, None, [prompt], max_new_tokens=NEW, ignore_eos=True, threads=1, **kw)
     return res.sequences[0].token_ids, res.sequences[0].exit_layers
 
@@ -66,11 +69,11 @@ def test_pipeline_stages_on_quantized_weights() -> None:
     torch.set_num_threads(1)
     model = _model("int8")
     early = 0
-    with torch.inference_mode(), pipeline(model, 2):
+    with torch.inference_mode(), PipelineExecutor(prepare(model), 2) as stages:
         for thr in (0.6, 1.0):
             for p in _prompts():
                 ref = _tokens(model, p, strategy="early-exit", threshold=thr)
-                got = _tokens(model, p, strategy="early-exit", threshold=thr, kv="pipeline")
+                got = _tokens(stages, p, strategy="early-exit", threshold=thr, kv="pipeline")
                 assert got == ref, (thr, p)
                 early += sum(layer < model.num_layers for layer in got[1])
                 if thr == 1.0:
@@ -83,8 +86,6 @@ def test_tensor_parallel_ranks_on_quantized_weights(monkeypatch: pytest.MonkeyPa
     the quantized modules from the parent's buffers and keeps the parent's activation setting,
     so with float32 activations its tokens are one process's (int8 activations and the other
     strategies: tests/parallel/test_tp_quantized.py)."""
-    from exitlm.infer.executors.tp_shard import tp_generate
-
     torch.set_num_threads(1)
     monkeypatch.setenv("EXITLM_INT8_ACTIVATIONS", "0")
     prev = native.set_int8_activations(False)  # exported to the spawned rank
@@ -92,7 +93,8 @@ def test_tensor_parallel_ranks_on_quantized_weights(monkeypatch: pytest.MonkeyPa
         model = _model("int4")
         kw = {"strategy": "early-exit", "threshold": 0.6, "max_new_tokens": NEW,
               "ignore_eos": True}
-        got = tp_generate(model, None, _prompts()[:1], tp=2, **kw)
+        with TPExecutor(model, 2) as ranks:
+            got = generate(ranks, None, _prompts()[:1], **kw)
         ref = generate(model, None, _prompts()[:1], threads=1, **kw)
     finally:
         native.set_int8_activations(prev)

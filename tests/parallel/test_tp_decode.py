@@ -18,7 +18,8 @@ from _ee_models import ee_model, random_prompts
 from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError
 from exitlm.infer import generate
-from exitlm.infer.executors.tp_shard import check_strategy, check_tp, shard_model, tp_generate
+from exitlm.infer.executors.tp import TPExecutor
+from exitlm.infer.executors.tp_shard import check_strategy, check_tp, shard_model
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("ar", {}),
@@ -69,14 +70,17 @@ def test_tp2_equals_one_process(tmp_path: Path) -> None:
         assert early > 5  # the early-exit case really exits early
 
 
-def test_self_started_tp_generate() -> None:
+def test_self_started_ranks_serve_one_engine_after_another() -> None:
     torch.set_num_threads(1)
     model = ee_model("linear", vocab=23)  # 23 is not divisible by 2: padded vocabulary shards
     prompts = random_prompts()
     ref = generate(model, None, prompts, strategy="early-exit", threshold=0.7,
                    max_new_tokens=12, ignore_eos=True, threads=1)
-    got = tp_generate(model, None, prompts, tp=2, strategy="early-exit", threshold=0.7,
-                      max_new_tokens=12, ignore_eos=True)
+    with TPExecutor(model, 2) as ranks:
+        got = generate(ranks, None, prompts, strategy="early-exit", threshold=0.7,
+                       max_new_tokens=12, ignore_eos=True)
+        again = generate(ranks, None, prompts[:2], strategy="ar", max_new_tokens=6)
+    assert again.token_ids == generate(model, None, prompts[:2], max_new_tokens=6).token_ids
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
     # the caller's model is left whole
     assert model.layers[0].attn.num_heads == 4
@@ -108,7 +112,8 @@ def test_tp4_self_spec_with_gqa() -> None:
     prompts = random_prompts()
     kw = {"strategy": "self-spec", "exit_layer": 2, "max_new_tokens": 12, "ignore_eos": True}
     ref = generate(model, None, prompts, threads=1, **kw)
-    got = tp_generate(model, None, prompts, tp=4, **kw)
+    with TPExecutor(model, 4) as ranks:
+        got = generate(ranks, None, prompts, **kw)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
 
 
@@ -116,14 +121,15 @@ def test_unseeded_sampling_draws_one_seed_for_every_rank() -> None:
     """Sampling without ``--seed``: rank 0 draws the seed for all ranks. Before, each rank
     drew its own, fed its shard other tokens than its peers (nonsense text) and, on a model
     with an end token, stopped at another length and left its peers waiting."""
-    from exitlm.infer.executors.tp_shard import draw_seed
+    from exitlm.infer.executors.tp import draw_seed
 
     torch.set_num_threads(1)
     model = ee_model("linear", eos=(3,))
     prompts = random_prompts()[:1]
     kw = {"temperature": 1.0, "max_new_tokens": 24}
     torch.manual_seed(11)
-    got = tp_generate(model, None, prompts, tp=2, timeout_s=30.0, **kw)
+    with TPExecutor(model, 2, timeout_s=30.0) as ranks:
+        got = generate(ranks, None, prompts, **kw)
     torch.manual_seed(11)
     seed = draw_seed()
     ref = generate(model, None, prompts, threads=1, seed=seed, **kw)

@@ -29,11 +29,11 @@ from _dist import free_port, run_processes
 from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError, ExitConfig, ModelConfig
 from exitlm.infer import generate
+from exitlm.infer.executors.tp import TPExecutor
 from exitlm.infer.executors.tp_shard import (
     QuantizedRowParallelLinear,
     check_quantized,
     shard_model,
-    tp_run,
 )
 from exitlm.kernels import native
 from exitlm.kernels.quant import GROUP, QuantizedWeight, qlinear, quantize
@@ -116,7 +116,7 @@ def test_splits_that_would_cut_a_group_are_refused() -> None:
         check_quantized(heads16, 3)
     # refused before any process starts
     with pytest.raises(ConfigError, match="--tp 3"):
-        tp_run(heads16, [{"prompts": [[1, 2]], "max_new_tokens": 2}], tp=3)
+        TPExecutor(heads16, 3)
     narrow = quantized(dim=128, num_heads=4, num_kv_heads=4, hidden_dim=64)
     check_quantized(narrow, 2)
     with pytest.raises(ConfigError, match=r"--tp 4: layers\.0\.mlp\.w_out .* width 64, 2 "
@@ -142,7 +142,8 @@ def test_tp2_on_quantized_weights_equals_one_process(
         calls = [{"prompts": ps, "strategy": strategy, "max_new_tokens": NEW,
                   "ignore_eos": True, **kw}
                  for strategy, kw in CASES for ps in ([prompts[0]], prompts)]
-        got = tp_run(model, calls, tp=2)
+        with TPExecutor(model, 2) as ranks:
+            got = [generate(ranks, None, **call) for call in calls]
         early = 0
         for call, res in zip(calls, got, strict=True):
             ref = generate(model, None, threads=1, **call)

@@ -23,7 +23,8 @@ from exitlm.comm.launch import join_group
 from exitlm.comm.shm import shm_reducer
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
-from exitlm.infer.executors.tp_shard import agree_seed, shard_model, split, tp_generate
+from exitlm.infer.executors.tp import TPExecutor
+from exitlm.infer.executors.tp_shard import shard_model, split
 from exitlm.kernels import native
 from exitlm.model.transformer import EarlyExitLM
 
@@ -175,12 +176,14 @@ def test_tp2_with_uneven_heads_equals_one_process(shm: str,
     torch.set_num_threads(1)
     model = _uneven_model()
     prompts = random_prompts()[:2]
-    for strategy, kw in CASES:
-        common = {"strategy": strategy, "max_new_tokens": 12, "ignore_eos": True, **kw}
-        ref = generate(model, None, prompts, threads=1, **common)
-        got = tp_generate(model, None, prompts, tp=2, **common)
-        assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
-        assert [s.exit_layers for s in got.sequences] == [s.exit_layers for s in ref.sequences]
+    with TPExecutor(model, 2) as ranks:
+        for strategy, kw in CASES:
+            common = {"strategy": strategy, "max_new_tokens": 12, "ignore_eos": True, **kw}
+            ref = generate(model, None, prompts, threads=1, **common)
+            got = generate(ranks, None, prompts, **common)
+            assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
+            assert [s.exit_layers for s in got.sequences] == [s.exit_layers
+                                                              for s in ref.sequences]
 
 
 def _native_shard(rank: int, world: int, port: int, root: str) -> None:
@@ -201,9 +204,6 @@ def _native_shard(rank: int, world: int, port: int, root: str) -> None:
         res = generate(runner, None, [random_prompts()[0]], max_new_tokens=10, ignore_eos=True,
                        threads=1)
         info["tokens"] = res.sequences[0].token_ids
-        torch.manual_seed(rank)  # each rank's own draw would differ
-        info["seed"] = agree_seed({"temperature": 1.0}, rank)["seed"]
-        info["kept"] = agree_seed({"temperature": 1.0, "seed": 5}, rank)["seed"]
         (Path(root) / f"{rank}.json").write_text(json.dumps(info))
     finally:
         dist.destroy_process_group()
@@ -211,8 +211,7 @@ def _native_shard(rank: int, world: int, port: int, root: str) -> None:
 
 def test_a_shards_block_is_one_native_call_with_its_sums(tmp_path: Path) -> None:
     """With the native kernels, a shard's blocks run ``block.c`` with the reducer (both sums
-    inside the call), one sequence decodes through them, and the tokens are one process's;
-    :func:`agree_seed` gives every rank rank 0's seed."""
+    inside the call), one sequence decodes through them, and the tokens are one process's."""
     run_processes(_native_shard, (2, free_port(), str(tmp_path)), 2, what="tensor-parallel ranks")
     infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [i["heads"] for i in infos] == [[2, 1], [4, 2]]
@@ -221,5 +220,3 @@ def test_a_shards_block_is_one_native_call_with_its_sums(tmp_path: Path) -> None
     ref = generate(_uneven_model(), None, [random_prompts()[0]], max_new_tokens=10,
                    ignore_eos=True, threads=1)
     assert infos[0]["tokens"] == infos[1]["tokens"] == ref.sequences[0].token_ids
-    # under torchrun, unseeded sampling gets rank 0's seed on every rank; a given one stays
-    assert infos[0]["seed"] == infos[1]["seed"] and infos[0]["kept"] == infos[1]["kept"] == 5

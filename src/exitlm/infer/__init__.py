@@ -9,9 +9,10 @@ join and leave a running batch (:mod:`exitlm.infer.engine`).
 from exitlm.infer.api import encode_prompts, generate
 from exitlm.infer.autoregressive import AROptions
 from exitlm.infer.early_exit import EarlyExitOptions
-from exitlm.infer.engine import Engine, EngineFull, Request, Update
+from exitlm.infer.engine import Engine, EngineFull
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.ppd import PPDOptions
+from exitlm.infer.request import Request, Update
 from exitlm.infer.result import (
     DecodeStats,
     ExitSummary,

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from exitlm.config import ConfigError
-from exitlm.infer.engine import Engine, Update
+from exitlm.infer.engine import Engine
+from exitlm.infer.executor import EngineSpec, Executor
 from exitlm.infer.options import SAMPLING_FIELDS, SamplingOptions
+from exitlm.infer.request import Update
 from exitlm.infer.result import GenerationResult, Timings
 from exitlm.infer.stopping import TextCallback
 from exitlm.infer.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
@@ -28,7 +30,7 @@ __all__ = ["STRATEGIES", "Strategy", "encode_prompts", "generate", "register_str
 
 
 def generate(
-    model: EarlyExitLM | Runner,
+    model: EarlyExitLM | Runner | Executor,
     tokenizer: Tokenizer | None,
     prompts: Prompts,
     *,
@@ -43,9 +45,10 @@ def generate(
     """Generate continuations of one or several prompts, decoded together.
 
     Args:
-        model: the model (its dtype and device are used as they are), or the runner that
+        model: the model (its dtype and device are used as they are), the runner that
             computes its forwards (:func:`~exitlm.runtime.prepare`; pass one to reuse it
-            across calls).
+            across calls), or the executor to run on (:mod:`exitlm.infer.executors`:
+            tensor-parallel ranks, pipeline stages; the caller closes it).
         tokenizer: encodes text prompts and decodes outputs; may be ``None`` when the prompts
             are token ids (the result's texts are then empty).
         prompts: a string, a list of strings, a list of token ids, or a list of such lists.
@@ -64,18 +67,10 @@ def generate(
             ``temperature=0.7``, ...) or of the strategy's options, replacing those given.
     """
     start = time.perf_counter()
-    strat = get_strategy(strategy)
-    own_fields = {f.name for f in dataclasses.fields(strat.options_type)}
-    unknown = sorted(set(overrides) - SAMPLING_FIELDS - own_fields)
-    if unknown:
-        raise ConfigError(f"unknown generation options {unknown}; sampling options: "
-                          f"{sorted(SAMPLING_FIELDS)}, {strategy!r} options: {sorted(own_fields)}")
-    own = {k: v for k, v in overrides.items() if k not in SAMPLING_FIELDS}
-    opts = strat.options(options, **own)
-    sampling = (sampling or SamplingOptions()).replace(
-        **{k: v for k, v in overrides.items() if k in SAMPLING_FIELDS})
-    prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
-    engine = Engine(model, tokenizer, strategy, opts, max_batch=len(prompt_ids),
+    spec, sampling, prompt_ids = generation_spec(tokenizer, prompts, strategy=strategy,
+                                                 sampling=sampling, options=options, chat=chat,
+                                                 threads=threads, **overrides)
+    engine = Engine(model, tokenizer, strategy, spec.options, max_batch=spec.max_batch,
                     threads=threads)
     try:
         reqs = []
@@ -99,6 +94,28 @@ def generate(
     return GenerationResult(seqs, timings, strategy=strategy, num_layers=num_layers,
                             stats=engine.decoder.stats_type.total(s.stats for s in seqs),
                             options=engine.decoder.resolved_options())
+
+
+def generation_spec(tokenizer: Tokenizer | None, prompts: Prompts, *, strategy: str = "ar",
+                    sampling: SamplingOptions | None = None, options: Any = None,
+                    chat: bool = False, threads: int | None = None, **overrides: Any
+                    ) -> tuple[EngineSpec, SamplingOptions, list[list[int]]]:
+    """What :func:`generate` builds its engine from (the arguments are its own): the engine's
+    spec, the sampling options and the prompts' token ids. The ranks of a ``torchrun`` job
+    build the engine they replay from it."""
+    strat = get_strategy(strategy)
+    own_fields = {f.name for f in dataclasses.fields(strat.options_type)}
+    unknown = sorted(set(overrides) - SAMPLING_FIELDS - own_fields)
+    if unknown:
+        raise ConfigError(f"unknown generation options {unknown}; sampling options: "
+                          f"{sorted(SAMPLING_FIELDS)}, {strategy!r} options: {sorted(own_fields)}")
+    own = {k: v for k, v in overrides.items() if k not in SAMPLING_FIELDS}
+    opts = strat.options(options, **own)
+    sampling = (sampling or SamplingOptions()).replace(
+        **{k: v for k, v in overrides.items() if k in SAMPLING_FIELDS})
+    prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
+    return (EngineSpec(strategy, opts, tokenizer, len(prompt_ids), None, threads), sampling,
+            prompt_ids)
 
 
 def _streamer(stream: TextCallback | None, index: int) -> Any:

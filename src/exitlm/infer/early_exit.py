@@ -17,7 +17,8 @@ Three ways to emit a token before the last layer, chosen by :class:`EarlyExitOpt
   keys/values, so even the full-depth predictions drift. Offered for comparison only.
 * ``kv="pipeline"`` (EE-LLM Sec. 4, pipeline-based inference): the model split into
   ``stages`` processes by layer range; an exited token is decided at once and the later
-  stages keep running it, filling their KV caches (:mod:`exitlm.infer.executors.pipeline`).
+  stages keep running it, filling their KV caches (an executor of its own,
+  :mod:`exitlm.infer.executors.pipeline`).
   Same tokens as ``recompute`` under the same exit decisions; a step carries every running
   sequence, each row deciding on its own.
 
@@ -33,7 +34,6 @@ from typing import Literal
 from exitlm.config import ConfigError
 from exitlm.infer.autoregressive import DepthDecoder
 from exitlm.infer.decoder import Decoder
-from exitlm.infer.executors.pipeline import PipelineDecoder
 from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
 from exitlm.infer.options import option
 from exitlm.model.transformer import EarlyExitLM
@@ -111,6 +111,7 @@ def early_exit_decoder(runner: Runner, options: EarlyExitOptions) -> Decoder:
             raise ConfigError("kv='copy' does not support block exit heads; use kv='recompute'")
         return CopyDecoder(runner, options, checks)
     if options.kv == "pipeline":
-
-        return PipelineDecoder(runner, options, checks)
+        raise ConfigError("kv='pipeline' decodes on pipeline stages: an engine over a "
+                          "PipelineExecutor (exitlm.infer.executors; generate() and Engine "
+                          "start one for these options)")
     return RecomputeDecoder(runner, options, checks)

@@ -17,7 +17,12 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
 
 The engine owns everything around the decoder: ``inference_mode``, stop conditions,
-streaming (per-request :class:`Update` objects and callbacks), timing and results. Each
+streaming (per-request :class:`Update` objects and callbacks), timing and results. Where the
+decoder runs - this process, tensor-parallel ranks that replay every step, pipeline stages, a
+PPD branch worker - is its :class:`~exitlm.infer.executor.Executor`'s business
+(:func:`~exitlm.infer.executors.executor_for`); submissions and cancellations take effect at
+the start of the next step, in order, so that an executor can hand them to every process
+first. Each
 request has its own sampling options, random generator, stop conditions and per-request
 strategy options (threshold, speculations, ...), so a seeded request gets the same tokens
 whatever else shares the batch. :meth:`submit` and :meth:`cancel` may be called from other
@@ -31,16 +36,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from exitlm.comm.health import ParallelError
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Decoder, Emit, Seq
+from exitlm.infer.executor import Cancel, EngineSpec, Event, Executor, Submit
+from exitlm.infer.executors import executor_for
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.pool import SlotPool
-from exitlm.infer.result import DecodeStats, FinishReason, SequenceResult, TokenLogprob
+from exitlm.infer.request import Request, Update
+from exitlm.infer.result import FinishReason, TokenLogprob
 from exitlm.infer.sampling import make_generator
 from exitlm.infer.score import score_tokens
 from exitlm.infer.stopping import TextTracker
@@ -48,7 +56,6 @@ from exitlm.infer.strategies import get_strategy
 from exitlm.infer.threads import ThreadPolicy
 from exitlm.kernels.blas import gemv_bound
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner
 from exitlm.tokenizer import Tokenizer
 
@@ -76,94 +83,23 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING
 
 class EngineBroken(RuntimeError):
     """The engine cannot serve any more requests (an engine over several processes whose
-    ranks failed, :class:`~exitlm.infer.executors.tp.TPEngine`); the message says why
-    and what to do."""
+    ranks failed: :attr:`~exitlm.infer.executor.Executor.fatal_failures`); the message says
+    why and what to do."""
 
 
 class EngineFull(ConfigError):
     """The waiting queue is full (``max_queue``); try again later."""
 
 
-Status = Literal["waiting", "running", "finished"]
-
-
-@dataclass
-class Update:
-    """What one step did for one request: the tokens it kept, their exit layers, the text that
-    became final (``pieces``: text with the exit layer of the token that completed it), and
-    whether the request is done."""
-
-    request: Request
-    token_ids: list[int]
-    exit_layers: list[int]
-    pieces: list[tuple[str, int]]
-    finished: bool
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(p for p, _ in self.pieces)
-
-
-@dataclass(eq=False)
-class Request:
-    """A handle to one submitted request (created by :meth:`Engine.submit`)."""
-
-    id: int
-    prompt_ids: list[int]
-    sampling: SamplingOptions
-    options: Any
-    seq: Seq
-    stop_ids: frozenset[int]
-    on_update: Callable[[Update], None] | None = None
-    status: Status = "waiting"
-    finish_reason: FinishReason | None = None
-    exit_layers: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    layer_evaluations: int = 0
-    t_submit: float = 0.0
-    t_admit: float = 0.0
-    t_first: float = 0.0
-    t_end: float = 0.0
-    _pieces: list[tuple[str, int]] = field(default_factory=list)
-    _layer: int = 0
-    tracker: TextTracker = field(init=False)
-    """Generated tokens and text (stop strings, incremental decoding)."""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tracker.ids
-
-    @property
-    def text(self) -> str:
-        return self.tracker.text
-
-    @property
-    def done(self) -> bool:
-        return self.status == "finished"
-
-    @property
-    def stats(self) -> DecodeStats:
-        return self.seq.stats
-
-    def result(self, num_layers: int) -> SequenceResult:
-        """The request's :class:`SequenceResult` (call once it is done)."""
-        return SequenceResult(
-            token_ids=list(self.tracker.ids), text=self.tracker.finish(),
-            exit_layers=list(self.exit_layers), finish_reason=self.finish_reason or "length",
-            prompt_tokens=len(self.prompt_ids), layer_evaluations=self.layer_evaluations,
-            stats=self.seq.stats, num_layers=num_layers,
-            logprobs=list(self.logprobs) if self.sampling.logprobs is not None else None,
-        )
-
-
 class Engine:
     """Continuous batching over one decoding strategy (see the module docstring).
 
     Args:
-        model: the model (its device and dtype are used as they are), or the runner that
+        model: the model (its device and dtype are used as they are), the runner that
             computes its forwards (:func:`~exitlm.runtime.prepare`; prepared here for a
-            model - pass a runner to share one between engines).
+            model - pass a runner to share one between engines), or the executor the engine
+            runs on (:mod:`exitlm.infer.executors`; chosen here for the strategy's options
+            otherwise). What the engine makes itself it closes with :meth:`close`.
         tokenizer: encodes text prompts, decodes outputs and stop strings (``None``: token
             ids only).
         strategy: a key of :data:`~exitlm.infer.strategies.STRATEGIES`.
@@ -180,7 +116,7 @@ class Engine:
 
     def __init__(
         self,
-        model: EarlyExitLM | Runner,
+        model: EarlyExitLM | Runner | Executor,
         tokenizer: Tokenizer | None = None,
         strategy: str = "ar",
         options: Any = None,
@@ -192,13 +128,21 @@ class Engine:
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        self._own_runner = not isinstance(model, Runner)
-        self.runner = model if isinstance(model, Runner) else prepare(model)
-        self.model = model = self.runner.model
         self.tokenizer = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(options)
-        self.decoder: Decoder = self.strategy.decoder(self.runner, self.options)
+        self._own_executor = not isinstance(model, Executor)
+        self.executor = executor_for(model, self.strategy, self.options)
+        try:
+            self.executor.start(EngineSpec(self.strategy.name, self.options, tokenizer,
+                                           max_batch, max_seq_len, threads))
+        except BaseException:
+            if self._own_executor:
+                self.executor.close()
+            raise
+        self.runner = self.executor.runner
+        self.model = model = self.runner.model
+        self.decoder: Decoder = self.executor.decoder(self.strategy, self.options)
         self.max_batch = min(max_batch, self.decoder.max_batch or max_batch)
         if self.max_batch > 1 or self.decoder.multi_row:
             # steps multiply several rows: packed copies of fp32 weights for few-row
@@ -217,6 +161,8 @@ class Engine:
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._cancel: set[int] = set()
+        self._events: list[Event] = []  # submissions and cancellations for the next step
+        self._broken: str | None = None
         self.running: list[Request] = []
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -240,15 +186,19 @@ class Engine:
         request that cannot be served (empty prompt, prompt + ``max_new_tokens`` beyond
         ``max_seq_len``, options the decoder cannot take) and :class:`EngineFull` when the
         queue is full."""
-        req = self._build(self._encode(prompt, chat), sampling or SamplingOptions(),
-                          self._request_options(options, option_changes), on_update,
-                          next(self._ids))
-        self._enqueue(req)
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        sampling = self.executor.admit(sampling or SamplingOptions())
+        req = self.build_request(self._encode(prompt, chat), sampling,
+                                 self.request_options(options, option_changes), on_update,
+                                 next(self._ids))
+        self.enqueue(req)
         return req
 
-    def _build(self, ids: list[int], sampling: SamplingOptions, opts: Any,
-               on_update: Callable[[Update], None] | None, rid: int) -> Request:
-        """A validated request (see :meth:`submit`) with id ``rid``, not yet queued."""
+    def build_request(self, ids: list[int], sampling: SamplingOptions, opts: Any,
+                      on_update: Callable[[Update], None] | None, rid: int) -> Request:
+        """A validated request (see :meth:`submit`) with id ``rid``, not yet queued (an
+        executor's processes replay rank 0's submissions with its ids)."""
         if not ids:
             raise ConfigError("the prompt is empty: every prompt needs at least one token "
                               "(add a BOS token)")
@@ -275,50 +225,72 @@ class Engine:
                                   stream=None if self.tokenizer is None else self._piece_sink(req))
         return req
 
-    def _enqueue(self, req: Request) -> None:
-        """Queue ``req`` for a row (:class:`EngineFull` beyond ``max_queue``)."""
+    def enqueue(self, req: Request) -> None:
+        """Queue ``req`` for a row from the next step on (:class:`EngineFull` beyond
+        ``max_queue``)."""
         with self._lock:
             self._check_room()
-            self._waiting.append(req)
+            self._events.append(Submit(req))
 
     def _check_room(self) -> None:
         """Raise :class:`EngineFull` when ``max_queue`` requests wait (under the lock)."""
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
             raise EngineFull(f"the queue is full ({self.max_queue} requests waiting)")
 
-    def cancel(self, request: Request) -> None:
-        """Stop ``request`` at the next step boundary (its row is freed, finish reason
-        ``cancelled``). Safe from any thread; a finished request is left alone."""
+    def cancel(self, request: Request | int) -> None:
+        """Stop ``request`` (or the request of that id) at the next step boundary (its row is
+        freed, finish reason ``cancelled``). Safe from any thread; a finished request is left
+        alone."""
+        rid = request if isinstance(request, int) else request.id
         with self._lock:
-            self._cancel.add(request.id)
+            self._events.append(Cancel(rid))
 
     def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob | None]:
         """Log-probabilities of ``ids`` under the final layer (the server's ``echo`` with
         ``logprobs``); call it between steps, on the thread that steps."""
-
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        self.executor.before_score(list(ids), top)
         return score_tokens(self.runner, ids, top=top)
 
     @property
     def broken(self) -> str | None:
         """Why the engine cannot serve any more (``None``: it can); see :class:`EngineBroken`."""
-        return None
+        return self._broken
 
     def has_work(self) -> bool:
+        if self._broken is not None:
+            return False
         with self._lock:
-            return bool(self._waiting or self.running)
+            return bool(self._waiting or self.running or self._events)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a row (those submitted since the last step included)."""
+        return len(self._waiting) + sum(isinstance(e, Submit) for e in self._events)
 
     def step(self) -> list[Update]:
-        """Admit, prefill, decode one step, record (see the module docstring)."""
+        """Apply the submissions and cancellations since the last step (after the executor
+        saw them), admit, prefill, decode one step, record (see the module docstring)."""
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        with self._lock:
+            events, self._events = self._events, []
+            self._waiting.extend(e.request for e in events if isinstance(e, Submit))
+            self._cancel |= {e.request_id for e in events if isinstance(e, Cancel)}
         updates: list[Update] = []
-        with torch.inference_mode():
-            self._reap_cancelled(updates)
-            self._admit(updates)
-            if self.running:
-                self._decode(updates)
+        try:
+            self.executor.before_step(events)
+            with torch.inference_mode():
+                self._reap_cancelled(updates)
+                self._admit(updates)
+                if self.running:
+                    self._decode(updates)
+        except Exception as err:
+            why = self.executor.failure()  # another process's exit explains any error
+            if why:
+                raise ParallelError(f"{self.executor.name} {why}") from err
+            raise
         for u in updates:
             if u.request.on_update is not None:
                 u.request.on_update(u)
@@ -335,6 +307,17 @@ class Engine:
         left its rows half-written. Waiting requests stay queued. Returns the ended requests,
         so that their owners can be told."""
         failed, self.running = self.running, []
+        if self.executor.fatal_failures:  # the processes may disagree now: serve no more
+            why = self.executor.failure()
+            self._broken = (f"the {self.executor.name} processes failed during a step; "
+                            "restart the server or the run (see the log)"
+                            + (f": {why}" if why else ""))
+            with self._lock:
+                failed += list(self._waiting)
+                failed += [e.request for e in self._events if isinstance(e, Submit)]
+                self._waiting.clear()
+                self._events.clear()
+            self.executor.close(EngineBroken(self._broken))  # its processes are of no use
         now = time.perf_counter()
         for r in failed:
             r.status, r.finish_reason, r.t_end = "finished", "error", now
@@ -343,10 +326,13 @@ class Engine:
         return failed
 
     def close(self) -> None:
-        self.decoder.close()
-        self.pool.drop()
-        if self._own_runner:
-            self.runner.close()
+        """Release the decoder, the pool, and the executor when the engine made it."""
+        try:
+            self.decoder.close()
+            self.pool.drop()
+        finally:
+            if self._own_executor:
+                self.executor.close(EngineBroken(self._broken) if self._broken else None)
 
     def _new_pool(self) -> SlotPool:
         return SlotPool(self.runner, self.decoder.aux_dims, self.max_batch,
@@ -492,7 +478,7 @@ class Engine:
             raise ConfigError("chat=True needs a text prompt, got token ids")
         return [int(x) for x in prompt]
 
-    def _request_options(self, options: Any, changes: dict[str, Any]) -> Any:
+    def request_options(self, options: Any, changes: dict[str, Any]) -> Any:
         """The engine's options with a request's per-request fields applied; any other field
         that differs is an error (it would need another decoder)."""
         import dataclasses

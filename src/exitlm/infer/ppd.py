@@ -44,13 +44,7 @@ import torch
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
 from exitlm.infer.options import option
-from exitlm.infer.ppd_branches import (
-    Branches,
-    ProcessBranches,
-    SerialBranches,
-    StreamBranches,
-    ThreadBranches,
-)
+from exitlm.infer.ppd_branches import Branches, SerialBranches, StreamBranches, ThreadBranches
 from exitlm.infer.result import DecodeStats
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
@@ -140,7 +134,8 @@ class PPDDecoder(Decoder):
     stats_type = PPDStats
     max_batch = 1
 
-    def __init__(self, runner: Runner, options: PPDOptions) -> None:
+    def __init__(self, runner: Runner, options: PPDOptions,
+                 branches: type[Branches] | None = None) -> None:
         super().__init__(runner, options)
         model = runner.model
         self.d = model.num_layers
@@ -150,25 +145,28 @@ class PPDDecoder(Decoder):
         vocab = model.config.vocab_size
         self.vocab = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
         self.block = model.exit_route(self.d_bar).has_block
-        self.branches = self._branches(options)
+        self.branches = self._branches(options, branches)
         self.carried: torch.Tensor | None = None  # branch state after layer m, when matched
 
-    def _branches(self, options: PPDOptions) -> Branches:
-        """Where the branches run (:mod:`exitlm.infer.ppd_branches`). The early prediction is
-        made on the branches' side where they run apart from the main thread (threads on CPU,
-        the worker process), except for exits with a block head, whose KV cache slot the main
-        thread fills."""
+    def _branches(self, options: PPDOptions, kind: type[Branches] | None) -> Branches:
+        """Where the branches run (:mod:`exitlm.infer.ppd_branches`): ``kind`` when the
+        executor gives one (a worker process), else serial, on CUDA streams or on threads.
+        The early prediction is made on the branches' side where they run apart from the main
+        thread (threads on CPU, the worker process), except for exits with a block head,
+        whose KV cache slot the main thread fills."""
         head = (self.d_bar, self.vocab)
+        predicts = not self.block
+        if kind is not None:
+            return kind(self.runner, self.m, self.k, head, predicts=predicts)
         if options.ppd_workers == "process":
-            if self.device.type != "cpu":
-                raise ConfigError("ppd_workers='process' is for CPU; on a GPU the branches run "
-                                  "on CUDA streams (--ppd-workers thread)")
-            return ProcessBranches(self.runner, self.m, self.k, head, predicts=not self.block)
+            raise ConfigError("ppd_workers='process' runs the branches in a worker process: an "
+                              "engine over a BranchWorkerExecutor (exitlm.infer.executors; "
+                              "generate() and Engine start one for these options)")
         if not options.parallel:
             return SerialBranches(self.runner, self.m, self.k, head)
         if self.runner.supports("streams"):
             return StreamBranches(self.runner, self.m, self.k, head)
-        return ThreadBranches(self.runner, self.m, self.k, head, predicts=not self.block)
+        return ThreadBranches(self.runner, self.m, self.k, head, predicts=predicts)
 
     def resolved_options(self) -> dict[str, Any]:
         return {**super().resolved_options(), "ppd_layer": self.d_bar, "ppd_k": self.k,

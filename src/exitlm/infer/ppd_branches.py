@@ -11,8 +11,9 @@ than the main token's remaining layers:
   so a small model's branches mostly wait for the main thread);
 * :class:`StreamBranches` - each branch on its own CUDA stream, launched from the calling
   thread; a graph runner replays its programs there with a private memory pool;
-* :class:`ProcessBranches` - one spawned worker process on keys/values in shared memory
-  (:mod:`exitlm.infer.ppd_workers`; CPU: processes overlap where threads do not).
+* a spawned worker process on keys/values in shared memory (CPU: processes overlap where
+  threads do not), which its executor gives the decoder
+  (:mod:`exitlm.infer.executors.ppd_worker`).
 
 **KV sharing.** Branches read the prefix keys/values of layers ``[0, m)``, which the main
 token has written for every position ``<= p`` before the fork and never touches during it (it
@@ -34,9 +35,17 @@ from typing import Any
 
 import torch
 
-from exitlm.infer.ppd_workers import BranchCache, BranchWorker, branch
 from exitlm.model.kv_cache import KVCache
 from exitlm.runtime.runner import Runner
+
+
+def branch(runner: Runner, cache: KVCache, token: torch.Tensor, p: int, m: int
+           ) -> torch.Tensor:
+    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` ``(1,)`` at position ``p``
+    through layers ``[0, m)`` on a one-row ``cache`` - a chain of no draft
+    (:meth:`~exitlm.runtime.runner.Runner.chain`); the hidden state ``(1, 1, D)``."""
+    cache.lengths = torch.tensor([p])
+    return runner.chain(token, cache, 0, m).hidden
 
 
 class Branches:
@@ -183,63 +192,3 @@ class ThreadBranches(Branches):
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         super().close()
-
-
-class ProcessBranches(Branches):
-    """Branches in one spawned worker process (:class:`~exitlm.infer.ppd_workers.
-    BranchWorker`) on keys/values in shared memory: the main token reads and writes row 0
-    of them as its own lower layers, so a confirmed branch's entry needs no copy when
-    ``k = 1``."""
-
-    def __init__(self, runner: Runner, m: int, k: int, head: tuple[int, int], *,
-                 predicts: bool) -> None:
-        super().__init__(runner, m, k, head)
-        self.predicts = predicts
-        self.worker: BranchWorker | None = None
-        self.shared: BranchCache | None = None
-
-    def start(self, main: KVCache, prompt: int, capacity: int) -> None:
-        if self.worker is None or not self.worker.alive:
-            if self.worker is not None:  # it failed in an earlier step: start afresh
-                self.worker.close()
-            self.worker = BranchWorker(self.runner.model, self.m, threads=1,
-                                       draft=(self.d_bar, self.vocab) if self.predicts
-                                       else None)
-        if self.shared is None or self.shared.capacity < capacity:
-            self.shared = BranchCache(self.m, self.k, max(capacity, 256), self.runner.config,
-                                      main.dtype)
-        self.shared.load_prefix(main, prompt)  # the prompt's entries, once
-        self.worker.attach(self.shared)
-
-    def main_view(self, main: KVCache) -> KVCache:
-        assert self.shared is not None
-        return self.shared.main_view(main)
-
-    def share(self, main: KVCache, p: int) -> None:
-        assert self.shared is not None
-        self.shared.broadcast(0, p)
-
-    def adopt(self, j: int, main: KVCache, p: int) -> None:
-        assert self.shared is not None  # main's layers < m are row 0 of the shared rows
-        self.shared.broadcast(j, p)
-
-    def fork(self, cands: torch.Tensor, p: int) -> None:
-        assert self.worker is not None
-        self.worker.fork(p, cands.tolist())
-
-    def predict(self, hm: torch.Tensor, p: int) -> None:
-        assert self.worker is not None and self.shared is not None
-        self.shared.hin.copy_(hm)
-        self.worker.predict(p, self.k)
-
-    def join(self) -> tuple[list[int], list[torch.Tensor]]:
-        assert self.worker is not None and self.shared is not None
-        self.worker.join()
-        # the shared output rows are overwritten by the next fork: the caller keeps copies
-        return self.worker.tokens, [self.shared.out[j].view(1, 1, -1).clone()
-                                    for j in range(len(self.worker.tokens))]
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None

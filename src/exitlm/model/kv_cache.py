@@ -110,8 +110,9 @@ class KVCache:
 
     def spliced(self, lower: KVCache, n: int) -> KVCache:
         """A cache whose first ``n`` slots are ``lower``'s (same rows) and the others this
-        one's, sharing this cache's bookkeeping (``lengths``, ``fill``). PPD's process mode
-        keeps the layers its branches read in shared memory (:mod:`exitlm.infer.ppd_workers`)."""
+        one's, sharing this cache's bookkeeping (``lengths``, ``fill``). PPD's branch worker
+        keeps the layers its branches read in shared memory
+        (:mod:`exitlm.infer.executors.ppd_worker`)."""
         if lower.batch_size != self.batch_size or not 0 <= n <= min(lower.num_slots,
                                                                      self.num_slots):
             raise ValueError(f"cannot splice {n} slots of a {lower.batch_size}-row cache into "

@@ -16,6 +16,7 @@ and exits with status 0; a second Ctrl-C stops at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -80,14 +81,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm serve``: load, listen, serve until a signal, drain."""
-    import uvicorn  # the server's modules load only for this command
-
     from exitlm.infer.engine import Engine  # lazy: loaded when the command runs
-    from exitlm.serve.app import create_app  # lazy: loaded when the command runs
-
-    # lazy: loaded when the command runs
-    from exitlm.serve.server import Server, signals_end_quietly
-    from exitlm.serve.state import ServerState  # lazy: loaded when the command runs
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -100,15 +94,28 @@ def run(args: argparse.Namespace) -> int:
     options = get_strategy(args.strategy).options(None, **overrides)
     limits = {"max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
               "max_queue": args.max_queue}
-    if args.tp > 1:
-        from exitlm.infer.executors.tp import tp_engine  # lazy: loaded when the command runs
+    with contextlib.ExitStack() as stack:
+        target: Any = loaded.model
+        if args.tp > 1:  # the ranks live as long as the server
+            from exitlm.infer.executors.tp import TPExecutor  # lazy: loaded when the command runs
 
-        engine: Engine = tp_engine(loaded.model, tokenizer, args.strategy, options, tp=args.tp,
-                                   threads=args.threads or 1, timeout_s=args.dist_timeout,
-                                   **limits)
-    else:
-        engine = Engine(loaded.model, tokenizer, args.strategy, options,
-                        threads=args.threads, **limits)
+            target = stack.enter_context(TPExecutor(
+                loaded.model, args.tp, threads=args.threads or 1, timeout_s=args.dist_timeout))
+        engine = Engine(target, tokenizer, args.strategy, options, threads=args.threads,
+                        **limits)
+        return _serve(args, sock, engine, tokenizer)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer: Any) -> int:
+    """Serve ``engine`` on ``sock`` until a signal, then drain."""
+    import uvicorn  # the server's modules load only for this command
+
+    from exitlm.serve.app import create_app  # lazy: loaded when the command runs
+
+    # lazy: loaded when the command runs
+    from exitlm.serve.server import Server, signals_end_quietly
+    from exitlm.serve.state import ServerState  # lazy: loaded when the command runs
+
     state = ServerState(engine, tokenizer, args.served_model_name or args.model,
                         api_key=args.api_key or os.environ.get("EXITLM_API_KEY") or None,
                         drain_timeout=args.drain_timeout)

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from exitlm.infer.engine import Request
+from exitlm.infer.request import Request
 from exitlm.infer.result import ExitSummary, FinishReason, TokenLogprob
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 

@@ -30,7 +30,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from exitlm.config import ConfigError
-from exitlm.infer.engine import EngineBroken, EngineFull, Request, Update
+from exitlm.infer.engine import EngineBroken, EngineFull
+from exitlm.infer.request import Request, Update
 from exitlm.infer.result import TokenLogprob
 from exitlm.serve import formats
 from exitlm.serve.errors import APIError, bad_request

@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from exitlm.infer.engine import Engine, Request, Update
+from exitlm.infer.engine import Engine
 from exitlm.infer.options import SamplingOptions
+from exitlm.infer.request import Request, Update
 
 log = logging.getLogger("exitlm.serve")
 T = TypeVar("T")

@@ -50,7 +50,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +58,8 @@ from exitlm.comm.health import ParallelError
 from exitlm.comm.launch import DEFAULT_TIMEOUT_S, Workers, leave_group, start_workers
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, prefill_hidden
+from exitlm.infer.early_exit import resolve_checks
+from exitlm.infer.executor import Executor
 from exitlm.infer.executors.pipeline_stage import (
     PREFILL,
     STEP,
@@ -74,8 +76,11 @@ from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner
 
-__all__ = ["PipelineDecoder", "PipelineGroup", "active_pipeline", "joined_pipeline", "pipeline",
-           "serve_stage", "stage_bounds"]
+if TYPE_CHECKING:
+    from exitlm.infer.strategies import Strategy
+
+__all__ = ["PipelineDecoder", "PipelineExecutor", "PipelineGroup", "serve_stage",
+           "stage_bounds"]
 
 
 class PipelineGroup:
@@ -152,60 +157,52 @@ class PipelineGroup:
                 leave_group()
 
 
-_ACTIVE: list[PipelineGroup] = []
-
-
-def active_pipeline() -> PipelineGroup | None:
-    """The pipeline opened by :func:`pipeline` around the current code, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
 def _stage_main(rank: int, world: int, cfg: Any, tensors: dict[str, torch.Tensor],
                 timeout_s: float) -> None:
     """Entry of a self-started stage: rebuild the model on stage 0's tensors, give it the
-    decoding backend stage 0 has (the same kernels, so the same bits), and serve."""
+    runner stage 0 has (the same kernels, so the same bits), and serve."""
     serve_stage(prepare(rebuild_model(cfg, tensors, "pipeline stage 0")), rank, world,
                 timeout_s)
 
 
-@contextlib.contextmanager
-def pipeline(model: EarlyExitLM, stages: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-             threads: int = 1) -> Iterator[PipelineGroup]:
-    """Start ``stages - 1`` stage processes holding ``model``'s weights (this process is
-    stage 0) for the duration of the block; ``kv="pipeline"`` decoders inside it use them.
+class PipelineExecutor(Executor):
+    """Pipeline-based early-exit inference's processes (EE-LLM Sec. 4): this process is
+    stage 0 (its :attr:`runner` holds the whole model and runs the first stage's layers),
+    ``stages - 1`` more hold the model's weights and run theirs (:func:`serve_stage`).
 
-    Raises a :class:`ConfigError` before starting anything when ``stages`` does not fit."""
-    stage_bounds(model.num_layers, stages)
-    workers = start_workers(_stage_main, (model.config, model_tensors(model), timeout_s), stages,
-                            timeout_s=timeout_s, threads=threads)
-    with _registered(PipelineGroup(model, stages, timeout_s, workers)) as group:
-        yield group
+    Self-started (the default: spawned here, ``threads`` each, stopped by :meth:`close`) or
+    ``joined`` (``torchrun`` started them: ranks ``>= 1`` run :func:`serve_stage`). The
+    engines built on it, one after the other, decode ``early-exit`` with ``kv='pipeline'``
+    (:class:`PipelineDecoder`); an error inside a step leaves the stages out of step with
+    stage 0, so it is fatal (:attr:`fatal_failures`)."""
 
+    name = "pipeline"
+    fatal_failures = True
 
-@contextlib.contextmanager
-def joined_pipeline(model: EarlyExitLM, *, timeout_s: float = DEFAULT_TIMEOUT_S
-                    ) -> Iterator[PipelineGroup]:
-    """Stage 0 of a pipeline whose processes are already joined (torchrun: every rank ran
-    ``exitlm generate``; ranks ``>= 1`` serve with :func:`serve_stage`)."""
-    import torch.distributed as dist
+    def __init__(self, runner: Runner, stages: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 threads: int = 1, joined: bool = False) -> None:
+        super().__init__(runner)
+        stage_bounds(runner.num_layers, stages)  # a ConfigError before anything starts
+        self.stages = stages
+        model = runner.model
+        workers = None
+        if not joined:
+            workers = start_workers(_stage_main, (model.config, model_tensors(model), timeout_s),
+                                    stages, timeout_s=timeout_s, threads=threads)
+        self.group = PipelineGroup(model, stages, timeout_s, workers)
 
-    with _registered(PipelineGroup(model, dist.get_world_size(), timeout_s, None)) as group:
-        yield group
+    def decoder(self, strategy: Strategy, options: Any) -> Decoder:
+        if strategy.name != "early-exit" or getattr(options, "kv", None) != "pipeline":
+            raise ConfigError(f"the decoding pipeline runs --strategy early-exit --kv pipeline, "
+                              f"not --strategy {strategy.name}")
+        if options.stages is not None and options.stages != self.stages:
+            raise ConfigError(f"--stages {options.stages}: the running pipeline has "
+                              f"{self.stages} stages")
+        return PipelineDecoder(self.runner, options, resolve_checks(self.runner.model, options),
+                               self.group)
 
-
-@contextlib.contextmanager
-def _registered(group: PipelineGroup) -> Iterator[PipelineGroup]:
-    """``group`` is the active pipeline while the block runs, and is closed after it."""
-    _ACTIVE.append(group)
-    error: BaseException | None = None
-    try:
-        yield group
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        _ACTIVE.remove(group)
-        group.close(error)
+    def close(self, error: BaseException | None = None) -> None:
+        self.group.close(error)
 
 
 @dataclass
@@ -229,24 +226,14 @@ class PipelineDecoder(Decoder):
     stats_type = EarlyExitStats
 
     def __init__(self, runner: Runner, options: Any, checks: tuple[int, ...],
-                 group: PipelineGroup | None = None) -> None:
+                 group: PipelineGroup) -> None:
         super().__init__(runner, options)
         model = runner.model
         self.num_layers = model.num_layers
         self.checks = tuple(sorted(c for c in checks if 0 < c < model.num_layers))
-        self.own: PipelineGroup | None = None
-        if group is None:
-            group = active_pipeline()
-        if group is None:  # none around: start one for this decoder's lifetime
-            ctx = pipeline(model, options.stages or 2)
-            group = ctx.__enter__()
-            self.own, self._ctx = group, ctx
         if group.model is not model:
             raise ConfigError("the running pipeline holds another model's weights; decode "
                               "with the model it was started with")
-        if options.stages is not None and options.stages != group.stages:
-            raise ConfigError(f"--stages {options.stages}: the running pipeline has "
-                              f"{group.stages} stages")
         self.group = group
         self.end0 = group.bounds[0][1]
         self.checks0 = stage_checks(self.checks, 0, self.end0, self.num_layers)
@@ -258,11 +245,6 @@ class PipelineDecoder(Decoder):
         return {**super().resolved_options(), "exit_layers": list(self.checks),
                 "stages": self.group.stages,
                 "stage_layers": [[a + 1, b] for a, b in self.group.bounds]}
-
-    def close(self) -> None:
-        if self.own is not None:
-            self.own = None
-            self._ctx.__exit__(None, None, None)
 
     def prefill(self, batch: Batch) -> list[Emit]:
         """Run the prompts through every stage; the last one decides each first token."""

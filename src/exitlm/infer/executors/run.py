@@ -1,37 +1,28 @@
 """``exitlm generate --tp T`` and ``--kv pipeline --stages P``: one call that decodes across
 processes, self-started or under ``torchrun``.
 
-* **self-started** (a plain ``exitlm generate``): ``--tp T`` spawns ``T - 1`` ranks holding
-  shards of the loaded model (:func:`~exitlm.infer.executors.tp_shard.tp_generate`);
-  ``--kv pipeline`` lets the pipeline decoder spawn its ``P - 1`` later stages.
+* **self-started** (a plain ``exitlm generate``): the executor spawns its processes - ``T - 1``
+  tensor-parallel followers (:class:`~exitlm.infer.executors.tp.TPExecutor`) or ``P - 1``
+  later pipeline stages (:class:`~exitlm.infer.executors.pipeline.PipelineExecutor`) - and
+  :func:`~exitlm.infer.api.generate` runs on it in this process.
 * **torchrun** (``torchrun --nproc-per-node N -m exitlm generate ...``): every rank loads the
   model, rank 0's weights are broadcast (a preset's random weights differ per process), then
-  with ``--tp N`` every rank decodes its shard; with ``--kv pipeline`` rank 0 decodes and the
-  others serve their stages. Rank 0 prints; the others return ``None``.
+  rank 0 generates over a joined executor while the other ranks follow it (``--tp N``: they
+  replay its engine, :func:`~exitlm.infer.executors.tp.follow_joined`; ``--kv pipeline``:
+  they serve their stages). Rank 0 prints; the others return ``None``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from exitlm.comm.health import guard
 from exitlm.comm.launch import join_torchrun, leave_group, torchrun_world
 from exitlm.config import ConfigError
 from exitlm.infer.api import generate
-from exitlm.infer.executors.pipeline import (
-    joined_pipeline,
-    pipeline,
-    serve_stage,
-    stage_bounds,
-)
-from exitlm.infer.executors.tp_shard import (
-    agree_seed,
-    broadcast_weights,
-    check_strategy,
-    check_tp,
-    shard_model,
-    tp_generate,
-)
+from exitlm.infer.executor import Executor
+from exitlm.infer.executors.pipeline import PipelineExecutor, serve_stage, stage_bounds
+from exitlm.infer.executors.tp import TPExecutor, follow_joined
+from exitlm.infer.executors.tp_shard import broadcast_weights, check_strategy, check_tp
 from exitlm.infer.result import GenerationResult
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
@@ -74,29 +65,31 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
     else:
         stage_bounds(model.num_layers, world if world > 1 else kwargs.get("stages") or 2)
     if world == 1:
-        if mode == "tp":
-            return tp_generate(model, tokenizer, prompts, tp=tp, strategy=strategy,
-                               stream=stream, threads=threads, timeout_s=timeout_s, **kwargs)
-        with pipeline(model, kwargs.get("stages") or 2, timeout_s=timeout_s, threads=threads):
-            return generate(model, tokenizer, prompts, strategy=strategy, stream=stream,
+        executor: Executor = (
+            TPExecutor(model, tp, timeout_s=timeout_s, threads=threads) if mode == "tp"
+            else PipelineExecutor(prepare(model), kwargs.get("stages") or 2,
+                                  timeout_s=timeout_s, threads=threads))
+        with executor:
+            return generate(executor, tokenizer, prompts, strategy=strategy, stream=stream,
                             threads=threads, **kwargs)
     rank, world = join_torchrun(timeout_s)
     try:
         broadcast_weights(model)
         if mode == "tp":
-            kwargs = agree_seed(kwargs, rank)
-            with guard("tensor-parallel decoding", rank=rank, timeout_s=timeout_s,
-                       heartbeat=None):
-                res = generate(shard_model(model, rank, world, timeout_s=timeout_s),
-                               tokenizer, prompts,
-                               strategy=strategy, stream=stream if rank == 0 else None,
-                               threads=threads, **kwargs)
-            return res if rank == 0 else None
-        if rank > 0:
-            serve_stage(prepare(model), rank, world, timeout_s)
-            return None
-        with joined_pipeline(model, timeout_s=timeout_s):
-            return generate(model, tokenizer, prompts, strategy=strategy, stream=stream,
-                            threads=threads, **{**kwargs, "stages": world})
+            if rank > 0:
+                follow_joined(model, tokenizer, rank, world, timeout_s)
+                return None
+            executor = TPExecutor(model, world, timeout_s=timeout_s, threads=threads,
+                                  joined=True)
+        else:
+            if rank > 0:
+                serve_stage(prepare(model), rank, world, timeout_s)
+                return None
+            kwargs = {**kwargs, "stages": world}
+            executor = PipelineExecutor(prepare(model), world, timeout_s=timeout_s,
+                                        threads=threads, joined=True)
+        with executor:
+            return generate(executor, tokenizer, prompts, strategy=strategy, stream=stream,
+                            threads=threads, **kwargs)
     finally:
         leave_group()

@@ -1,26 +1,33 @@
-"""Serving over tensor-parallel processes: ``exitlm serve MODEL --tp T`` (:func:`tp_engine`).
+"""Tensor-parallel decoding and serving: :class:`TPExecutor`.
 
-Tensor-parallel decoding (:mod:`~exitlm.infer.executors.tp_shard`) needs every rank to run
-the same steps on the same rows: the collectives inside each layer pair them up. For one
-``generate`` call that holds by construction; a server's engine, though, admits requests as
-they arrive and drops them when clients go away, at whatever step that happens. So the ranks
-replicate rank 0's engine:
+Tensor-parallel decoding (:mod:`~exitlm.infer.executors.tp_shard`) needs every rank to run the
+same steps on the same rows: the collectives inside each layer pair them up. An engine,
+though, admits requests as they arrive and drops them when clients go away, at whatever step
+that happens. So the ranks replicate rank 0's engine:
 
-* rank 0 runs the server with a :class:`TPEngine` on its shard. Submissions and
-  cancellations are staged (validated at once, so a bad request still fails on its caller)
-  and take effect only at the start of the next step, when rank 0 sends them - in order -
-  with the step command;
-* ranks ``1..T-1`` run :func:`follow`: an ordinary :class:`~exitlm.infer.engine.Engine` on
-  their shard that applies the same submissions and cancellations and steps when told. The
-  engine is deterministic given its inputs and the collectives give every rank the same
-  bits, so every rank admits, decodes, stops (end tokens, stop strings, lengths) and frees
-  rows exactly as rank 0 does. Sampling without a seed gets one drawn by rank 0.
+* rank 0 runs the :class:`~exitlm.infer.engine.Engine` (``generate``, the server, lm-eval)
+  on its shard, over a :class:`TPExecutor`. The engine applies submissions and cancellations
+  only at the start of a step, and the executor sends them there - in order - with the step
+  command (:meth:`TPExecutor.before_step`);
+* ranks ``1..T-1`` run :func:`follow`: an ordinary engine on their shard (the same strategy,
+  options, tokenizer and limits, :class:`~exitlm.infer.executor.EngineSpec`, sent when rank
+  0's engine starts) that applies the same submissions and cancellations and steps when
+  told. One executor serves several engines one after the other (a benchmark's calls): each
+  new engine replaces the followers' previous one. The engine is deterministic given
+  its inputs and the collectives give every rank the same bits, so every rank admits,
+  decodes, stops (end tokens, stop strings, lengths) and frees rows exactly as rank 0 does.
+  Sampling without a seed gets one drawn by rank 0 (:meth:`TPExecutor.admit`).
 
 Messages are an int64 header (kind, payload bytes) and a JSON payload (never pickle) over
 gloo; a follower waits for the next one without a deadline, as a server may idle for hours,
 and every other wait is bounded by ``--dist-timeout``. Echo log-probabilities (a forward of
 the prompt between steps) are mirrored the same way. A rank that fails marks the shared
-collectives aborted, so rank 0's step fails at once with a message rather than at a timeout.
+collectives aborted, so rank 0's step fails at once with a message rather than at a timeout;
+the engine then refuses further work (:attr:`TPExecutor.fatal_failures`).
+
+The followers are spawned by the executor (``exitlm generate --tp T``, ``exitlm serve --tp
+T``) or started by ``torchrun`` (``joined``: every rank ran the same command; ranks ``>= 1``
+call :func:`follow_joined`).
 """
 
 from __future__ import annotations
@@ -37,32 +44,28 @@ import torch
 import torch.distributed as dist
 
 from exitlm.comm.health import ParallelError
-from exitlm.comm.launch import (
-    DEFAULT_TIMEOUT_S,
-    Workers,
-    leave_group,
-    start_workers,
-)
+from exitlm.comm.launch import DEFAULT_TIMEOUT_S, Workers, leave_group, start_workers
 from exitlm.comm.p2p import IDLE_WAIT
 from exitlm.config import ConfigError, ModelConfig
-from exitlm.infer.engine import Engine, EngineBroken, Request, Update
+from exitlm.infer.engine import Engine
+from exitlm.infer.executor import Cancel, EngineSpec, Event, Executor
 from exitlm.infer.executors.tp_shard import (
     VocabParallel,
     check_quantized,
     check_strategy,
     check_tp,
-    draw_seed,
     rank_shard,
     shard_model,
 )
 from exitlm.infer.options import SamplingOptions
-from exitlm.infer.result import TokenLogprob
+from exitlm.infer.strategies import get_strategy
 from exitlm.io.materialize import model_tensors
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
 
 log = logging.getLogger("exitlm.tp")
 
-STEP, SCORE, STOP = 1, 2, 3
+STEP, SCORE, STOP, ENGINE = 1, 2, 3, 4
 
 
 class Mirror:
@@ -105,82 +108,88 @@ def _from_json(d: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
-class TPEngine(Engine):
-    """Rank 0's engine of a tensor-parallel server (see the module docstring): an
-    :class:`~exitlm.infer.engine.Engine` on rank 0's shard whose submissions, cancellations
-    and echo scoring reach the followers in step order. Build it with :func:`tp_engine`."""
+def draw_seed() -> int:
+    """A sampling seed from torch's global generator, as one process draws one for a
+    sequence without a seed (:func:`~exitlm.infer.sampling.make_generator`)."""
+    return int(torch.randint(0, 2**32, (1,)).item())
 
-    def __init__(self, model: EarlyExitLM, tokenizer: Any, strategy: str, options: Any, *,
-                 mirror: Mirror, workers: Workers, timeout_s: float, **engine_kw: Any) -> None:
-        super().__init__(model, tokenizer, strategy, options, **engine_kw)
-        self.mirror = mirror
-        self.workers = workers
-        self.timeout_s = timeout_s
-        self._staged: list[Request] = []  # submitted since the last step
-        self._events: list[dict[str, Any]] = []  # their submits and the cancels, in order
-        self._broken: str | None = None
-        self._closed = False
 
-    def submit(self, prompt: Any, sampling: SamplingOptions | None = None, *args: Any,
-               **kwargs: Any) -> Request:
-        """:meth:`Engine.submit`, staged until the next step (:meth:`_enqueue`); unseeded
-        sampling gets a seed here, the same on every rank."""
-        if self._broken is not None:
-            raise EngineBroken(self._broken)
-        sampling = sampling or SamplingOptions()
+def _event(ev: Event, per_request: frozenset[str]) -> dict[str, Any]:
+    """One submission or cancellation as the followers get it (JSON): a submission carries
+    its request's ``per_request`` strategy options."""
+    if isinstance(ev, Cancel):
+        return {"op": "cancel", "id": ev.request_id}
+    req = ev.request
+    own = {name: getattr(req.options, name) for name in per_request}
+    return {"op": "submit", "id": req.id, "ids": req.prompt_ids,
+            "sampling": _to_json(dataclasses.asdict(req.sampling)),
+            "options": _to_json(own)}
+
+
+class TPExecutor(Executor):
+    """Rank 0 of ``tp`` tensor-parallel ranks holding shards of ``model`` (see the module
+    docstring). The followers replay its engine's steps; engines built on it run one after
+    the other, with the same tokenizer."""
+
+    name = "tensor-parallel"
+    fatal_failures = True
+
+    def __init__(self, model: EarlyExitLM, tp: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 threads: int = 1, joined: bool = False) -> None:
+        check_tp(model.config, tp)
+        check_quantized(model, tp)
+        if tp < 2:
+            raise ConfigError(f"--tp {tp}: tensor parallelism needs at least 2 processes")
+        self.model, self.tp, self.timeout_s, self.threads = model, tp, timeout_s, threads
+        self.joined = joined
+        self.mirror = Mirror(tp)
+        self.workers: Workers | None = None
+        self.per_request: frozenset[str] = frozenset()
+        self.tokenizer: Any = None
+        self._started = self._closed = False
+
+    def start(self, spec: EngineSpec) -> None:
+        """Spawn the followers (the first engine) and tell them the engine to replay."""
+        check_strategy(spec.strategy, {"kv": getattr(spec.options, "kv", "recompute")})
+        if not self._started:
+            self._started, self.tokenizer = True, spec.tokenizer
+            if not self.joined:
+                self.workers = start_workers(
+                    follow, (self.model.config, model_tensors(self.model), spec.tokenizer,
+                             self.timeout_s), self.tp, timeout_s=self.timeout_s,
+                    threads=self.threads)
+            try:
+                self.runner = prepare(shard_model(self.model, 0, self.tp,
+                                                  timeout_s=self.timeout_s))
+            except BaseException:
+                self._stop_workers()
+                raise
+        elif spec.tokenizer is not self.tokenizer:
+            raise ConfigError("the engines of one TPExecutor share its first engine's tokenizer")
+        self.per_request = get_strategy(spec.strategy).per_request
+        self.mirror.send(ENGINE, [{"strategy": spec.strategy,
+                                   "options": _to_json(dataclasses.asdict(spec.options)),
+                                   "max_batch": spec.max_batch,
+                                   "max_seq_len": spec.max_seq_len,
+                                   "threads": self.threads}])
+
+    def admit(self, sampling: SamplingOptions) -> SamplingOptions:
+        """Sampling without a seed gets one here, the same on every rank."""
         if not sampling.greedy and sampling.seed is None:
-            sampling = sampling.replace(seed=draw_seed())
-        return super().submit(prompt, sampling, *args, **kwargs)
+            return sampling.replace(seed=draw_seed())
+        return sampling
 
-    def _enqueue(self, req: Request) -> None:
-        """Stage ``req`` and its submit event for the next step (not the waiting queue: a
-        step running now must not admit it before the followers know of it)."""
-        own = {name: getattr(req.options, name) for name in self.strategy.per_request}
-        with self._lock:
-            self._check_room()
-            self._staged.append(req)
-            self._events.append({"op": "submit", "id": req.id, "ids": req.prompt_ids,
-                                 "sampling": _to_json(dataclasses.asdict(req.sampling)),
-                                 "options": _to_json(own)})
+    def before_step(self, events: list[Event]) -> None:
+        self.mirror.send(STEP, [_event(ev, self.per_request) for ev in events])
 
-    def cancel(self, request: Request) -> None:
-        with self._lock:
-            self._events.append({"op": "cancel", "id": request.id})
+    def before_score(self, ids: list[int], top: int) -> None:
+        self.mirror.send(SCORE, [{"ids": list(ids), "top": top}])
 
-    def has_work(self) -> bool:
-        if self._broken is not None:
-            return False
-        with self._lock:
-            return bool(self._waiting or self.running or self._events)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._staged)  # staged ones wait for the next step
-
-    @property
-    def broken(self) -> str | None:
-        return self._broken
-
-    def step(self) -> list[Update]:
-        if self._broken is not None:
-            raise EngineBroken(self._broken)
-        with self._lock:
-            events, self._events = self._events, []
-            staged, self._staged = self._staged, []
-            self._waiting.extend(staged)
-            self._cancel |= {ev["id"] for ev in events if ev["op"] == "cancel"}
-        try:
-            self.mirror.send(STEP, events)
-            return super().step()
-        except Exception as err:
-            msg = self._dead_follower()  # a dead follower explains any error of the step
-            if msg:
-                raise ParallelError(f"tensor-parallel {msg}") from err
-            raise
-
-    def _dead_follower(self, wait_s: float = 1.0) -> str | None:
+    def failure(self, wait_s: float = 1.0) -> str | None:
         """A follower that exited, allowing it ``wait_s`` to be reaped: its sockets close
         (and fail this rank's transfers) a moment before the OS reports it gone."""
+        if self.workers is None:
+            return None
         end = time.monotonic() + wait_s
         while True:
             msg = self.workers.failed()
@@ -188,57 +197,60 @@ class TPEngine(Engine):
                 return msg
             time.sleep(0.02)
 
-    def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob | None]:
-        if self._broken is not None:
-            raise EngineBroken(self._broken)
-        self.mirror.send(SCORE, [{"ids": list(ids), "top": top}])
-        return super().score(ids, top)
-
-    def abort_running(self) -> list[Request]:
-        """After a failed step the ranks' engines may disagree: end the running requests and
-        the queued ones, and refuse further work (the server has to be restarted)."""
-        self._broken = ("the tensor-parallel ranks failed during a step; restart the server "
-                        "(see its log)")
-        msg = self._dead_follower()
-        if msg:
-            self._broken += f": {msg}"
-        with self._lock:
-            queued = [*self._waiting, *self._staged]
-            self._waiting.clear()
-            self._staged.clear()
-            self._events.clear()
-        now = time.perf_counter()
-        for r in queued:
-            r.status, r.finish_reason, r.t_end = "finished", "error", now
-        return super().abort_running() + queued
-
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            if self._broken is None:
+            if error is None and self._started:
                 self.mirror.send(STOP, [])
-                self.workers.join(self.timeout_s)
+                if self.workers is not None:
+                    self.workers.join(self.timeout_s)
         except Exception as err:  # shutting down: say it, stop the workers regardless
             log.warning("tensor-parallel workers did not stop cleanly: %s", err)
         finally:
+            self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        if self.workers is not None:
             self.workers.kill()
             leave_group()
-            super().close()
 
 
 def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-           tokenizer: Any, strategy: str, options: Any, engine_kw: dict[str, Any],
-           timeout_s: float) -> None:
-    """Entry of a follower rank: rank 0's engine, replayed on this rank's shard."""
-    shard = rank_shard(cfg, tensors, rank, world, timeout_s)
-    engine = Engine(shard, tokenizer, strategy, options, **engine_kw)
+           tokenizer: Any, timeout_s: float) -> None:
+    """Entry of a spawned follower rank: rank 0's engines, replayed on this rank's shard."""
+    _replay(rank_shard(cfg, tensors, rank, world, timeout_s), tokenizer, timeout_s)
+
+
+def follow_joined(model: EarlyExitLM, tokenizer: Any, rank: int, world: int,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A follower rank of a ``torchrun`` job (every rank loaded ``model`` and ``tokenizer``
+    from the same command line): rank 0's engines, replayed on this rank's shard."""
+    _replay(shard_model(model, rank, world, timeout_s=timeout_s), tokenizer, timeout_s)
+
+
+def _replay(shard: EarlyExitLM, tokenizer: Any, timeout_s: float) -> None:
+    """Build the engines rank 0 builds and apply their submissions, cancellations, steps and
+    scoring forwards, in order, until rank 0 says stop."""
+    runner = prepare(shard)
+    engine: Engine | None = None
     try:
         while True:
             kind, events = receive(timeout_s)
             if kind == STOP:
                 return
+            if kind == ENGINE:
+                if engine is not None:
+                    engine.close()
+                (spec,) = events
+                strategy = get_strategy(spec["strategy"])
+                engine = Engine(runner, tokenizer, strategy.name,
+                                strategy.options(None, **_from_json(spec["options"])),
+                                max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"],
+                                threads=spec["threads"])
+                continue
+            assert engine is not None, "rank 0 steps before it starts an engine"
             if kind == SCORE:
                 for ev in events:  # a bad request fails on rank 0 too, which tells the client
                     with contextlib.suppress(ConfigError):
@@ -246,44 +258,18 @@ def follow(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Ten
                 continue
             for ev in events:
                 if ev["op"] == "submit":
-                    opts = engine._request_options(None, _from_json(ev["options"]))
-                    req = engine._build(ev["ids"], SamplingOptions(**_from_json(ev["sampling"])),
-                                        opts, None, ev["id"])
-                    engine._waiting.append(req)
+                    opts = engine.request_options(None, _from_json(ev["options"]))
+                    engine.enqueue(engine.build_request(
+                        ev["ids"], SamplingOptions(**_from_json(ev["sampling"])), opts, None,
+                        ev["id"]))
                 else:
-                    engine._cancel.add(ev["id"])
+                    engine.cancel(ev["id"])
             engine.step()
     except BaseException:
         layout = shard.output_layout
-        reducer = layout.reducer if isinstance(layout, VocabParallel) else None
-        if reducer is not None:
-            reducer.abort()  # rank 0 fails its step at once instead of at the timeout
+        if isinstance(layout, VocabParallel) and layout.reducer is not None:
+            layout.reducer.abort()  # rank 0 fails its step at once instead of at the timeout
         raise
     finally:
-        engine.close()
-
-
-def tp_engine(model: EarlyExitLM, tokenizer: Any, strategy: str, options: Any, *, tp: int,
-              threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-              **engine_kw: Any) -> TPEngine:
-    """Start ``tp - 1`` follower processes holding shards of ``model`` and return rank 0's
-    :class:`TPEngine` (``engine_kw``: :class:`~exitlm.infer.engine.Engine`'s ``max_batch``,
-    ``max_seq_len``, ``max_queue``). :meth:`TPEngine.close` stops the followers."""
-    check_tp(model.config, tp)
-    check_quantized(model, tp)
-    check_strategy(strategy, {"kv": getattr(options, "kv", "recompute")})
-    if tp < 2:
-        raise ConfigError(f"--tp {tp}: a tensor-parallel server needs at least 2 processes")
-    follower_kw = {k: v for k, v in engine_kw.items() if k != "max_queue"}
-    follower_kw["threads"] = threads
-    workers = start_workers(follow, (model.config, model_tensors(model), tokenizer, strategy,
-                                     options, follower_kw, timeout_s), tp,
-                            timeout_s=timeout_s, threads=threads)
-    try:
-        shard = shard_model(model, 0, tp, timeout_s=timeout_s)
-        return TPEngine(shard, tokenizer, strategy, options, mirror=Mirror(tp),
-                        workers=workers, timeout_s=timeout_s, threads=threads, **engine_kw)
-    except BaseException:
-        workers.kill()
-        leave_group()
-        raise
+        if engine is not None:
+            engine.close()

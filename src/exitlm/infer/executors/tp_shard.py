@@ -42,8 +42,7 @@ on every rank): a few microseconds where gloo took ~1 ms each, which made tensor
 decoding tens of times slower than one process. With the native kernels a shard's block is
 still one native call that runs both sums itself. Ranks on several machines use gloo.
 
-:func:`tp_generate` starts the processes itself; under ``torchrun`` every rank calls
-:func:`shard_model` and :func:`~exitlm.infer.api.generate` (``exitlm generate --tp T``).
+The processes and their engines are :class:`~exitlm.infer.executors.tp.TPExecutor`'s.
 """
 
 from __future__ import annotations
@@ -56,13 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from exitlm.comm.health import guard
-from exitlm.comm.launch import DEFAULT_TIMEOUT_S, leave_group, start_workers
+from exitlm.comm.launch import DEFAULT_TIMEOUT_S
 from exitlm.comm.native_reduce import ShmReducer
 from exitlm.comm.shm import shm_reducer
 from exitlm.config import ConfigError, ModelConfig
-from exitlm.infer.api import encode_prompts, generate
-from exitlm.infer.result import GenerationResult
 from exitlm.io.materialize import model_tensors, rebuild_model
 from exitlm.kernels.layout import pack
 from exitlm.kernels.linear import linear
@@ -332,40 +328,6 @@ def broadcast_weights(model: EarlyExitLM, group: Any = None) -> None:
         dist.broadcast(t, src=0, group=group)
 
 
-def draw_seed() -> int:
-    """A sampling seed from torch's global generator, as one process draws one for a
-    sequence without a seed (:func:`~exitlm.infer.sampling.make_generator`)."""
-    return int(torch.randint(0, 2**32, (1,)).item())
-
-
-def needs_seed(call: dict[str, Any]) -> bool:
-    """Whether ``generate(**call)`` samples without a seed: each rank would then draw its own,
-    feed its shard different tokens than its peers and mix them into nonsense (or stop at
-    another length and leave its peers waiting)."""
-    sampling = call.get("sampling")
-    temperature = call.get("temperature", sampling.temperature if sampling is not None else 0)
-    seed = call.get("seed", sampling.seed if sampling is not None else None)
-    return bool(temperature) and seed is None
-
-
-def with_seed(call: dict[str, Any], seed: int) -> dict[str, Any]:
-    """``call`` sampling with ``seed`` (sequence ``i`` then uses ``seed + i``)."""
-    if "sampling" in call and call["sampling"] is not None and "seed" not in call:
-        return {**call, "sampling": call["sampling"].replace(seed=seed)}
-    return {**call, "seed": seed}
-
-
-def agree_seed(call: dict[str, Any], rank: int, group: Any = None) -> dict[str, Any]:
-    """Every rank of ``group`` calls this with the same ``call``: a call that samples without
-    a seed gets one seed, drawn by rank 0, on every rank."""
-    if not needs_seed(call):
-        return call
-    t = torch.tensor([draw_seed() if rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                   group=group)
-    return with_seed(call, int(t))
-
-
 def check_strategy(strategy: str, options: dict[str, Any]) -> None:
     """``--tp`` decodes with ``ar``, ``early-exit`` (KV recomputation) and ``self-spec``."""
     if strategy not in TP_STRATEGIES:
@@ -373,61 +335,3 @@ def check_strategy(strategy: str, options: dict[str, Any]) -> None:
     if options.get("kv", "recompute") != "recompute":
         raise ConfigError(f"--tp decodes early exits with --kv recompute, not --kv "
                           f"{options['kv']}")
-
-
-def _tp_main(rank: int, world: int, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-             calls: list[dict[str, Any]], timeout_s: float) -> None:
-    """Entry of a self-started tensor-parallel rank: the same generate calls as rank 0."""
-
-    shard = rank_shard(cfg, tensors, rank, world, timeout_s)
-    for call in calls:
-        generate(shard, None, **call)
-
-
-def tp_run(model: EarlyExitLM, calls: list[dict[str, Any]], *, tp: int, threads: int = 1,
-           timeout_s: float = DEFAULT_TIMEOUT_S, tokenizer: Any = None,
-           stream: Any = None) -> list[GenerationResult]:
-    """Run :func:`~exitlm.infer.api.generate` once per entry of ``calls`` (its keyword
-    arguments, ``prompts`` as token ids) on ``tp`` self-started processes holding shards of
-    ``model``; this process is rank 0 and returns the results (``tokenizer`` and ``stream``
-    are used here only). Every rank runs the same calls in order, so all take the same
-    decisions."""
-    check_tp(model.config, tp)
-    check_quantized(model, tp)
-    for call in calls:
-        check_strategy(call.get("strategy", "ar"), call)
-    # rank 0 draws the seeds of unseeded sampling for every rank (needs_seed)
-    calls = [{**(with_seed(c, draw_seed()) if needs_seed(c) else c), "threads": threads}
-             for c in calls]
-    workers = start_workers(_tp_main, (model.config, model_tensors(model), calls, timeout_s), tp,
-                            timeout_s=timeout_s, threads=threads)
-    try:
-        shard = shard_model(model, 0, tp, timeout_s=timeout_s)
-        with guard("tensor-parallel decoding", rank=0, timeout_s=timeout_s, heartbeat=None):
-            results = [generate_on(shard, tokenizer, stream, c) for c in calls]
-        workers.join(timeout_s)
-    finally:
-        workers.kill()
-        leave_group()
-    return results
-
-
-def generate_on(model: EarlyExitLM, tokenizer: Any, stream: Any,
-                call: dict[str, Any]) -> GenerationResult:
-    return generate(model, tokenizer, stream=stream, **call)
-
-
-def tp_generate(model: EarlyExitLM, tokenizer: Any, prompts: Any, *, tp: int,
-                strategy: str = "ar", chat: bool = False, stream: Any = None,
-                threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                **kwargs: Any) -> GenerationResult:
-    """:func:`~exitlm.infer.api.generate` over ``tp`` self-started processes, each holding
-    a shard of ``model`` (this process is rank 0 and returns the result; ``kwargs`` are
-    ``generate``'s). Greedy output equals one process's (module docstring)."""
-
-    check_tp(model.config, tp)
-    check_strategy(strategy, kwargs)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
-    call = {**kwargs, "prompts": prompt_ids, "strategy": strategy}
-    return tp_run(model, [call], tp=tp, threads=threads, timeout_s=timeout_s,
-                  tokenizer=tokenizer, stream=stream)[0]

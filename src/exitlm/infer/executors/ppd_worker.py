@@ -46,17 +46,24 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as tmp
 
-from exitlm.config import ModelConfig
+from exitlm.config import ConfigError, ModelConfig
+from exitlm.infer.decoder import Decoder
+from exitlm.infer.executor import Executor
+from exitlm.infer.ppd import PPDDecoder
+from exitlm.infer.ppd_branches import Branches, branch
 from exitlm.io.materialize import model_tensors, rebuild_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner
+
+if TYPE_CHECKING:
+    from exitlm.infer.strategies import Strategy
 
 READY_TIMEOUT_S = 180.0
 """How long a spawned worker may take to import torch and build its model."""
@@ -100,15 +107,6 @@ def _unpack(buf: bytes) -> tuple[Any, ...]:
     if tag in (_PING, _PONG):
         return ("ping",) if tag == _PING else ("pong",)
     return tuple(ForkingPickler.loads(buf))
-
-
-def branch(runner: Runner, cache: KVCache, token: torch.Tensor, p: int, m: int
-           ) -> torch.Tensor:
-    """One PPD sub-process (Alg. 2 line 23): candidate ``token`` ``(1,)`` at position ``p``
-    through layers ``[0, m)`` on a one-row ``cache`` - a chain of no draft
-    (:meth:`~exitlm.runtime.runner.Runner.chain`); the hidden state ``(1, 1, D)``."""
-    cache.lengths = torch.tensor([p])
-    return runner.chain(token, cache, 0, m).hidden
 
 
 class BranchCache:
@@ -330,3 +328,80 @@ class BranchWorker:
     @property
     def alive(self) -> bool:
         return self.proc.is_alive()
+
+
+class ProcessBranches(Branches):
+    """Branches in one spawned worker process (:class:`~exitlm.infer.executors.ppd_worker.
+    BranchWorker`) on keys/values in shared memory: the main token reads and writes row 0
+    of them as its own lower layers, so a confirmed branch's entry needs no copy when
+    ``k = 1``."""
+
+    def __init__(self, runner: Runner, m: int, k: int, head: tuple[int, int], *,
+                 predicts: bool) -> None:
+        super().__init__(runner, m, k, head)
+        self.predicts = predicts
+        self.worker: BranchWorker | None = None
+        self.shared: BranchCache | None = None
+
+    def start(self, main: KVCache, prompt: int, capacity: int) -> None:
+        if self.worker is None or not self.worker.alive:
+            if self.worker is not None:  # it failed in an earlier step: start afresh
+                self.worker.close()
+            self.worker = BranchWorker(self.runner.model, self.m, threads=1,
+                                       draft=(self.d_bar, self.vocab) if self.predicts
+                                       else None)
+        if self.shared is None or self.shared.capacity < capacity:
+            self.shared = BranchCache(self.m, self.k, max(capacity, 256), self.runner.config,
+                                      main.dtype)
+        self.shared.load_prefix(main, prompt)  # the prompt's entries, once
+        self.worker.attach(self.shared)
+
+    def main_view(self, main: KVCache) -> KVCache:
+        assert self.shared is not None
+        return self.shared.main_view(main)
+
+    def share(self, main: KVCache, p: int) -> None:
+        assert self.shared is not None
+        self.shared.broadcast(0, p)
+
+    def adopt(self, j: int, main: KVCache, p: int) -> None:
+        assert self.shared is not None  # main's layers < m are row 0 of the shared rows
+        self.shared.broadcast(j, p)
+
+    def fork(self, cands: torch.Tensor, p: int) -> None:
+        assert self.worker is not None
+        self.worker.fork(p, cands.tolist())
+
+    def predict(self, hm: torch.Tensor, p: int) -> None:
+        assert self.worker is not None and self.shared is not None
+        self.shared.hin.copy_(hm)
+        self.worker.predict(p, self.k)
+
+    def join(self) -> tuple[list[int], list[torch.Tensor]]:
+        assert self.worker is not None and self.shared is not None
+        self.worker.join()
+        # the shared output rows are overwritten by the next fork: the caller keeps copies
+        return self.worker.tokens, [self.shared.out[j].view(1, 1, -1).clone()
+                                    for j in range(len(self.worker.tokens))]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+class BranchWorkerExecutor(Executor):
+    """PPD with its branches in a worker process (``ppd_workers='process'``, CPU): the
+    executor whose decoders run their branches on :class:`ProcessBranches` (the worker is
+    spawned at a sequence's prefill and stopped with the decoder)."""
+
+    name = "ppd-worker"
+
+    def decoder(self, strategy: Strategy, options: Any) -> Decoder:
+        if strategy.name != "ppd":
+            raise ConfigError(f"the PPD branch worker runs --strategy ppd, not "
+                              f"{strategy.name}")
+        if self.runner.device.type != "cpu":
+            raise ConfigError("ppd_workers='process' is for CPU; on a GPU the branches run on "
+                              "CUDA streams (--ppd-workers thread)")
+        return PPDDecoder(self.runner, options, branches=ProcessBranches)
