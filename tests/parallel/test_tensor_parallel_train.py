@@ -79,7 +79,7 @@ def test_torchrun_tp2_logs_single_process_exit_losses(tmp_path: Path) -> None:
 
 def test_bad_tensor_parallel_configs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"parallel\.tp=3 does not divide model\.num_heads"):
-        from exitlm.train.parallel.tensor import check_tensor_parallel
+        from exitlm.plan.sharding import check_even as check_tensor_parallel
 
         check_tensor_parallel(job_config(tmp_path, "x").model.preset_config(), 3)
     with pytest.raises(ConfigError, match=r"parallel\.pp x parallel\.dp x parallel\.tp"):

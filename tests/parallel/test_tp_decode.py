@@ -19,7 +19,8 @@ from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.executors.tp import TPExecutor
-from exitlm.infer.executors.tp_shard import check_strategy, check_tp, shard_model
+from exitlm.infer.executors.tp_shard import check_strategy, shard_model
+from exitlm.plan.sharding import check_whole_heads as check_tp
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("ar", {}),

@@ -24,9 +24,10 @@ from exitlm.comm.shm import shm_reducer
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
 from exitlm.infer.executors.tp import TPExecutor
-from exitlm.infer.executors.tp_shard import shard_model, split
+from exitlm.infer.executors.tp_shard import shard_model
 from exitlm.kernels import native
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.plan.sharding import share as split
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 

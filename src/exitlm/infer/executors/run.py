@@ -22,9 +22,10 @@ from exitlm.infer.api import generate
 from exitlm.infer.executor import Executor
 from exitlm.infer.executors.pipeline import PipelineExecutor, serve_stage, stage_bounds
 from exitlm.infer.executors.tp import TPExecutor, follow_joined
-from exitlm.infer.executors.tp_shard import broadcast_weights, check_strategy, check_tp
+from exitlm.infer.executors.tp_shard import broadcast_weights, check_strategy
 from exitlm.infer.result import GenerationResult
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.plan.sharding import check_whole_heads
 from exitlm.runtime import prepare
 
 Mode = Literal["tp", "pipeline"]
@@ -61,7 +62,7 @@ def distributed_generate(mode: Mode, model: EarlyExitLM, tokenizer: Any, prompts
     ``kwargs`` are :func:`~exitlm.infer.api.generate`'s. ``None`` on ranks other than 0."""
     world = torchrun_world()
     if mode == "tp":
-        check_tp(model.config, tp)
+        check_whole_heads(model.config, tp)
     else:
         stage_bounds(model.num_layers, world if world > 1 else kwargs.get("stages") or 2)
     if world == 1:

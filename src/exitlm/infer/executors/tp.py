@@ -53,7 +53,6 @@ from exitlm.infer.executors.tp_shard import (
     VocabParallel,
     check_quantized,
     check_strategy,
-    check_tp,
     rank_shard,
     shard_model,
 )
@@ -61,6 +60,7 @@ from exitlm.infer.options import SamplingOptions
 from exitlm.infer.strategies import get_strategy
 from exitlm.io.materialize import model_tensors
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.plan.sharding import check_whole_heads
 from exitlm.runtime import prepare
 
 log = logging.getLogger("exitlm.tp")
@@ -136,7 +136,7 @@ class TPExecutor(Executor):
 
     def __init__(self, model: EarlyExitLM, tp: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  threads: int = 1, joined: bool = False) -> None:
-        check_tp(model.config, tp)
+        check_whole_heads(model.config, tp)
         check_quantized(model, tp)
         if tp < 2:
             raise ConfigError(f"--tp {tp}: tensor parallelism needs at least 2 processes")

@@ -47,7 +47,6 @@ The processes and their engines are :class:`~exitlm.infer.executors.tp.TPExecuto
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -66,25 +65,9 @@ from exitlm.kernels.quant import GROUP, QuantizedWeight
 from exitlm.kernels.quantized import QuantizedLinear, cat_rows
 from exitlm.model.layers import MLP, Attention, Block
 from exitlm.model.transformer import EarlyExitLM, OutputLayout
+from exitlm.plan.sharding import attention_shard, check_whole_heads, mlp_shard, share, vocab_rows
 
 TP_STRATEGIES = ("ar", "early-exit", "self-spec")
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise a :class:`ConfigError` naming ``--tp`` unless every rank gets at least one
-    key/value head (and so a whole group of query heads) and one MLP row."""
-    if tp < 1:
-        raise ConfigError(f"--tp {tp}: expected a positive number of processes")
-    if tp > cfg.n_kv_heads:
-        raise ConfigError(f"--tp {tp}: expected at most the model's {cfg.n_kv_heads} key/value "
-                          f"heads (each rank keeps whole grouped-query groups)")
-
-
-def split(n: int, rank: int, tp: int) -> tuple[int, int]:
-    """Rank ``rank``'s contiguous share ``[a, b)`` of ``n`` items over ``tp`` ranks: even when
-    ``tp`` divides ``n``, otherwise within one item of even (9 heads in 3 groups over 2
-    ranks: one group and two)."""
-    return rank * n // tp, (rank + 1) * n // tp
 
 
 class RowParallelLinear(nn.Linear):
@@ -191,26 +174,22 @@ def _row_split(lin: nn.Linear | QuantizedLinear, a: int, b: int, group: Any,
 
 def _shard_attention(attn: Attention, rank: int, tp: int, group: Any,
                      reducer: ShmReducer | None) -> None:
-    h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    k0, k1 = split(hkv, rank, tp)  # this rank's key/value heads and their query groups
-    g = h // hkv
-    q = (k0 * g * d, k1 * g * d)
-    k = ((h + k0) * d, (h + k1) * d)
-    v = ((h + hkv + k0) * d, (h + hkv + k1) * d)
-    _column_split(attn.wqkv, [q, k, v])
-    attn.wo = _row_split(attn.wo, q[0], q[1], group, reducer)
-    attn.num_heads, attn.num_kv_heads = (k1 - k0) * g, k1 - k0
+    """The plan's rows of ``wqkv`` and columns of ``wo`` (:func:`~exitlm.plan.sharding.
+    attention_shard`): this rank's key/value heads and their query groups."""
+    s = attention_shard(attn.num_heads, attn.num_kv_heads, attn.head_dim, rank, tp)
+    _column_split(attn.wqkv, s.rows)
+    attn.wo = _row_split(attn.wo, s.q[0], s.q[1], group, reducer)
+    attn.num_heads, attn.num_kv_heads = s.heads, s.kv_heads
 
 
 def _shard_mlp(mlp: MLP, rank: int, tp: int, group: Any, reducer: ShmReducer | None) -> None:
-    own = split(mlp.hidden, rank, tp)
-    if isinstance(mlp.w_out, QuantizedLinear):  # whole groups of 32 of w_out's input
-        g0, g1 = split(mlp.hidden // GROUP, rank, tp)
-        own = (g0 * GROUP, g1 * GROUP)
-    blocks = [own, (mlp.hidden + own[0], mlp.hidden + own[1])] if mlp.gated else [own]
-    _column_split(mlp.w_in, blocks)
-    mlp.w_out = _row_split(mlp.w_out, own[0], own[1], group, reducer)
-    mlp.hidden = own[1] - own[0]
+    """The plan's rows of ``w_in`` and columns of ``w_out`` (:func:`~exitlm.plan.sharding.
+    mlp_shard`; whole groups of 32 of a quantized ``w_out``'s input)."""
+    grouped = isinstance(mlp.w_out, QuantizedLinear)
+    s = mlp_shard(mlp.hidden, rank, tp, gated=mlp.gated, group=GROUP if grouped else 1)
+    _column_split(mlp.w_in, s.rows)
+    mlp.w_out = _row_split(mlp.w_out, s.own[0], s.own[1], group, reducer)
+    mlp.hidden = s.hidden
 
 
 class VocabParallel(OutputLayout):
@@ -234,8 +213,7 @@ class VocabParallel(OutputLayout):
         key = weight.q if isinstance(weight, QuantizedWeight) else weight
         entry = shards.get(id(key))
         if entry is None or entry[0]() is not key:
-            n = math.ceil(vocab / tp)
-            a, b = rank * n, min(vocab, (rank + 1) * n)
+            a, b, n = vocab_rows(vocab, rank, tp)
             part: torch.Tensor | QuantizedWeight
             if isinstance(weight, QuantizedWeight):
                 part = weight[a:b].padded(n)
@@ -265,7 +243,7 @@ def check_quantized(model: nn.Module, tp: int) -> None:
     for name, mod in model.named_modules():
         if isinstance(mod, Attention) and isinstance(mod.wo, QuantizedLinear):
             group = (mod.num_heads // mod.num_kv_heads) * mod.head_dim  # columns per kv head
-            cuts = [split(mod.num_kv_heads, r, tp)[0] * group for r in range(1, tp)]
+            cuts = [share(mod.num_kv_heads, r, tp)[0] * group for r in range(1, tp)]
             bad = next((c for c in cuts if c % GROUP), None)
             if bad is not None:
                 raise ConfigError(
@@ -291,7 +269,7 @@ def shard_model(model: EarlyExitLM, rank: int, tp: int, group: Any = None, *,
     this machine the sums and gathers go through shared memory
     (:func:`~exitlm.comm.shm.shm_reducer`; ``EXITLM_SHM=0`` turns it off),
     else through gloo."""
-    check_tp(model.config, tp)
+    check_whole_heads(model.config, tp)
     return _shard(rebuild_model(model.config, model_tensors(model), "tensor-parallel shard"),
                   rank, tp, group, timeout_s)
 

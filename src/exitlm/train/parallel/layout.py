@@ -32,6 +32,7 @@ from torch import nn
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.plan.sharding import check_even
 from exitlm.train.checkpoint import load_optimizer_state, optimizer_state_by_name
 from exitlm.train.losses import LossModule
 from exitlm.train.parallel.dims import ParallelConfig
@@ -43,7 +44,6 @@ from exitlm.train.parallel.pipeline.slices import plan_token_slices
 from exitlm.train.parallel.tensor import (
     TensorParallel,
     apply_tensor_parallel,
-    check_tensor_parallel,
     local,
 )
 
@@ -391,7 +391,7 @@ def parallelize(model: EarlyExitLM, groups: ProcessGroups, pcfg: ParallelConfig,
     in place (pruned to a stage, sharded)."""
 
     dims = groups.dims
-    check_tensor_parallel(model.config, dims.tp)
+    check_even(model.config, dims.tp)
     kw: dict[str, Any] = {"amp_dtype": amp_dtype, "ignore_index": ignore_index}
     if pcfg.pipelined:
         if amp_dtype == torch.float16:

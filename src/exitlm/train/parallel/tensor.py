@@ -18,9 +18,11 @@ Megatron-LM's layout, which EE-LLM trains under (EE-LLM Sec. 3.1: "existing func
 * optionally sequence parallelism (Korthikanti et al. 2022): norms and residual stream are
   sharded along the sequence, all-gathered before attention / MLP, reduce-scattered after.
 
-A column-wise split of a *fused* weight must give rank ``r`` its part of each section (its
-query, key and value heads; its gate and up rows). Before sharding, the rows of such a weight
-are permuted to rank-major order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, and the attention / MLP
+Which rows and columns each rank holds is the sharding plan decoding follows too
+(:mod:`exitlm.plan.sharding`). A column-wise split of a *fused* weight must give rank ``r`` its
+part of each section (its query, key and value heads; its gate and up rows). Before sharding,
+the rows of such a weight are permuted to rank-major order
+``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, and the attention / MLP
 modules are told their local head count and width (plain attributes they already have). The
 permutation is undone when tensors leave the layout (:meth:`TensorParallel.full`), so
 checkpoints hold the ordinary model's tensors.
@@ -46,37 +48,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from exitlm.config import ConfigError, ModelConfig
 from exitlm.model.layers import MLP, Attention, Block, Norm
 from exitlm.model.transformer import EarlyExitLM, OutputLayout
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Raise a :class:`ConfigError` naming the setting when ``parallel.tp`` cannot split
-    this model: heads, key/value heads and the MLP width must divide evenly."""
-    if tp == 1:
-        return
-    sizes = {"model.num_heads": cfg.num_heads, "model.num_kv_heads": cfg.n_kv_heads,
-             "model.hidden_dim": cfg.hidden_dim}
-    for key, n in sizes.items():
-        if n % tp:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and all(v % d == 0
-                                                                  for v in sizes.values())]
-            raise ConfigError(f"parallel.tp={tp} does not divide {key}={n}: every rank needs "
-                              f"the same number of them; use parallel.tp in {ok}")
-
-
-def rank_major_rows(sections: list[int], tp: int) -> torch.Tensor:
-    """Row order that puts rank ``r``'s part of every section of a fused weight together:
-    ``sections`` are the row counts of the fused parts (q, k, v or gate, up); the result
-    ``idx`` makes ``W[idx]`` ``[s0_0 s1_0 ... | s0_1 s1_1 ... | ...]``."""
-    starts = [sum(sections[:i]) for i in range(len(sections))]
-    rows = []
-    for r in range(tp):
-        for start, n in zip(starts, sections, strict=True):
-            part = n // tp
-            rows.append(torch.arange(start + r * part, start + (r + 1) * part))
-    return torch.cat(rows)
+from exitlm.plan.sharding import attention_shard, check_even, mlp_shard, rank_major_order
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +68,8 @@ class TensorParallel(OutputLayout):
     mesh: DeviceMesh
     sequence_parallel: bool
     permutations: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Parameter name -> row order (:func:`rank_major_rows`) of fused, permuted weights."""
+    """Parameter name -> row order (:func:`~exitlm.plan.sharding.rank_major_order`) of fused,
+    permuted weights."""
 
     @property
     def size(self) -> int:
@@ -161,7 +136,7 @@ def apply_tensor_parallel(model: EarlyExitLM, mesh: DeviceMesh, *,
     its logits through :meth:`TensorParallel.project`. Layers and shared tensors a stage
     does not hold (placeholders, emptied parameters) are left alone."""
     tp = mesh.size()
-    check_tensor_parallel(model.config, tp)
+    check_even(model.config, tp)
     plan = TensorParallel(mesh, sequence_parallel)
     seq = Shard(1) if sequence_parallel else Replicate()
     for i, block in enumerate(model.layers):
@@ -199,11 +174,13 @@ def _shard_block(block: Block, prefix: str, plan: TensorParallel, seq: Any) -> N
 
 
 def _shard_attention(attn: Attention, prefix: str, plan: TensorParallel, seq: Any) -> None:
-    tp, d = plan.size, attn.head_dim
-    sections = [attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d]
-    _permute_rows(attn.wqkv, f"{prefix}.wqkv", sections, plan)
-    attn.num_heads //= tp  # the local head counts the module reshapes its projections by
-    attn.num_kv_heads //= tp
+    tp = plan.size
+    shards = [attention_shard(attn.num_heads, attn.num_kv_heads, attn.head_dim, r, tp)
+              for r in range(tp)]
+    _permute_rows(attn.wqkv, f"{prefix}.wqkv", rank_major_order([s.rows for s in shards]),
+                  plan)
+    # the local head counts the module reshapes its projections by (even: every rank's)
+    attn.num_heads, attn.num_kv_heads = shards[0].heads, shards[0].kv_heads
     parallelize_module(attn, plan.mesh, {
         "wqkv": _local_data(ColwiseParallel()),
         "wo": _local_data(RowwiseParallel(output_layouts=seq)),
@@ -216,9 +193,11 @@ def _shard_attention(attn: Attention, prefix: str, plan: TensorParallel, seq: An
 
 
 def _shard_mlp(mlp: MLP, prefix: str, plan: TensorParallel, seq: Any) -> None:
+    shards = [mlp_shard(mlp.hidden, r, plan.size, gated=mlp.gated) for r in range(plan.size)]
     if mlp.gated:
-        _permute_rows(mlp.w_in, f"{prefix}.w_in", [mlp.hidden, mlp.hidden], plan)
-    mlp.hidden //= plan.size
+        _permute_rows(mlp.w_in, f"{prefix}.w_in", rank_major_order([s.rows for s in shards]),
+                      plan)
+    mlp.hidden = shards[0].hidden
     parallelize_module(mlp, plan.mesh, {
         "w_in": _local_data(ColwiseParallel()),
         "w_out": _local_data(RowwiseParallel(output_layouts=seq)),
@@ -243,9 +222,11 @@ def _shard_rows(linear: nn.Linear, mesh: DeviceMesh) -> None:
         requires_grad=linear.weight.requires_grad)
 
 
-def _permute_rows(linear: nn.Linear, name: str, sections: list[int],
+def _permute_rows(linear: nn.Linear, name: str, perm: torch.Tensor,
                   plan: TensorParallel) -> None:
-    perm = rank_major_rows(sections, plan.size)
+    """Put the rows of a fused weight (and bias) in rank-major order ``perm``, so that
+    DTensor's even split gives every rank the plan's rows (undone by :meth:`TensorParallel.
+    full`)."""
     with torch.no_grad():
         linear.weight.copy_(linear.weight[perm.to(linear.weight.device)])
         plan.permutations[f"{name}.weight"] = perm
