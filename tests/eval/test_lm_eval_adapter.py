@@ -6,7 +6,6 @@ through the engine with every strategy (lossless ones give AR's text)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _tiny import byte_tokenizer, tiny_text_model  # noqa: E402
-
 from exitlm.config import ExitConfig  # noqa: E402
 from exitlm.eval.lm_eval_adapter import ExitlmLM  # noqa: E402
 

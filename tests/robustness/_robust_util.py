@@ -22,7 +22,6 @@ from exitlm.io import save_model
 from exitlm.model.transformer import EarlyExitLM
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "train"))
 from _train_util import tiny_config  # noqa: E402
 
 GIB = 2**30

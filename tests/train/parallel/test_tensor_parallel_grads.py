@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from _pp_util import check_case, spawn
 
 MLP_OWN = {"model": {"tie_embeddings": False},

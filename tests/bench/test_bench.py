@@ -130,7 +130,6 @@ def test_bench_fits_prompts_to_a_short_context(
     models): the built-in prompts keep their last tokens; a prompt file that does not fit is
     one error line naming the file and the prompt, before anything runs."""
     from _tiny import byte_tokenizer, tiny_text_model
-
     from exitlm.io import save_model
 
     d = tmp_path / "short"

@@ -4,17 +4,13 @@ the same as KV recomputation under the same threshold, and greedy decoding at 1.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
-from _stall import kill_all, stall_at
-
 from _ee_models import ee_model, random_prompts
+from _stall import kill_all, stall_at
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.early_exit import EarlyExitOptions

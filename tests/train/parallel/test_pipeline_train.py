@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from _jobs import job_config, same_params, spawn_jobs, torchrun_train
 from _train_util import tiny_config
-
 from exitlm.config import ConfigError
 from exitlm.train.trainer import Trainer
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _pp_util import SEQ, batches_of, build_model
 
 from _dist import free_port
+from _pp_util import SEQ, batches_of, build_model
 from exitlm.comm.p2p import PipelineError
 from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
 from exitlm.train.parallel.pipeline.engine import PipelineEngine

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
 from _ee_models import random_prompts

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_train.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "pipeline_train.py"
 
 
 def test_quick_run_prints_complete_json() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import job_config, spawn_jobs, torchrun_train
 
+from _jobs import job_config, spawn_jobs, torchrun_train
 from exitlm.config import ConfigError
 from exitlm.io import load_model
 from exitlm.train.trainer import Trainer

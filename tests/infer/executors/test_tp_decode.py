@@ -4,7 +4,6 @@ of one process (greedy and seeded sampling), on Llama- and GPT-2-style tiny mode
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
 from exitlm.comm.launch import join_group

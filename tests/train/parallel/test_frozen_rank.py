@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _jobs import job_config
 
 from _dist import free_port
+from _jobs import job_config
 from exitlm.errors import ExitlmError
 from exitlm.train.trainer import Trainer
 

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _dist import free_port
 from _ee_models import ee_model
 from exitlm.cli import main
 from exitlm.io import save_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FLAGS = ["--strategy", "early-exit", "--threshold", "0.6", "--max-new-tokens", "12",
          "--ignore-eos", "--json", "--threads", "1"]
 

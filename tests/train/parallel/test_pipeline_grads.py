@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from _pp_util import check_case, spawn
 
 UNTIED = {"model": {"tie_embeddings": False},

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infer"))
 from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
 from exitlm.comm.launch import join_group

@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import free_port, run_processes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 from _train_util import tiny_config
-
 from exitlm.train.trainer import Trainer
 
 TRAIN = {"batch_size": 2, "steps": 4, "grad_accum": 3, "checkpoint_every": 2}
