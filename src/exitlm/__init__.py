@@ -1,7 +1,7 @@
 """exitlm: train and serve early-exit language models.
 
 Implements EE-LLM, LayerSkip, TeraPipe and Predictive Pipelined Decoding in one framework;
-see the README and DESIGN.md.
+see the README and docs/architecture.md.
 """
 
 from exitlm.config import ConfigError, ExitConfig, ModelConfig, RopeScaling, preset

@@ -1,6 +1,7 @@
 """Typed configuration of an early-exit transformer.
 
-One :class:`ModelConfig` describes both families exitlm supports (DESIGN.md, "One model"):
+One :class:`ModelConfig` describes both families exitlm supports (one model class,
+docs/architecture.md):
 
 * the Llama family (Llama, Mistral, Qwen2, SmolLM): RMSNorm, rotary positions, SwiGLU MLP,
   grouped-query attention, optional q/k/v biases (Qwen2);

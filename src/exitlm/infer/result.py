@@ -1,5 +1,5 @@
-"""The one result type every decoding strategy returns (DESIGN.md, "Decoding strategies share
-one result type").
+"""The one result type every decoding strategy returns, whatever runner and executor decoded
+it.
 
 A :class:`GenerationResult` holds one :class:`SequenceResult` per prompt (generated token ids,
 text, the layer each token exited at, why it stopped, the layer evaluations spent, the

@@ -1,7 +1,7 @@
 """The early-exit decoder-only transformer (one class for the Llama family and GPT-2).
 
-Every algorithm in exitlm is a composition of a few calls (DESIGN.md, "One model, sliced by
-layer range"):
+Every algorithm in exitlm is a composition of a few calls (docs/architecture.md, "Model,
+runner, strategy, engine, executor"):
 
 * :meth:`EarlyExitLM.embed` - token (+ learned position) embedding;
 * :meth:`EarlyExitLM.run_layers` - layers ``[start, end)`` (0-based slots) on hidden states,
