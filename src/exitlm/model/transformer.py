@@ -395,19 +395,22 @@ class EarlyExitLM(nn.Module):
         ctx: StepContext | None = None,
         *,
         shared_ok: bool = False,
+        ops: Products | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The exit's input to its output embedding and that embedding ``(V, D)``:
         ``exit_logits == project(*exit_features(...))``. Decoders that need only some
-        vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight."""
+        vocabulary rows (a restricted draft vocabulary) project onto a slice of the weight.
+        A head's products run on ``ops`` (or ``ctx.ops``; default: its layers' own)."""
         route = self.exit_route(layer, shared_ok=shared_ok)
         head = route.head
-        ops = None if ctx is None else ctx.ops
+        if ctx is not None:
+            ops = ctx.ops
         if head is not None and head.block is not None:
             assert route.cache_slot is not None
             if ctx is None:
                 if positions is None:
                     positions = default_positions(h[..., 0])
-                ctx = self.context(positions, cache)
+                ctx = self.context(positions, cache, ops)
             h = head.block(h, ctx.rope, cache, route.cache_slot, ctx.plan, ctx.mask, ops=ops)
         if head is not None and head.mlp is not None:
             h = h + head.mlp(head.mlp_norm(h), ops=ops)

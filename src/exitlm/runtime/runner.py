@@ -172,13 +172,8 @@ class Runner:
         """Logits of the exit after 1-based ``layer`` (``L``: the final head) for ``h``
         ``(..., D)``, over the first ``vocab`` token ids (default: all). An exit whose head is
         a transformer block writes its own cache slot (pass ``positions``/``cache``)."""
-        if ctx is None and self.products is not None and (
-                self.model.exit_route(layer, shared_ok=shared_ok).head is not None):
-            if positions is None:
-                positions = _default_positions(h)
-            ctx = self.context(positions, cache)
         feats, weight = self.model.exit_features(h, layer, positions, cache, ctx,
-                                                 shared_ok=shared_ok)
+                                                 shared_ok=shared_ok, ops=self.products)
         if vocab is not None and vocab < weight.shape[0]:
             weight = self._head_rows(weight, vocab)
         return self.project(feats, weight)
