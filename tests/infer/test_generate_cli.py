@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from _tiny import byte_tokenizer, tiny_text_model
 
+from _tiny import byte_tokenizer, tiny_text_model
 from exitlm.cli import main
 from exitlm.io import save_model
 

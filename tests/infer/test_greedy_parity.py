@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import convert, tiny_hf
 
+from _tiny import convert, tiny_hf
 from exitlm.infer import generate
 
 pytest.importorskip("transformers")

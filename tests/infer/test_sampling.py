@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from _tiny import tiny_text_model
 
+from _tiny import tiny_text_model
 from exitlm.config import ConfigError
 from exitlm.infer import SamplingOptions, generate
 from exitlm.infer.sampling import choose, probabilities, top_k_filter, top_p_filter

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _tiny import byte_tokenizer, tiny_text_model
 
+from _tiny import byte_tokenizer, tiny_text_model
 from exitlm.config import ConfigError
 from exitlm.infer import GenerationResult, TextTracker, generate
 

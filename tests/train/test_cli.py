@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _train_util import tiny_config
 
+from _train_util import tiny_config
 from exitlm.cli import main
 from exitlm.train.config import PRESETS, load_config
 

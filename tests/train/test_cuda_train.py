@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_util import tiny_config
 
+from _train_util import tiny_config
 from exitlm.io import load_model
 from exitlm.train.trainer import Trainer
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _train_util import tiny_config
 
 from _dist import free_port, run_processes
+from _train_util import tiny_config
 from exitlm.train.trainer import Trainer
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_util import tiny_config
 
+from _train_util import tiny_config
 from exitlm.config import ConfigError
 from exitlm.train.checkpoint import latest_checkpoint
 from exitlm.train.trainer import Trainer, lr_at
