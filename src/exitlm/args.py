@@ -33,3 +33,12 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers (``"2,4,6"``)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None

@@ -124,17 +124,22 @@ def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int,
     return probs
 
 
-@pytest.mark.parametrize(("temperature", "draft_vocab", "tau"),
-                         [(1.0, None, None), (0.7, 3, None), (1.0, None, 1.0)])
+@pytest.mark.parametrize(("temperature", "draft_vocab", "tau", "order"),
+                         [(1.0, None, None, None), (0.7, 3, None, None), (1.0, None, 1.0, None),
+                          (0.7, 3, None, (4, 2, 0, 1, 3))])
 def test_speculative_sampling_matches_target_distribution(
-    temperature: float, draft_vocab: int | None, tau: float | None
+    temperature: float, draft_vocab: int | None, tau: float | None,
+    order: tuple[int, ...] | None
 ) -> None:
     """Chi-square goodness of fit of 3-token continuations (125 cells) from 8,000 sequences
     sampled as one batch: token 1 comes from the prompt forward, tokens 2-3 from one
     speculative round with 2 drafts (rejections and bonus tokens both occur); with a draft
-    vocabulary of 3 ids, tokens 3 and 4 are only reachable through the residual. With a
-    draft threshold of 1.0 the round stops after its first draft (fewer drafts than asked)."""
+    vocabulary of 3 ids, tokens 3 and 4 are only reachable through the residual (with a
+    ranked vocabulary, tokens 1 and 3). With a draft threshold of 1.0 the round stops after
+    its first draft (fewer drafts than asked)."""
     model = ee_model(every_layer=True, vocab=5, scale=0.5, seed=1)
+    if order is not None:
+        model.set_token_order(torch.tensor(order))
     prompt = [1, 3, 0, 2]
     exact = _exact_joint(model, prompt, 3, temperature)
     n = 8000

@@ -135,8 +135,8 @@ def test_sampled_rows_and_block_exits_keep_the_eager_chain() -> None:
     takes the eager chain, with the same results as before; log-probabilities too."""
     model = ee_model("linear", every_layer=True)
     prompts = random_prompts(sizes=(5, 4))
-    kw = {"strategy": "self-spec", "exit_layer": 2, "max_new_tokens": NEW, "temperature": 0.8,
-          "seed": 3}
+    kw = {"strategy": "self-spec", "exit_layer": 2, "num_speculations": 4,
+          "max_new_tokens": NEW, "temperature": 0.8, "seed": 3}
     before = generate(model, None, prompts, **kw).token_ids
     with_lp = generate(model, None, prompts, strategy="self-spec", exit_layer=2,
                        max_new_tokens=4, logprobs=2)

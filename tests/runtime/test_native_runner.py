@@ -120,7 +120,8 @@ def test_runs_of_native_blocks_equal_blocks_one_by_one(kind: str | None) -> None
 def test_self_speculation_through_native_chains_equals_plain_decoding(
         kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy self-spec takes the native chain (counted) and emits plain decoding's tokens
-    with the loop's acceptance; a draft threshold or sampling keeps the loop."""
+    with the loop's acceptance, also with a draft threshold (the chain's own stop);
+    sampling keeps the loop."""
     runner = _runner(kind)
     counting, calls = _counting("_native_chain")
     monkeypatch.setattr(NativeRunner, "_native_chain", counting)
@@ -142,10 +143,11 @@ def test_self_speculation_through_native_chains_equals_plain_decoding(
                                                              res.stats.drafted)
     calls.clear()
     thr = generate(runner, None, prompt, strategy="self-spec", exit_layer=2,
-                   draft_threshold=0.5, **kw)
-    assert thr.token_ids == ar and not calls
-    generate(runner, None, prompt, strategy="self-spec", exit_layer=2, temperature=0.8,
-             seed=1, **kw)
+                   num_speculations=4, draft_threshold=0.5, **kw)
+    assert thr.token_ids == ar and calls and all(calls)  # the chain stops at unsure drafts
+    calls.clear()
+    generate(runner, None, prompt, strategy="self-spec", exit_layer=2, num_speculations=4,
+             temperature=0.8, seed=1, **kw)
     assert not calls
 
 

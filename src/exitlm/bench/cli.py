@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import int_at_least
+from exitlm.args import int_at_least, int_list
 from exitlm.bench.run import (
     OURS,
     THEIRS,
@@ -80,9 +80,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
                    help="speculation: self-spec over exit layer x speculations (LayerSkip "
                         "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
-    p.add_argument("--sweep-exits", type=_ints, default=None,
+    p.add_argument("--sweep-exits", type=int_list, default=None,
                    help="exit layers for --sweep speculation")
-    p.add_argument("--sweep-speculations", type=_ints, default="1,2,4,6",
+    p.add_argument("--sweep-speculations", type=int_list, default="1,2,4,6",
                    help="speculations for --sweep speculation")
     p.add_argument("--sweep-thresholds", type=_floats, default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
                    help="thresholds for --sweep threshold")
@@ -101,14 +101,6 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
-                                         ) from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
                                          ) from None
 
 

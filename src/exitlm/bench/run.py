@@ -44,6 +44,7 @@ from exitlm.io import load_model
 from exitlm.io.corpus import DataConfig, is_held_out, iter_jsonl, list_sources
 from exitlm.io.default_model import default_gguf_path
 from exitlm.io.save import export_hf
+from exitlm.io.token_order import rank_model_tokens
 from exitlm.plan import ppd_theory
 from exitlm.runtime import prepare
 
@@ -189,6 +190,9 @@ class Bench:
             self.tokenizer = byte_level_tokenizer()
         else:
             self.tokenizer = loaded.tokenizer
+        if any(o.get("draft_vocab") for o in cfg.options.values()):
+            n = min(o["draft_vocab"] for o in cfg.options.values() if o.get("draft_vocab"))
+            rank_model_tokens(self.model, self.tokenizer, n)
         self._hf: Any = None
         self.prompts = (load_prompts(cfg.prompts_file) if cfg.prompts_file
                         else builtin_prompts(cfg.num_prompts))[: cfg.num_prompts]

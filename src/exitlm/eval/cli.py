@@ -119,13 +119,14 @@ def run_humaneval(args: argparse.Namespace) -> int:
     from exitlm.eval import humaneval  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
-    from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
+    from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
     from exitlm.infer.strategies import get_strategy  # lazy: loaded when the command runs
 
     items = humaneval.problems(args.limit)
     options = get_strategy(args.strategy).options(**strategy_overrides(args, args.strategy))
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tok = tokenizer_for(loaded, args.model)
+    rank_draft_vocab(loaded.model, tok, options)
     texts, timing = humaneval.generate(loaded.model, tok, args.strategy, options, items,
                                        max_new_tokens=args.max_new_tokens,
                                        max_batch=args.max_batch, threads=args.threads)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, get_strategy
-from exitlm.infer.cli import load_for_strategy, tokenizer_for
+from exitlm.infer.cli import load_for_strategy, rank_draft_vocab, tokenizer_for
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer
@@ -84,6 +84,7 @@ class ExitlmLM(TemplateLM):
                 raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
             loaded = load_for_strategy(pretrained, _DTYPES[dtype], strategy)
             model, tokenizer = loaded.model, tokenizer or tokenizer_for(loaded, pretrained)
+            rank_draft_vocab(model, tokenizer, options)
         else:
             model = pretrained
         if tokenizer is None:

@@ -37,6 +37,7 @@ from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.infer.threads import set_threads
 from exitlm.io import load_model
+from exitlm.io.token_order import rank_model_tokens
 from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
@@ -128,6 +129,15 @@ def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> A
     return loaded
 
 
+def rank_draft_vocab(model: Any, tokenizer: Any, options: Any) -> None:
+    """A draft vocabulary of ``N < V`` ids (``draft_vocab`` in ``options``, a dict or a
+    strategy's options) drafts over the model's ``N`` most frequent tokens: rank them on the
+    default corpus with ``tokenizer`` once (cached, :mod:`exitlm.io.token_order`)."""
+    n = options.get("draft_vocab") if isinstance(options, dict) else \
+        getattr(options, "draft_vocab", None)
+    rank_model_tokens(model, tokenizer, n)
+
+
 def tokenizer_for(loaded: Any, source: str) -> Tokenizer:
     """The loaded model's tokenizer, or one token per byte for models shipped without one
     (presets with ``vocab_size >= 256``; a note goes to stderr)."""
@@ -162,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args.threads)  # loading and prefill use them too
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
+    rank_draft_vocab(loaded.model, tokenizer, overrides)
     num_layers = loaded.model.num_layers
     colour = args.show_exits and (
         args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

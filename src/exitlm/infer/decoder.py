@@ -53,6 +53,9 @@ class Seq:
     options: Any
     generator: torch.Generator | None
     stats: DecodeStats
+    state: Any = None
+    """A strategy's own per-sequence state carried from step to step (adaptive
+    self-speculation's agreement estimates), ``None`` until it sets one."""
     last: int = -1
     generated: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -202,14 +205,15 @@ def padded_prompts(batch: Batch, pad: int, device: torch.device
 
 
 def prefill_hidden(runner: Runner, batch: Batch, end: int | None = None,
-                   exits: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                   exits: tuple[int, ...] = (), taps: dict[int, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``batch``'s prompts through layers ``[0, end)`` (:meth:`Runner.prefill`), filling its
     cache rows; returns the hidden states ``(B, T, D)`` after layer ``end`` and the prompt
-    lengths."""
+    lengths (``taps``: see :meth:`Runner.prefill`)."""
     cfg = runner.config
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     tokens, lens = padded_prompts(batch, pad, runner.device)
-    return runner.prefill(tokens, lens, batch.cache, end, exits), lens
+    return runner.prefill(tokens, lens, batch.cache, end, exits, taps), lens
 
 
 def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

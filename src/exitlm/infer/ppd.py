@@ -217,7 +217,8 @@ class PPDDecoder(Decoder):
             br.predict(hm, p + 1)
         elif fork:  # lines 14-16: top-k of exit d_bar (an exit block writes its slot)
             early = runner.logits(hm, self.d_bar, vocab=self.vocab, positions=pos, cache=main)
-            br.fork(torch.topk(early[0, -1], self.k).indices, p + 1)
+            br.fork(runner.draft_tokens(torch.topk(early[0, -1], self.k).indices, self.vocab),
+                    p + 1)
         elif self.block:
             runner.logits(hm, self.d_bar, positions=pos, cache=main)
         hf = runner.layers(hm, self.d_bar, self.d, pos, main)  # main, beside the branches

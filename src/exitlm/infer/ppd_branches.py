@@ -179,7 +179,7 @@ class ThreadBranches(Branches):
     def _predict(self, hm: torch.Tensor, p: int) -> tuple[list[int], list[torch.Tensor]]:
         with torch.inference_mode():
             logits = self.runner.logits(hm, self.d_bar, vocab=self.vocab)[0, -1]
-            cands = torch.topk(logits, self.k).indices
+            cands = self.runner.draft_tokens(torch.topk(logits, self.k).indices, self.vocab)
             return cands.tolist(), [j.result() for j in self._start(cands, p)]
 
     def join(self) -> tuple[list[int], list[torch.Tensor]]:

@@ -28,10 +28,21 @@ a sequence past its own ``n_i`` rides along as a dummy whose drafts are neither 
 verified, so what it produces never depends on what else shares the batch.
 
 Per-token exit layers report ``E`` for accepted drafts and ``L`` for the verifier's tokens.
+
+**Adaptive rounds.** When the options leave ``exit_layer`` or ``num_speculations`` unset, each
+step is chosen online by :class:`~exitlm.infer.adaptive.SpecPlanner`: a round at the exit and
+draft length with the most expected tokens per second given each sequence's measured agreement
+and this machine's measured costs, a plain step when no round beats it, and now and then a
+probe step (a plain step that also compares every candidate exit's choice with the final
+layer's). Every kind of step is exact, so the output stays plain decoding's. A batch holding a
+sequence that samples from a seed takes fixed rounds (the draft exit ``E`` of a fixed
+configuration, ``d`` = 4 unless given): its tokens then depend on the seed only, never on how
+fast this machine was.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
@@ -39,17 +50,30 @@ from typing import Annotated
 import torch
 
 from exitlm.config import ConfigError
+from exitlm.infer.adaptive import (
+    MAX_AUTO_DRAFT,
+    PROMPT_PROBES,
+    Agreement,
+    Plan,
+    SpecPlanner,
+    candidate_exits,
+)
 from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
-from exitlm.infer.options import option
+from exitlm.infer.options import SamplingOptions, option
 from exitlm.infer.result import DecodeStats
 from exitlm.infer.sampling import probabilities
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.costs import costs_of
 from exitlm.runtime.runner import Chain, Pick, Runner
 from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
 MAX_SPECULATIONS = 64
 """The most draft tokens a round may hold (bounds the cache slots a round writes)."""
 Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
+DEFAULT_SPECULATIONS = 4
+"""``d`` when it is not chosen online (a sharded model, or a fixed draft exit... given)."""
+REPLAN_EVERY = 4
+"""Steps a plan is kept while the batch stays the same (planning costs Python time)."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +81,12 @@ class SelfSpecOptions:
     """Options of the ``self-spec`` strategy."""
 
     exit_layer: PositiveInt | None = option(
-        None, "the draft exit E (default: the model's deepest exit head, or L // 2 for "
-        "LayerSkip every-layer exits)")
-    num_speculations: Speculations = option(
-        4, "d, draft tokens per round (LayerSkip Sec. 4.3.1)", per_request=True)
+        None, "the draft exit E (default: chosen per step from measured agreement and costs; "
+        "on a tensor-parallel shard the deepest exit head, or L // 2 for LayerSkip "
+        "every-layer exits)")
+    num_speculations: Speculations | None = option(
+        None, "d, draft tokens per round (LayerSkip Sec. 4.3.1; default: chosen per step, "
+        "plain steps when no round pays; 4 on a tensor-parallel shard)", per_request=True)
     draft_vocab: PositiveInt | None = option(
         None, "draft only among the first N token ids (BPE ids roughly follow merge "
         "frequency): a cheaper exit projection; output unchanged")
@@ -80,18 +106,34 @@ class SelfSpecStats(DecodeStats):
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    plain_steps: int = 0
+    """Steps decoded without drafting (adaptive rounds found no round that pays)."""
+    probe_steps: int = 0
+    """Plain steps that also measured every candidate exit's agreement."""
+    exit_layer_sum: int = 0
+    """The draft exits of the rounds, summed (``/ rounds``: the mean exit)."""
 
     def derived(self) -> dict[str, float]:
+        steps = self.rounds + self.plain_steps + self.probe_steps
         return {"acceptance_rate": self.acceptance_rate,
                 "tokens_per_round": (self.accepted + self.rounds) / self.rounds
-                if self.rounds else 0.0}
+                if self.rounds else 0.0,
+                "mean_exit_layer": self.exit_layer_sum / self.rounds if self.rounds else 0.0,
+                "mean_drafts": self.drafted / self.rounds if self.rounds else 0.0,
+                "plain_share": (self.plain_steps + self.probe_steps) / steps if steps else 0.0}
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def describe(self) -> str:
-        return f"acceptance {self.acceptance_rate:.1%}"
+        text = f"acceptance {self.acceptance_rate:.1%}"
+        if self.plain_steps or self.probe_steps:
+            d = self.derived()
+            text += (f", {d['plain_share']:.0%} plain steps" if not self.rounds else
+                     f", mean exit {d['mean_exit_layer']:.1f}, mean d "
+                     f"{d['mean_drafts']:.1f}, {d['plain_share']:.0%} plain steps")
+        return text
 
 
 def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
@@ -131,12 +173,59 @@ class SelfSpecDecoder(Decoder):
         # heads on CPU), greedy verification projects one position at a time and stops at
         # the first rejection (_accept_greedy_lazy); elsewhere one product verifies them all
         self.lazy = not runner.supports("batched_head")
+        self.planner = self._planner(options)
+        self._plan: Plan | None = None
+        self._plan_key: tuple[int, ...] = ()
+        self._plan_age = 0
+
+    def _planner(self, options: SelfSpecOptions) -> SpecPlanner | None:
+        """The online chooser of rounds when ``E`` or ``d`` is left open and this runner's
+        primitives may be timed (not on a tensor-parallel shard, whose ranks must take the
+        same steps); its costs at batch 1 are measured here, before any request."""
+        if options.exit_layer is not None and options.num_speculations is not None:
+            return None
+        if not self.runner.supports("local"):
+            return None
+        model = self.model
+        if options.exit_layer is not None:
+            exits = [options.exit_layer]
+        else:
+            cfg = model.config
+            every = range(1, model.num_layers) if cfg.exits.every_layer else cfg.exits.layers
+            exits = candidate_exits([e for e in every if e < model.num_layers],
+                                    model.num_layers)
+        exits = [e for e in exits if not model.exit_route(e).has_block]
+        if not exits:
+            return None
+        self.runner.enable_row_products()
+        vocab = None if self.vocab >= model.config.vocab_size else self.vocab
+        planner = SpecPlanner(costs_of(self.runner), model.num_layers, exits,
+                              vocab=vocab, lazy_head=self.lazy)
+        fixed = options.num_speculations
+        planner.plan([{e: 0.5 for e in exits}], [MAX_AUTO_DRAFT], [fixed])  # measure b = 1
+        return planner
 
     def resolved_options(self) -> dict[str, object]:
-        return {**super().resolved_options(), "exit_layer": self.e, "draft_vocab": self.vocab}
+        out: dict[str, object] = {**super().resolved_options(), "draft_vocab": self.vocab}
+        if self.planner is None:
+            return {**out, "exit_layer": self.e,
+                    "num_speculations": self.options.num_speculations or DEFAULT_SPECULATIONS}
+        return {**out, "adaptive": True, "candidate_exits": list(self.planner.candidates)}
+
+    def _drafts(self, seq: Seq) -> int:
+        """The most drafts a round may hold for ``seq``."""
+        d = seq.options.num_speculations
+        if d is not None:
+            return d
+        return MAX_AUTO_DRAFT if self.planner is not None else DEFAULT_SPECULATIONS
+
+    @staticmethod
+    def _static_drafts(seq: Seq) -> int:
+        """``seq``'s drafts per round when rounds are not chosen online."""
+        return seq.options.num_speculations or DEFAULT_SPECULATIONS
 
     def lookahead(self, seq: Seq) -> int:
-        return min(seq.options.num_speculations, seq.remaining) + 1
+        return min(self._drafts(seq), seq.remaining) + 1
 
     @property
     def max_lookahead(self) -> int:
@@ -144,44 +233,192 @@ class SelfSpecDecoder(Decoder):
 
     def prefill(self, batch: Batch) -> list[Emit]:
         num_layers = self.model.num_layers
-        h, lens = prefill_hidden(self.runner, batch, exits=(self.e,) if self.block else ())
+        taps: dict[int, torch.Tensor] | None = None
+        exits: tuple[int, ...] = (self.e,) if self.block else ()
+        if self.planner is not None:
+            taps, exits = {}, tuple(self.planner.candidates)
+        h, lens = prefill_hidden(self.runner, batch, exits=exits, taps=taps)
         logits = self.runner.logits(last_positions(h, lens), num_layers)
-        return [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
+        emits = [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
+        if taps is not None:
+            self._observe_prompts(batch, h, lens, taps)
+        return emits
 
     def step(self, batch: Batch) -> list[Emit]:
-        """One round: draft (a chain through layers ``1..E`` and exit ``E``), verify (layers
-        ``E+1..L`` over the exit queries), accept, roll back."""
+        """One step: a round at the fixed ``(E, d)``, or, adaptively, the planner's choice -
+        a round, a plain step or a probe step."""
+        if self.planner is None or any(_seeded(s) for s in batch.seqs) or (
+                self.options.exit_layer is not None
+                and all(s.options.num_speculations is not None for s in batch.seqs)):
+            # fixed rounds: nothing left to choose, or a seed, which reproduces its tokens
+            # only if the rounds do not depend on timings
+            limits = [max(0, min(self._static_drafts(s), s.remaining - 1)) for s in batch.seqs]
+            return self._round(batch, self.e, limits, observe=self.planner is not None)
+        planner, b = self.planner, len(batch)
+        plan = self._current_plan(batch)
+        if planner.probe_due(plan):
+            emits = self._probe_step(batch)
+            self._plan = None
+            planner.probed(self._current_plan(batch))
+            return emits
+        t0 = time.perf_counter()
+        if plan.exit_layer is None:
+            emits = self._plain_step(batch)
+            planner.timed_plain(b, time.perf_counter() - t0)
+            return emits
+        limits = [min(d, max(0, s.remaining - 1)) for d, s in zip(plan.drafts, batch.seqs,
+                                                                  strict=True)]
+        emits = self._round(batch, plan.exit_layer, limits, observe=True)
+        tokens = sum(len(e.tokens) for e in emits) / b
+        planner.timed_round(plan.exit_layer, max(limits), b, tokens, time.perf_counter() - t0)
+        return emits
+
+    # ----- adaptive steps ----------------------------------------------------------------------
+    def _current_plan(self, batch: Batch) -> Plan:
+        """The planner's choice for this batch, kept for :data:`REPLAN_EVERY` steps while the
+        batch holds the same sequences."""
+        assert self.planner is not None
+        key = tuple(id(s) for s in batch.seqs)
+        if self._plan is None or key != self._plan_key or self._plan_age >= REPLAN_EVERY:
+            states = [self._agreement(s) for s in batch.seqs]
+            rates = [{e: st.rate(e) for e in self.planner.candidates} for st in states]
+            limits = [max(0, s.remaining - 1) for s in batch.seqs]
+            fixed = [s.options.num_speculations for s in batch.seqs]
+            self._plan = self.planner.plan(rates, limits, fixed)
+            self._plan_key, self._plan_age = key, 0
+        self._plan_age += 1
+        return self._plan
+
+    @staticmethod
+    def _agreement(seq: Seq) -> Agreement:
+        if seq.state is None:
+            seq.state = Agreement()
+        return seq.state
+
+    def _plain_step(self, batch: Batch) -> list[Emit]:
+        """A plain decoding step (no draft)."""
+        num_layers = self.model.num_layers
+        out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, num_layers,
+                                logits=True)
+        batch.cache.lengths += 1
+        assert out.logits is not None
+        for s in batch.seqs:
+            s.stats.plain_steps += 1  # type: ignore[attr-defined]
+        return [Emit([t], [num_layers], num_layers) for t in batch.choose(out.logits)]
+
+    def _probe_step(self, batch: Batch) -> list[Emit]:
+        """A plain step that also reads some candidate exits' choices for this position
+        (:meth:`SpecPlanner.probe_exits`) and compares them with the final layer's (DEL's
+        shadow tokens)."""
+        assert self.planner is not None
         runner, cache = self.runner, batch.cache
-        limits = [max(0, min(s.options.num_speculations, s.remaining - 1)) for s in batch.seqs]
+        num_layers = self.model.num_layers
+        pos = cache.lengths.to(self.device)[:, None]
+        h = runner.embed(batch.lasts(self.device), pos)
+        drafts: dict[int, torch.Tensor] = {}
+        for layer, h_at, ctx in runner.walk(h, 0, num_layers, self.planner.probe_exits(), pos,
+                                            cache):
+            if layer < num_layers:
+                drafts[layer] = runner.logits(h_at[:, 0], layer, vocab=self.vocab, ctx=ctx)
+            h = h_at
+        cache.lengths += 1
+        final = runner.logits(h[:, 0], num_layers)
+        tokens = batch.choose(final)
+        self._observe(batch, final, drafts)
+        for s in batch.seqs:
+            s.stats.probe_steps += 1  # type: ignore[attr-defined]
+        return [Emit([t], [num_layers], num_layers) for t in tokens]
+
+    def _observe(self, batch: Batch, final: torch.Tensor, drafts: dict[int, torch.Tensor],
+                 rows: list[int] | None = None) -> None:
+        """Agreement of each exit's logits ``drafts[E]`` ``(R, N)`` with the final layer's
+        ``final`` ``(R, V)``, row ``r`` belonging to sequence ``rows[r]`` (default: row
+        ``r``): greedy rows count argmax equality, sampled rows the probability
+        ``sum_x min(p(x), q(x))`` that rejection sampling accepts a draft (Leviathan et al.
+        2023, Sec. 3.1)."""
+        rows = list(range(final.shape[0])) if rows is None else rows
+        target = torch.argmax(final, dim=-1)
+        sampled: dict[SamplingOptions, list[int]] = {}
+        for r, i in enumerate(rows):
+            s = batch.seqs[i].sampling
+            if not s.greedy:
+                sampled.setdefault(s, []).append(r)
+        seqs = [self._agreement(batch.seqs[i]) for i in rows]
+        for e, logits in drafts.items():
+            drafted = self.runner.draft_tokens(torch.argmax(logits, dim=-1), self.vocab)
+            hits = (drafted == target).to(torch.float32)
+            for sampling, rs in sampled.items():
+                idx = torch.tensor(rs, device=final.device)
+                p = probabilities(final[idx], sampling)
+                q = self.runner.draft_distribution(probabilities(logits[idx], sampling),
+                                                   self.vocab)
+                hits[idx] = torch.minimum(p, q).sum(dim=-1).to(torch.float32)
+            for st, hit in zip(seqs, hits.tolist(), strict=True):
+                st.observe(e, hit, 1.0)
+
+    def _observe_prompts(self, batch: Batch, h: torch.Tensor, lens: torch.Tensor,
+                         taps: dict[int, torch.Tensor]) -> None:
+        """Agreement of the candidate exits with the final layer over the last
+        :data:`PROMPT_PROBES` prompt positions of every sequence (one product per exit)."""
+        rows, cols = [], []
+        for i, n in enumerate(lens.tolist()):
+            for p in range(max(0, n - PROMPT_PROBES), n):
+                rows.append(i)
+                cols.append(p)
+        r = torch.tensor(rows, device=self.device)
+        c = torch.tensor(cols, device=self.device)
+        final = self.runner.logits(h[r, c], self.model.num_layers)
+        drafts = {e: self.runner.logits(taps[e][r, c], e, vocab=self.vocab) for e in taps}
+        self._observe(batch, final, drafts, rows)
+
+    # ----- a round ------------------------------------------------------------------------------
+    def _round(self, batch: Batch, e: int, limits: list[int], observe: bool = False
+               ) -> list[Emit]:
+        """One round at exit ``e`` with at most ``limits[i]`` drafts for row ``i``: draft (a
+        chain through layers ``1..E`` and exit ``E``), verify (layers ``E+1..L`` over the exit
+        queries), accept, roll back; with ``observe``, the accepted prefixes update the rows'
+        agreement estimates."""
+        runner, cache = self.runner, batch.cache
         counts = list(limits)
         q_probs: dict[int, list[torch.Tensor]] = {i: [] for i, s in enumerate(batch.seqs)
                                                   if not s.sampling.greedy}
         base = cache.lengths.to(self.device)  # (B,) position of x0
-        drafts = runner.chain(batch.lasts(self.device)[:, 0], cache, max(limits), self.e,
-                              vocab=self.vocab, pick=self._picker(batch, counts, q_probs))
+        pick, stop = self._picker(batch, counts, q_probs)
+        drafts = runner.chain(batch.lasts(self.device)[:, 0], cache, max(limits), e,
+                              vocab=self.vocab, pick=pick, stop_below=stop)
         n = drafts.tokens.shape[1]
+        counts = [min(c, n) for c in counts]  # a chain may have stopped early
         pos = base[:, None] + torch.arange(n + 1, device=self.device)[None, :]  # (B, n+1)
-        hv = runner.layers(drafts.hidden, self.e, self.model.num_layers, pos, cache)
+        hv = runner.layers(drafts.hidden, e, self.model.num_layers, pos, cache)
         accepted, final = self._accept(batch, drafts, counts, q_probs, hv)
         self._record_logprobs(batch, drafts, hv, accepted, final)
         keep = cache.lengths + 1 + torch.tensor(accepted)  # x0 and the accepted drafts
         cache.lengths = keep
         cache.crop(keep)
-        return [self._emit(s, drafts, counts[i], i, a, f) for i, (s, a, f) in
+        if observe:
+            for s, a, k in zip(batch.seqs, accepted, counts, strict=True):
+                if k:
+                    self._agreement(s).observe(e, float(a), float(a + (a < k)))
+        return [self._emit(s, drafts, e, counts[i], i, a, f) for i, (s, a, f) in
                 enumerate(zip(batch.seqs, accepted, final, strict=True))]
 
     # ----- the parts of a round ------------------------------------------------------------
-    def _picker(self, batch: Batch, counts: list[int],
-                q_probs: dict[int, list[torch.Tensor]]) -> Pick | None:
+    def _picker(self, batch: Batch, counts: list[int], q_probs: dict[int, list[torch.Tensor]]
+                ) -> tuple[Pick | None, float | None]:
         """How drafts are chosen (Sec. 4.3.1): the argmax (``None``: any runner's own greedy
-        chain) unless a row samples or has a draft threshold; then :meth:`_pick`."""
-        if not q_probs and all(s.options.draft_threshold is None for s in batch.seqs):
-            return None
+        chain) unless a row samples or has a draft threshold; then :meth:`_pick`. One greedy
+        row's draft threshold is the chain's own ``stop_below`` (the runner's fused chain
+        takes it), returned second."""
+        taus = [s.options.draft_threshold for s in batch.seqs]
+        if not q_probs and all(t is None for t in taus):
+            return None, None
+        if not q_probs and len(batch) == 1:
+            return None, taus[0]
 
         def pick(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
             return self._pick(batch, logits, j, counts, q_probs), max(counts)
 
-        return pick
+        return pick, None
 
     def _pick(self, batch: Batch, logits: torch.Tensor, j: int, counts: list[int],
               q_probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
@@ -189,8 +426,7 @@ class SelfSpecDecoder(Decoder):
         sample from the row's own generator while it still drafts; a row whose own draft
         threshold is not met stops drafting after this token. Rows past their own count ride
         along (their drafts are neither sampled nor verified)."""
-        tok = torch.argmax(logits, dim=-1)
-        vocab = self.model.config.vocab_size
+        tok = torch.argmax(logits, dim=-1)  # columns of the draft vocabulary
         for i, s in enumerate(batch.seqs):
             if j >= counts[i]:
                 continue
@@ -198,14 +434,14 @@ class SelfSpecDecoder(Decoder):
             if i in q_probs:
                 q = probabilities(logits[i : i + 1], s.sampling)
                 tok[i] = torch.multinomial(q, 1, generator=s.generator)[0, 0]
-                q_probs[i].append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
+                q_probs[i].append(self.runner.draft_distribution(q, self.vocab))
                 conf = float(q[0, tok[i]]) if tau is not None else 1.0
             else:
                 conf = float(torch.softmax(logits[i].float(), -1).max()) if tau is not None \
                     else 1.0
             if tau is not None and j + 1 < counts[i] and conf < tau:
                 counts[i] = j + 1  # verify this unsure draft, draft no further
-        return tok
+        return self.runner.draft_tokens(tok, self.vocab)
 
     def _accept(self, batch: Batch, drafts: Chain, counts: list[int],
                 q_probs: dict[int, list[torch.Tensor]], hv: torch.Tensor
@@ -244,17 +480,24 @@ class SelfSpecDecoder(Decoder):
                 tokens = [*drafts.tokens[i, :a].tolist(), final[i]]
                 batch.record(self._final_logits(hv[i, : a + 1]), tokens, [i] * (a + 1))
 
-    def _emit(self, seq: Seq, drafts: Chain, n_i: int, i: int, a: int, final: int) -> Emit:
+    def _emit(self, seq: Seq, drafts: Chain, e: int, n_i: int, i: int, a: int, final: int
+              ) -> Emit:
         st: SelfSpecStats = seq.stats  # type: ignore[assignment]
         st.rounds += 1
         st.drafted += n_i
         st.accepted += a
+        st.exit_layer_sum += e
         toks = drafts.tokens[i, :a].tolist()
         num_layers = self.model.num_layers
-        return Emit([*toks, final], [self.e] * a + [num_layers], (n_i + 1) * num_layers)
+        return Emit([*toks, final], [e] * a + [num_layers], (n_i + 1) * num_layers)
 
 
 FinalHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _seeded(seq: Seq) -> bool:
+    """Whether ``seq`` samples from a seed (its tokens must not depend on timings)."""
+    return not seq.sampling.greedy and seq.sampling.seed is not None
 
 
 def _accept_greedy(head: FinalHead, drafts: torch.Tensor, hv: torch.Tensor,

@@ -295,7 +295,12 @@ static int64_t argmax(const float *y, int64_t n) {
  *
  *   for j = 0..n:  h = embed(token_j); h = layers(h) at position start + j (writing their
  *                  cache); hidden[j] = h; if j < n: token_{j+1} = tokens[j] =
- *                  argmax(head(rms_norm(h))).
+ *                  ids[argmax(head(rms_norm(h)))] (ids: the token ids of head's rows, a
+ *                  ranked draft vocabulary; NULL: row r is token r).
+ *
+ * With min_conf > 0 the chain ends early: a draft whose softmax probability under the head
+ * is below min_conf is the last one (its step still runs the layers, so that its hidden state
+ * is there). *steps receives the number of drafts made.
  *
  * (LayerSkip Sec. 4.3.1's self-drafting is such a chain through the first E layers; a plain
  * decoding step is one with n == 0; a PPD branch one with n == 0 through the first d - d_bar
@@ -304,11 +309,14 @@ static int64_t argmax(const float *y, int64_t n) {
  * NULL. The layers are computed by exitlm_llama_block as a chain of blocks computes them (same
  * bits); the norm is this file's rms_norm, whose summation order differs from torch's mean, so
  * a step's logits may differ from torch's in the last bits. */
+static float confidence(const float *y, int64_t n, int64_t *top);
+
 int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer *layers,
                  const float *cos_table, const float *ssin_table, int64_t start,
                  const exitlm_weight *embed, const float *norm, float eps,
-                 const exitlm_weight *head, float *hidden, int64_t *tokens, float *work,
-                 float *scratch, int nthreads) {
+                 const exitlm_weight *head, const int64_t *ids, float min_conf,
+                 int64_t *steps, float *hidden, int64_t *tokens, float *work, float *scratch,
+                 int nthreads) {
     if (n_layers < 1) return -5;
     const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
     if (embed->k != D || (n > 0 && (head == NULL || head->k != D))) return -5;
@@ -321,10 +329,20 @@ int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer 
         rc = exitlm_llama_blocks(h, 1, n_layers, layers, cos_table + pos * hd,
                                  ssin_table + pos * hd, pos, scratch, nthreads, 0);
         if (rc != 0) return rc;
-        if (j == n) return 0;
+        if (j == n) {
+            *steps = n;
+            return 0;
+        }
         rms_norm(h, norm, eps, xn, D);
         if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
-        token = tokens[j] = argmax(logits, head->n);
+        int64_t col;
+        if (min_conf > 0.0f) {  /* an unsure draft is the last one */
+            const float conf = confidence(logits, head->n, &col);
+            if (!(conf >= min_conf) && j + 1 < n) n = j + 1;
+        } else {
+            col = argmax(logits, head->n);
+        }
+        token = tokens[j] = ids != NULL ? ids[col] : col;  /* a ranked draft vocabulary */
     }
 }
 

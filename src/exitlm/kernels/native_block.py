@@ -69,8 +69,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.exitlm_round_to_half.restype = None
     lib.exitlm_block_scratch.argtypes = [p, i64, i64]
     lib.exitlm_block_scratch.restype = i64
-    lib.exitlm_chain.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p, p, p,
-                                 p, p, ctypes.c_int]
+    lib.exitlm_chain.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p, p,
+                                 ctypes.c_float, p, p, p, p, p, ctypes.c_int]
     lib.exitlm_chain.restype = ctypes.c_int
     lib.exitlm_segments.argtypes = [p, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p, p, p,
                                     p, ctypes.c_float, p, p, p, ctypes.c_int, p]
@@ -315,7 +315,8 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
 def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
           token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
           embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor | None,
-          eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int
+          eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int,
+          ids: torch.Tensor | None = None, stop_below: float | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy chain of one float32 sequence in one native call (``exitlm_chain``): from
     ``token`` at position ``start``, ``n`` steps through the blocks ``blocks`` (writing
@@ -323,9 +324,15 @@ def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor
     ``head`` - whose argmax is the next step's token. Returns the tokens ``(n,)`` int64 and
     the hidden state after the blocks of every step ``(n + 1, D)``. ``tables``: the model's
     rotary tables, one row of ``head_dim`` per position, covering ``start + n``. With
-    ``n == 0`` ``norm`` and ``head`` may be None."""
+    ``n == 0`` ``norm`` and ``head`` may be None. ``ids``: the token id of each of ``head``'s
+    rows (int64, a ranked draft vocabulary); None: row ``r`` is token ``r``. ``stop_below``:
+    end the chain after a draft whose probability under the head is below it (the tokens and
+    states returned are then fewer)."""
     if n > 0 and (norm is None or head is None):
         raise ValueError("chain: steps after the first need the head's norm and weight")
+    if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous()
+                            or head is None or ids.numel() != head[0].n):
+        raise ValueError("chain: ids must be one contiguous int64 id per head row")
     first = blocks[0]
     lib = first.lib
     dim = first.dims.dim
@@ -334,14 +341,18 @@ def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor
     tokens = torch.empty(n, dtype=torch.int64)
     work = torch.empty(dim + (0 if head is None else head[0].n), dtype=torch.float32)
     cos, ssin = tables
+    steps = ctypes.c_int64(n)
     rc = lib.exitlm_chain(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
                           start, ctypes.byref(embed[0]),
                           None if norm is None else norm.data_ptr(), eps,
                           None if head is None else ctypes.byref(head[0]),
-                          hidden.data_ptr(), tokens.data_ptr(), work.data_ptr(), scratch,
-                          threads)
+                          None if ids is None else ids.data_ptr(),
+                          0.0 if stop_below is None else float(stop_below),
+                          ctypes.byref(steps), hidden.data_ptr(), tokens.data_ptr(),
+                          work.data_ptr(), scratch, threads)
     _check(rc, blocks)
-    return tokens, hidden
+    made = int(steps.value)
+    return tokens[:made], hidden[: made + 1]
 
 
 def segments(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],

@@ -130,6 +130,15 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, self.q[rows], self.scales[rows],
                                None if self.mins is None else self.mins[rows])
 
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Output rows ``index`` (a 1-D tensor of row numbers, in that order) as a weight of
+        their own (copies: a ranked draft vocabulary's head)."""
+        index = index.to(self.q.device)
+        return QuantizedWeight(self.kind, self.q.index_select(0, index).contiguous(),
+                               self.scales.index_select(0, index).contiguous(),
+                               None if self.mins is None
+                               else self.mins.index_select(0, index).contiguous())
+
     def columns(self, start: int, stop: int) -> QuantizedWeight:
         """Input columns ``[start, stop)`` as a weight of their own (contiguous copies): the
         part of a row-parallel layer one tensor-parallel rank keeps (Megatron-LM's row split).

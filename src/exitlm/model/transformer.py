@@ -141,6 +141,10 @@ class EarlyExitLM(nn.Module):
         self.output_layout: OutputLayout | None = None
         """A parallel layout's output products (:meth:`set_output_layout`); ``None``: the
         whole vocabulary here."""
+        self.token_order: torch.Tensor | None = None
+        """Token ids from the most to the least frequent on a corpus
+        (:meth:`set_token_order`): a draft vocabulary of ``N`` ids is their first ``N``
+        (:meth:`draft_ids`); ``None``: the first ``N`` ids."""
         self.apply(self._init_weights)
 
     # ----- initialisation ------------------------------------------------------------------
@@ -349,6 +353,32 @@ class EarlyExitLM(nn.Module):
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the last layer (final norm + LM head)."""
         return self.project(self.norm(h), self.output_embedding())
+
+    def set_token_order(self, order: torch.Tensor | None) -> None:
+        """Rank the vocabulary for draft heads (FR-Spec, arXiv 2502.14856: drafting over the
+        most frequent tokens cuts the head's cost and keeps most accepted drafts): ``order``
+        is a permutation of ``0..V-1``, most frequent first; ``None`` drops the ranking."""
+        if order is None:
+            self.token_order = None
+            return
+        v = self.config.vocab_size
+        order = torch.as_tensor(order).to(torch.long).flatten()
+        if order.numel() != v or not torch.equal(torch.sort(order).values, torch.arange(v)):
+            raise ValueError(f"token order: expected a permutation of the {v} token ids, got "
+                             f"{order.numel()} ids")
+        self.token_order = order.to(self.embed_tokens.weight.device)
+
+    def draft_ids(self, vocab: int | None) -> torch.Tensor | None:
+        """The token ids of a draft vocabulary of ``vocab`` ids: the first ``vocab`` of
+        :attr:`token_order`, or ``None`` where they are simply ids ``0..vocab-1`` (no ranking,
+        or the whole vocabulary)."""
+        order = self.token_order
+        if order is None or vocab is None or vocab >= self.config.vocab_size:
+            return None
+        device = self.embed_tokens.weight.device
+        if order.device != device:  # the model moved since
+            order = self.token_order = order.to(device)
+        return order[:vocab]
 
     def set_output_layout(self, layout: OutputLayout | None) -> None:
         """Route :meth:`project` through ``layout`` (a parallel layout that shards the output

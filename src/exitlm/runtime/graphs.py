@@ -136,17 +136,20 @@ class GraphRunner(Runner):
 
     # ----- primitives --------------------------------------------------------------------------
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, depth: int, *,
-              vocab: int | None = None, logits: bool = False, pick: Pick | None = None
-              ) -> Chain:
+              vocab: int | None = None, logits: bool = False, pick: Pick | None = None,
+              stop_below: float | None = None) -> Chain:
         """The greedy chain as one program per shape ``(rows, n, depth, vocab, S)``: every
-        step's embedding, layers, head and argmax without leaving the device."""
+        step's embedding, layers, head and argmax without leaving the device (a chain that
+        may stop early, ``stop_below``, runs eagerly)."""
         model = self.model
-        if not self.enabled or pick is not None or model.exit_route(depth).has_block:
+        if (not self.enabled or pick is not None or model.exit_route(depth).has_block
+                or stop_below is not None):
             return super().chain(tokens, cache, n, depth, vocab=vocab, logits=logits,
-                                 pick=pick)
+                                 pick=pick, stop_below=stop_below)
         lengths = cache.lengths.clone()
         s = attended_slots(int(lengths.max()) + n, cache.max_seq_len)
         b = tokens.shape[0]
+        ids = model.draft_ids(vocab) if n else None
 
         def body(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
             base = x["positions"][:, None]  # (B, 1)
@@ -158,7 +161,8 @@ class GraphRunner(Runner):
                 hidden.append(h)
                 if j < n:
                     step = super(GraphRunner, self).logits(h, depth, vocab=vocab)[:, -1]
-                    tok = torch.argmax(step, dim=-1)[:, None]  # (B, 1)
+                    col = torch.argmax(step, dim=-1)[:, None]  # (B, 1)
+                    tok = col if ids is None else ids[col]  # a ranked draft vocabulary
                     chosen.append(tok)
             out: tuple[torch.Tensor, ...] = (
                 torch.cat(chosen, dim=1) if chosen else x["tokens"][:, None][:, :0],
@@ -168,7 +172,8 @@ class GraphRunner(Runner):
             return out
 
         inputs = {"tokens": tokens.to(self.device), "positions": lengths.to(self.device)}
-        got = self._run(("chain", b, n, depth, vocab, logits, s), cache, inputs, body)
+        order = None if ids is None else ids.data_ptr()
+        got = self._run(("chain", b, n, depth, vocab, order, logits, s), cache, inputs, body)
         _grow_fill(cache, 0, depth, lengths + n + 1)
         return Chain(got[0], got[1], got[2] if logits else None)
 

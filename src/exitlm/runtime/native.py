@@ -196,7 +196,9 @@ class NativeRunner(Runner):
         w_norm = norm._parameters["weight"]
         if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
             return None
-        head = weight_struct(model.output_embedding()[:vocab])
+        weight = model.output_embedding()
+        head = weight_struct(self._head_rows(weight, vocab) if vocab < weight.shape[0]
+                             else weight)
         if head is None or head[0].fmt == 1:
             return None
         return w_norm, norm.eps, head
@@ -216,18 +218,21 @@ class NativeRunner(Runner):
 
     # ----- chains ------------------------------------------------------------------------------
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, depth: int, *,
-              vocab: int | None = None, logits: bool = False, pick: Pick | None = None
-              ) -> Chain:
+              vocab: int | None = None, logits: bool = False, pick: Pick | None = None,
+              stop_below: float | None = None) -> Chain:
         """One greedy sequence's chain in one native call (``exitlm_chain``); the last step's
         logits, when asked for, through :meth:`logits`. The tokens are those of the eager
         chain except where two logits tie within the last bits (the call's norm sums in
-        another order); the hidden states are the same bits."""
+        another order; so may a confidence compared with ``stop_below``); the hidden states
+        are the same bits."""
         got = None
         if tokens.shape[0] == 1 and pick is None:
-            got = self._native_chain(int(tokens[0]), cache, n, depth, vocab)
+            got = self._native_chain(int(tokens[0]), cache, n, depth, vocab, stop_below)
         if got is None:
-            return super().chain(tokens, cache, n, depth, vocab=vocab, logits=logits, pick=pick)
+            return super().chain(tokens, cache, n, depth, vocab=vocab, logits=logits, pick=pick,
+                                 stop_below=stop_below)
         steps, hidden = got
+        n = steps.shape[0]
         hidden = hidden[None]
         if hidden.dtype != self.dtype:
             hidden = hidden.to(self.dtype)
@@ -238,7 +243,8 @@ class NativeRunner(Runner):
         return Chain(steps[None], hidden, last)
 
     def _native_chain(self, token: int, cache: KVCache, n: int, depth: int,
-                      vocab: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      vocab: int | None, stop_below: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         model = self.model
         start = int(cache.lengths[0])
         if n < 0 or not self._native_steps((depth,) if n else (), cache, start + n + 1):
@@ -259,10 +265,14 @@ class NativeRunner(Runner):
         tables = self._tables(start + n)
         if blocks is None or tables is None:
             return None
+        ids = model.draft_ids(vocab) if n else None
+        if ids is not None and ids.dtype != torch.int64:
+            return None
         out = chain(blocks[0], blocks[1], token, n, tables, start, embed,  # type: ignore[arg-type]
-                    w_norm, eps, head, _threads())
+                    w_norm, eps, head, _threads(),
+                    None if ids is None else ids.contiguous(), stop_below if n else None)
         fill = cache.fill[:depth]
-        fill.clamp_(min=start + n + 1)
+        fill.clamp_(min=start + out[0].shape[0] + 1)
         return out
 
     # ----- segments ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,10 +58,12 @@ row either way), so a caller that may stop early multiplies one position at a ti
 :meth:`Runner.supports`, ``batched_head``; ~50 us of Python per call against a 4 MiB read,
 ~0.1 ms at ~40 GB/s)."""
 
-FEATURES = ("streams", "batched_head")
+FEATURES = ("streams", "batched_head", "local")
 """What :meth:`Runner.supports` answers: ``streams`` - primitives called on other CUDA streams
 run concurrently with the current one; ``batched_head`` - a head product over several
-positions costs less than one product per position."""
+positions costs less than one product per position; ``local`` - the primitives run in this
+process alone (no collective pairs them with another rank's calls), so a caller may run them on
+scratch state and let their timings steer its choices (:mod:`exitlm.runtime.costs`)."""
 
 
 @dataclass
@@ -89,11 +92,11 @@ class Segments:
 
 @dataclass
 class _SlicedHead:
-    """A copy of the first rows of an output embedding (a truncated draft vocabulary),
-    valid while the weight is unchanged."""
+    """A copy of a draft vocabulary's rows of an output embedding, valid while the weight
+    and the model's token order are unchanged."""
 
-    weight: torch.Tensor
-    source: tuple[int, int]
+    weight: Any
+    source: tuple[int, ...]
 
 
 class Runner:
@@ -120,6 +123,8 @@ class Runner:
             raise ValueError(f"unknown runner feature {feature!r}; known: {FEATURES}")
         if feature == "streams":
             return self.device.type == "cuda"
+        if feature == "local":
+            return self.model.output_layout is None
         weight = self.model.output_embedding()
         nbytes = (weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor)
                   else weight.nbytes())
@@ -178,6 +183,24 @@ class Runner:
             weight = self._head_rows(weight, vocab)
         return self.project(feats, weight)
 
+    def draft_tokens(self, columns: torch.Tensor, vocab: int | None) -> torch.Tensor:
+        """Token ids of columns of :meth:`logits` over a draft vocabulary of ``vocab`` ids:
+        the model's ranked ids (:meth:`~exitlm.model.transformer.EarlyExitLM.draft_ids`) or
+        the columns themselves."""
+        ids = self.model.draft_ids(vocab)
+        return columns if ids is None else ids[columns]
+
+    def draft_distribution(self, q: torch.Tensor, vocab: int | None) -> torch.Tensor:
+        """A distribution ``(R, vocab)`` over a draft vocabulary's columns as one over every
+        token id ``(R, V)`` (zero outside the draft vocabulary)."""
+        v = self.config.vocab_size
+        ids = self.model.draft_ids(vocab)
+        if ids is None:
+            return torch.nn.functional.pad(q, (0, v - q.shape[-1]))
+        out = q.new_zeros(q.shape[0], v)
+        out[:, ids] = q
+        return out
+
     def project(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``h @ weight.T`` for an output embedding ``weight`` ``(V, D)`` (the product every
         head goes through): the model's own, through this runner's products where it has
@@ -221,12 +244,14 @@ class Runner:
             yield stop, h, ctx
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
-                end: int | None = None, exits: Sequence[int] = ()) -> torch.Tensor:
+                end: int | None = None, exits: Sequence[int] = (),
+                taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run right-padded prompts ``tokens`` ``(B, T)`` of ``lengths`` ``(B,)`` through
         layers ``[0, end)`` (default: all), filling ``cache``; returns the hidden states
         ``(B, T, D)`` after layer ``end``. Exits of ``exits`` whose head is a transformer block
-        get their cache slot filled too. Afterwards ``cache.lengths`` holds the prompt
-        lengths and ``fill`` no slot past them (pad positions hold nothing)."""
+        get their cache slot filled too. ``taps``, when given, receives the hidden states
+        after every layer of ``exits`` (keyed by layer). Afterwards ``cache.lengths`` holds
+        the prompt lengths and ``fill`` no slot past them (pad positions hold nothing)."""
         model = self.model
         end = model.num_layers if end is None else end
         b, t = tokens.shape
@@ -236,14 +261,16 @@ class Runner:
         for layer, h_at in model.walk(h, 0, end, exits, cache=cache, ctx=ctx):
             if layer in exits and model.exit_route(layer).has_block:
                 model.exit_features(h_at, layer, cache=cache, ctx=ctx)
+            if taps is not None and layer in exits:
+                taps[layer] = h_at
             h = h_at
         cache.lengths = lengths
         cache.crop(lengths)
         return h
 
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, depth: int, *,
-              vocab: int | None = None, logits: bool = False, pick: Pick | None = None
-              ) -> Chain:
+              vocab: int | None = None, logits: bool = False, pick: Pick | None = None,
+              stop_below: float | None = None) -> Chain:
         """``n`` steps of a chain from ``tokens`` ``(B,)`` at positions ``cache.lengths``:
         step ``j`` embeds token ``x_j`` at ``lengths + j``, runs layers ``[0, depth)``
         (writing their keys/values) and, for ``j < n``, takes ``x_{j+1}`` from exit
@@ -252,7 +279,11 @@ class Runner:
         after layer ``depth`` and, with ``logits``, the exit's full logits of the last step
         (a plain decoding step is ``n = 0``). A chain that uses the exit's head (``n > 0``, or
         ``logits``) writes the cache slot of an exit with a block head for every step; one
-        that does not (``n = 0``: a PPD branch) is layers ``[0, depth)`` only."""
+        that does not (``n = 0``: a PPD branch) is layers ``[0, depth)`` only.
+
+        ``stop_below`` (greedy chains, no ``pick``) ends the chain early: after a step at
+        which every row's draft has a probability under the exit below it (the last draft's
+        state is still computed) - a round's drafting adapted to the draft's confidence."""
         model = self.model
         b = tokens.shape[0]
         base = cache.lengths.to(self.device)
@@ -280,7 +311,11 @@ class Runner:
                 last = step_logits
                 break
             if pick is None:
-                tok = torch.argmax(step_logits, dim=-1)
+                tok = self.draft_tokens(torch.argmax(step_logits, dim=-1), vocab)
+                if stop_below is not None and j + 1 < n:
+                    conf = torch.softmax(step_logits.float(), dim=-1).amax(dim=-1)
+                    if bool((conf < stop_below).all()):
+                        n = j + 1
             else:
                 tok, n = pick(j, step_logits)
             out[:, j] = tok
@@ -355,17 +390,27 @@ class Runner:
 
     # ----- helpers -----------------------------------------------------------------------------
     def _head_rows(self, weight: torch.Tensor, vocab: int) -> torch.Tensor:
-        """The first ``vocab`` rows of an output embedding: a slice of a quantized weight, a
-        contiguous copy of a dense one (made once per weight version)."""
-        if not isinstance(weight, torch.Tensor):
-            return weight[:vocab]
+        """The rows of a draft vocabulary of ``vocab`` ids of an output embedding
+        (:meth:`~exitlm.model.transformer.EarlyExitLM.draft_ids`: the first ``vocab`` ids, or
+        the ``vocab`` most frequent ones in rank order): a slice of a quantized weight (a
+        gathered copy when ranked), a contiguous copy of a dense one (made once per weight
+        version)."""
+        ids = self.model.draft_ids(vocab)
         key = (id(weight), vocab)
         got = self._sliced.get(key)
-        source = (weight.data_ptr(), weight._version)
+        if not isinstance(weight, torch.Tensor):
+            tag = 0 if ids is None else ids.data_ptr()
+            source = (weight.q.data_ptr(), weight.q._version, tag)
+            if got is None or got.source != source:
+                got = _SlicedHead(weight[:vocab] if ids is None else weight.rows(ids), source)
+                self._sliced[key] = got
+            return got.weight
+        source = (weight.data_ptr(), weight._version, 0 if ids is None else ids.data_ptr())
         if got is None or got.source != source:
             with torch.inference_mode(False):  # a normal tensor: packed copies track versions
-                part = weight.detach()[:vocab].clone().contiguous()
-            got = _SlicedHead(part, source)
+                w = weight.detach()
+                part = (w[:vocab] if ids is None else w.index_select(0, ids)).clone()
+            got = _SlicedHead(part.contiguous(), source)
             self._sliced[key] = got
         return got.weight
 

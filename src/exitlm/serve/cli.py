@@ -25,7 +25,7 @@ from typing import Any
 
 from exitlm.args import finite_float, int_at_least
 from exitlm.config import ConfigError
-from exitlm.infer.cli import DTYPES, load_for_strategy, tokenizer_for
+from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES, get_strategy
 from exitlm.infer.threads import set_threads
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
     options = get_strategy(args.strategy).options(None, **overrides)
+    rank_draft_vocab(loaded.model, tokenizer, options)
     limits = {"max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
               "max_queue": args.max_queue}
     with contextlib.ExitStack() as stack:

@@ -145,12 +145,15 @@ class BranchCache:
 
 
 def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], m: int,
-           threads: int, draft: tuple[int, int] | None) -> None:
-    """The worker process: build the model on the parent's parameters (and, with ``draft`` =
-    ``(d_bar, vocab)``, the early prediction's head), then run forks."""
+           threads: int, draft: tuple[int, int] | None, order: torch.Tensor | None) -> None:
+    """The worker process: build the model on the parent's parameters and token order (and,
+    with ``draft`` = ``(d_bar, vocab)``, the early prediction's head), then run forks."""
     torch.set_num_threads(threads)
     try:
-        runner = prepare(rebuild_model(cfg, params, "the PPD parent process"))
+        model = rebuild_model(cfg, params, "the PPD parent process")
+        if order is not None:
+            model.set_token_order(order)
+        runner = prepare(model)
         conn.send_bytes(_pack(("ready",)))
     except BaseException:
         conn.send_bytes(_pack(("error", traceback.format_exc())))
@@ -183,7 +186,7 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                         assert draft is not None and hin is not None, "no draft head"
                         p, k = msg[1], msg[2]
                         logits = runner.logits(hin, draft[0], vocab=draft[1])[0, -1]
-                        cands = torch.topk(logits, k).indices
+                        cands = runner.draft_tokens(torch.topk(logits, k).indices, draft[1])
                     else:
                         p, cands = msg[1], torch.tensor(msg[2])
                     tokens = cands.tolist()
@@ -205,12 +208,15 @@ class BranchWorker:
     def __init__(self, model: EarlyExitLM, m: int, threads: int = 1,
                  draft: tuple[int, int] | None = None) -> None:
         """``draft`` = ``(d_bar, vocab)``: the worker also makes the early predictions
-        (:meth:`predict`) with exit ``d_bar``'s head over the first ``vocab`` token ids."""
+        (:meth:`predict`) with exit ``d_bar``'s head over a draft vocabulary of ``vocab`` ids
+        (the model's ranked ids, :meth:`~exitlm.model.transformer.EarlyExitLM.draft_ids`)."""
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         params = model_tensors(model)
         self.proc = ctx.Process(target=_serve,
-                                args=(child, model.config, params, m, threads, draft),
+                                args=(child, model.config, params, m, threads, draft,
+                                      None if model.token_order is None
+                                      else model.token_order.cpu()),
                                 daemon=True, name="exitlm-ppd-branch")
         self.proc.start()
         child.close()  # the worker's end: our copy closed, so its death reads as EOF here

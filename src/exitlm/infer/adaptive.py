@@ -1,0 +1,287 @@
+"""Adaptive self-speculation: choose the draft exit ``E`` and the draft length ``d`` online,
+and decode plainly when no choice pays.
+
+LayerSkip (Sec. 4.3) drafts with a fixed exit ``E`` and ``d`` tokens per round; which ``(E, d)``
+is fastest depends on the model, the machine, the batch and the text. This module estimates,
+per sequence, how often each candidate exit agrees with the final layer, and, per runner, what
+a round costs (:class:`~exitlm.runtime.costs.PrimitiveCosts`), and picks the round with the
+most expected tokens per second - or a plain step when none beats it (DEL, arXiv 2504.05598,
+does the same per round from acceptance statistics gathered on the fly).
+
+**Expected tokens of a round.** With a per-token acceptance rate ``a`` (the probability that a
+draft is accepted given the drafts before it were), a round of ``d`` drafts yields
+``(1 - a^(d+1)) / (1 - a)`` tokens (Leviathan et al. 2023, Eq. 1): the accepted prefix plus
+the verifier's own token.
+
+**Acceptance.** For greedy decoding a draft is accepted when the exit's argmax equals the final
+layer's; for sampling the probability is ``sum_x min(p(x), q(x))`` (Leviathan et al. 2023,
+Sec. 3.1 / Definition 3.1: ``1 - D_LK(p, q)``). Observations come from three places: the
+prompt (the exit's and the final layer's choices at the last prompt positions, measured during
+prefill), every self-speculative round (its accepted prefix and the first rejection) and
+*probe* steps - plain steps that also read the hidden state at every candidate exit and
+compare the exits' choices with the final layer's (DEL's shadow tokens). Counts decay
+(:data:`DECAY`) so that the estimate follows the text.
+
+**Cost of a round** (LayerSkip Sec. 4.3 with a single KV cache): ``d + 1`` steps of the first
+``E`` layers (the last draft is fed once more so that verification can start from its exit
+query), ``d`` draft heads, and layers ``E..L`` over ``d + 1`` positions plus the final head
+(once per checked position where the head is verified lazily, once over all positions
+otherwise)::
+
+    T(E, d) = (d + 1) E c(b) + d h_E(b) + (L - E) c(b (d + 1)) + H
+
+``c(r)`` is one layer over ``r`` rows and ``h_E(r)`` exit ``E``'s head, both measured on this
+machine; a plain step is ``L c(b) + h_L(b)``, and a batch's modelled round is scaled by its
+measured plain step over that model (a batch of ``b`` sequences takes other code paths than
+``b`` rows of one; a batch decodes plainly until one plain step was timed). For one
+sequence the round's calls are measured as they are made instead (the chain of ``d`` drafts,
+layers ``E..L`` over ``d + 1`` positions):
+a fused native chain costs far less than its layers one by one. The times actually taken are
+tracked too: plain steps replace the modelled plain cost, and what rounds take beyond their
+modelled calls (the decoder's own work) is added to the model.
+
+**Within a round** a user's ``draft_threshold`` ends drafting at an unsure draft; an automatic
+threshold from costs was tried and dropped: the exits' probabilities are not calibrated to
+acceptance (drafts at 97% acceptance were cut to 1.7 per round), so ``d`` is chosen per step.
+
+**Probing.** While plain steps win, a probe step comes every ``probe_every`` steps; the
+interval doubles (up to :data:`MAX_PROBE_EVERY`) after every probe that leaves plain steps
+ahead and returns to :data:`MIN_PROBE_EVERY` once a round wins, like
+:class:`~exitlm.infer.threads.ThreadPolicy` re-measuring now and then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from exitlm.runtime.costs import PrimitiveCosts
+
+DECAY = 0.97
+"""Weight kept by past agreement observations per new one (an effective window of ~33)."""
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
+"""A uniform prior on an exit's acceptance rate (an unseen exit counts as 50%)."""
+PROMPT_PROBES = 64
+"""Prompt positions (the last ones) whose exits' choices are compared with the final layer's
+during prefill."""
+MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 64
+"""Steps between probe steps: the shortest and the longest interval."""
+SPEC_PROBE_EVERY = 16
+"""Rounds between probe steps while a round wins (the other exits' rates go stale)."""
+MARGIN = 1.02
+"""A round must promise this much more throughput than a plain step to be chosen..."""
+BATCH_MARGIN = 1.15
+"""... and this much for a batch, whose rounds are priced from a coarser model."""
+PROBE_EXITS = 3
+"""Candidate exits read per probe step (in turn): a probe pays a head per exit it reads."""
+MAX_AUTO_DRAFT = 8
+"""The longest draft the planner considers."""
+MAX_CANDIDATES = 8
+"""The most exits the planner considers (every-layer models: spread over the depth)."""
+OVERHEAD_DECAY = 0.8
+"""Weight kept by the measured-minus-modelled round time per new round."""
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a round of ``drafts`` drafts yields at per-token acceptance ``rate``:
+    ``(1 - a^(d+1)) / (1 - a)`` (Leviathan et al. 2023, Eq. 1)."""
+    if drafts <= 0:
+        return 1.0
+    if rate >= 1.0:
+        return float(drafts + 1)
+    return (1.0 - rate ** (drafts + 1)) / (1.0 - rate)
+
+
+def candidate_exits(exits: Sequence[int], num_layers: int) -> list[int]:
+    """The exits the planner considers: all of ``exits`` when few, else
+    :data:`MAX_CANDIDATES` spread evenly over them."""
+    exits = sorted(set(exits))
+    if len(exits) <= MAX_CANDIDATES:
+        return exits
+    step = (len(exits) - 1) / (MAX_CANDIDATES - 1)
+    return sorted({exits[round(i * step)] for i in range(MAX_CANDIDATES)})
+
+
+@dataclass
+class Agreement:
+    """One sequence's decayed agreement counts per candidate exit (see the module docstring)."""
+
+    hits: dict[int, float] = field(default_factory=dict)
+    trials: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, exit_layer: int, hits: float, trials: float) -> None:
+        """Add ``trials`` observations of ``exit_layer`` of which ``hits`` agreed (fractions
+        allowed: sampled acceptance probabilities)."""
+        keep = DECAY ** trials
+        self.hits[exit_layer] = self.hits.get(exit_layer, 0.0) * keep + hits
+        self.trials[exit_layer] = self.trials.get(exit_layer, 0.0) * keep + trials
+
+    def rate(self, exit_layer: int) -> float:
+        """The estimated per-token acceptance rate of ``exit_layer``."""
+        return ((self.hits.get(exit_layer, 0.0) + PRIOR_HITS)
+                / (self.trials.get(exit_layer, 0.0) + PRIOR_TRIALS))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the next steps do: rounds at ``exit_layer`` with ``drafts[i]`` drafts for row
+    ``i`` (``exit_layer is None``: plain steps); ``gain`` is the expected throughput over plain
+    steps', ``best_gain`` that of the best round considered (chosen or not)."""
+
+    exit_layer: int | None
+    drafts: tuple[int, ...]
+    gain: float = 1.0
+    best_gain: float = 0.0
+
+
+class SpecPlanner:
+    """Chooses each step of adaptive self-speculation (see the module docstring).
+
+    Args:
+        costs: the runner's measured primitive costs.
+        num_layers: the model's depth ``L``.
+        candidates: exits that may draft.
+        vocab: the draft heads' vocabulary (``None``: all).
+        lazy_head: verification computes the final head one position at a time.
+        max_draft: the longest draft considered.
+    """
+
+    def __init__(self, costs: PrimitiveCosts, num_layers: int, candidates: Sequence[int], *,
+                 vocab: int | None, lazy_head: bool, max_draft: int = MAX_AUTO_DRAFT) -> None:
+        if not candidates:
+            raise ValueError("adaptive self-speculation needs at least one candidate exit")
+        self.costs = costs
+        self.num_layers = num_layers
+        self.candidates = list(candidates)
+        self.vocab = vocab
+        self.lazy_head = lazy_head
+        self.max_draft = max_draft
+        self.probe_every = MIN_PROBE_EVERY
+        self.since_probe = 0
+        """Steps since the last probe step."""
+        self._probe_turn = 0
+        self._plain: dict[int, float] = {}
+        self._overhead: dict[int, float] = {}
+        self._fixed: dict[tuple[int, int, int], float] = {}
+        self._heads: dict[tuple[int, int], float] = {}
+
+    # ----- costs ------------------------------------------------------------------------------
+    def plain_cost(self, b: int) -> float:
+        """Seconds of a plain step for ``b`` sequences: measured when steps were timed,
+        from the primitives' costs otherwise."""
+        if b in self._plain:
+            return self._plain[b]
+        c, L = self.costs, self.num_layers
+        if b == 1:
+            return c.chain(L, 0)
+        return L * c.layer(b) + c.head(L, b)
+
+    def round_cost(self, exit_layer: int, drafts: int, b: int, tokens: float) -> float:
+        """Seconds of a round at ``exit_layer`` with ``drafts`` drafts for ``b`` sequences
+        expecting ``tokens`` tokens each (see the module docstring), corrected by the
+        measured/modelled ratio of past rounds. One sequence's round is priced from its
+        calls as measured (a chain, layers over ``d + 1`` positions); a batch's from its
+        layers and heads."""
+        c, L = self.costs, self.num_layers
+        e, d = exit_layer, drafts
+        key = (e, d, b)
+        t = self._fixed.get(key)
+        if t is None:
+            if b == 1:
+                t = c.chain(e, d, self.vocab) + c.layers(e, d + 1)
+            else:
+                t = ((d + 1) * e * c.layer(b) + d * c.head(e, b, self.vocab)
+                     + (L - e) * c.layer(b * (d + 1)))
+            if not self.lazy_head:
+                t += c.head(L, b * (d + 1))
+            self._fixed[key] = t
+        if b > 1:  # a batch's steps take other paths than the timed rows: scale them alike
+            t *= self._plain[b] / (L * c.layer(b) + c.head(L, b))
+        if self.lazy_head:
+            head = self._heads.get((L, b))
+            if head is None:
+                head = self._heads[(L, b)] = c.head(L, b)
+            t += tokens * head
+        return max(1e-9, t + self._overhead.get(b, 0.0))
+
+    def timed_plain(self, b: int, seconds: float) -> None:
+        """Note the measured time of a plain step for ``b`` sequences."""
+        old = self._plain.get(b)
+        self._plain[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def timed_round(self, exit_layer: int, drafts: int, b: int, tokens: float,
+                    seconds: float) -> None:
+        """Note the measured time of a round: what it took beyond the modelled primitives
+        (the decoder's own work - acceptance, rollback, bookkeeping) is added to later
+        modelled rounds of ``b`` sequences."""
+        model = self.round_cost(exit_layer, drafts, b, tokens) - self._overhead.get(b, 0.0)
+        extra = seconds - model
+        old = self._overhead.get(b)
+        self._overhead[b] = extra if old is None else (
+            OVERHEAD_DECAY * old + (1 - OVERHEAD_DECAY) * extra)
+
+    # ----- choices ----------------------------------------------------------------------------
+    def plan(self, rates: Sequence[dict[int, float]], limits: Sequence[int],
+             fixed_drafts: Sequence[int | None], exits: Sequence[int] | None = None) -> Plan:
+        """The next step for a batch whose row ``i`` has acceptance ``rates[i][E]``, may draft
+        at most ``limits[i]`` tokens (its budget) and asked for ``fixed_drafts[i]`` drafts
+        (``None``: choose). ``exits`` restricts the exits (default: the candidates)."""
+        b = len(limits)
+        if b > 1 and b not in self._plain:  # a batch's plain step is timed before any round
+            return Plan(None, (0,) * b)
+        plain_rate = b / self.plain_cost(b)
+        best: tuple[int | None, tuple[int, ...], float] = (None, (0,) * b, 1.0)
+        best_rate = plain_rate * (MARGIN if b == 1 else BATCH_MARGIN)
+        top_gain = 0.0
+        for e in exits or self.candidates:
+            lengths = range(1, self.max_draft + 1)
+            if all(f is not None for f in fixed_drafts):
+                lengths = range(max(f or 0 for f in fixed_drafts),
+                                max(f or 0 for f in fixed_drafts) + 1)
+            for d in lengths:
+                drafts = tuple(min(d if f is None else f, lim)
+                               for f, lim in zip(fixed_drafts, limits, strict=True))
+                if not any(drafts):
+                    continue
+                per_row = [expected_tokens(r[e], n) for r, n in zip(rates, drafts, strict=True)]
+                tokens = sum(per_row)
+                rate = tokens / self.round_cost(e, max(drafts), b, tokens / b)
+                top_gain = max(top_gain, rate / plain_rate)
+                if rate > best_rate:
+                    best_rate = rate
+                    best = (e, drafts, rate / plain_rate)
+        return Plan(*best, best_gain=top_gain)
+
+    def probe_exits(self) -> list[int]:
+        """The candidate exits the next probe step reads: :data:`PROBE_EXITS` of them, in
+        turn."""
+        n = len(self.candidates)
+        if n <= PROBE_EXITS:
+            return list(self.candidates)
+        start = self._probe_turn % n
+        self._probe_turn += PROBE_EXITS
+        return sorted(self.candidates[(start + i) % n] for i in range(PROBE_EXITS))
+
+    def probe_due(self, plan: Plan) -> bool:
+        """Whether the next step should be a probe step (counts the step)."""
+        self.since_probe += 1
+        due = self.since_probe >= (SPEC_PROBE_EVERY if plan.exit_layer is not None
+                                   else self.probe_every)
+        if due:
+            self.since_probe = 0
+        return due
+
+    def probed(self, plan: Plan) -> None:
+        """After a probe step and a new plan: while plain steps keep winning, probe less and
+        less often; once a round wins, the next probe comes after the usual interval. What
+        rounds took beyond their model is half forgotten, so that plain steps chosen because
+        of it are put to the test again."""
+        for b in self._overhead:
+            self._overhead[b] *= 0.5
+        if plan.exit_layer is not None:
+            self.probe_every = MIN_PROBE_EVERY
+        else:
+            self.probe_every = min(MAX_PROBE_EVERY, self.probe_every * 2)
+
+
+__all__ = ["DECAY", "Agreement", "Plan", "SpecPlanner", "candidate_exits", "expected_tokens"]

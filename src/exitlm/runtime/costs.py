@@ -1,0 +1,235 @@
+"""What a runner's primitives cost on this machine: seconds measured on a scratch cache.
+
+A strategy that chooses how to decode from speed - adaptive self-speculation choosing its exit
+and draft length (:mod:`exitlm.infer.adaptive`) - needs the price of the calls it may make
+before it has made them. :class:`PrimitiveCosts` times the runner's own primitives on a cache of
+its own, once per shape, and keeps the results:
+
+* for one sequence, the calls exactly as a decoder makes them - a chain of ``n`` steps through
+  ``depth`` layers (:meth:`~exitlm.runtime.runner.Runner.chain`: a plain step, or drafting),
+  layers ``[start, L)`` over ``r`` positions (:meth:`~exitlm.runtime.runner.Runner.layers`:
+  verification), a head over ``r`` positions - since a fused native call costs far less than
+  its layers one by one;
+* for ``b > 1`` sequences, one layer and one head over ``R`` rows, from which a caller builds
+  its step (the eager products of a batch cost about their layers' sum).
+
+Sizes between two measured ones are interpolated (chains linearly in ``n``, rows between powers
+of two). Measuring never touches a caller's cache or the model.
+
+Only a runner whose primitives run in this process alone may be timed this way (a
+tensor-parallel shard's products pair with other ranks' calls):
+:meth:`~exitlm.runtime.runner.Runner.supports` ``("local")``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from exitlm.model.kv_cache import KVCache
+from exitlm.runtime.runner import Runner
+
+CONTEXT = 64
+"""Tokens already in the scratch cache when a primitive is timed (attention reads them)."""
+MAX_ROWS = 64
+"""The most positions one timed call holds (larger shapes are extrapolated linearly)."""
+CHAIN_POINTS = (1, 8)
+"""Chain lengths timed per depth; other lengths are interpolated (or extrapolated) linearly."""
+REPEATS = 5
+"""The most calls timed per shape (the fastest is kept: the first may pack or allocate)."""
+SLOW_CALL_S = 0.02
+"""Calls of a shape are repeated while they took less than this together (at least two)."""
+
+
+class PrimitiveCosts:
+    """Seconds of a runner's primitives by shape, measured on first use (see the module
+    docstring)."""
+
+    def __init__(self, runner: Runner) -> None:
+        if not runner.supports("local"):
+            raise ValueError("PrimitiveCosts times primitives in this process; this runner's "
+                             "calls pair with other processes")
+        self.runner = runner
+        self.num_layers = runner.num_layers
+        self._seen: dict[tuple[object, ...], float] = {}
+        self._cache: KVCache | None = None
+        self.measured_s = 0.0
+        """Wall time spent measuring so far."""
+
+    # ----- one sequence: the calls as decoders make them ---------------------------------------
+    def chain(self, depth: int, n: int, vocab: int | None = None) -> float:
+        """Seconds of one sequence's chain of ``n`` steps through ``depth`` layers, drafting
+        from exit ``depth`` over the first ``vocab`` ids (``n = 0, depth = L``: a plain step,
+        the final head included).
+
+        Chains are timed at :data:`CHAIN_POINTS` lengths for every depth asked about; once
+        two depths are known, all of them are read off one least-squares fit
+        ``c + (n + 1) depth l + n h`` (a call, a layer step, a head), which keeps the noise
+        of single timings from ranking one depth above another."""
+        if n == 0:
+            return self._get(("chain", depth, 0, vocab), lambda: self._time_chain(depth, 0, vocab))
+        for m in CHAIN_POINTS:
+            self._get(("chain", depth, m, vocab), lambda m=m: self._time_chain(depth, m, vocab))
+        fit = self._chain_fit(vocab)
+        if fit is not None:
+            c, per_layer, head = fit
+            return max(0.0, c + (n + 1) * depth * per_layer + n * head)
+        lo, hi = CHAIN_POINTS
+        t_lo, t_hi = (self._seen[("chain", depth, m, vocab)] for m in (lo, hi))
+        return max(0.0, t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo))
+
+    def layers(self, start: int, positions: int) -> float:
+        """Seconds of layers ``[start, L)`` over ``positions`` positions of one sequence; once
+        two starts were timed at a size, one line ``a + (L - start) b`` fitted per size."""
+        raw = self._rows(("layers", start), positions,
+                         lambda r: self._time_layers(start, self.num_layers, r))
+        sizes = sorted({k[2] for k in self._seen if k[0] == "layers" and k[1] == start})
+        lo = max((r for r in sizes if r <= positions), default=None)
+        hi = min((r for r in sizes if r >= positions), default=None)
+        if lo is None or hi is None:
+            return raw
+        t_lo, t_hi = self._layers_line(lo, start), self._layers_line(hi, start)
+        if t_lo is None or t_hi is None:
+            return raw
+        return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (positions - lo) / (hi - lo)
+
+    def _chain_fit(self, vocab: int | None) -> tuple[float, float, float] | None:
+        pts = [(k[1], k[2], t) for k, t in self._seen.items()
+               if k[0] == "chain" and k[3] == vocab and k[2] > 0]
+        if len({d for d, _, _ in pts}) < 2:
+            return None
+        x = torch.tensor([[1.0, (n + 1) * d, n] for d, n, _ in pts], dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in pts], dtype=torch.float64)
+        sol = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+        if sol[1] <= 0 or sol[2] < 0:  # not the shape of a chain: keep the timings
+            return None
+        return sol[0], sol[1], sol[2]
+
+    def _layers_line(self, rows: int, start: int) -> float | None:
+        pts = [(self.num_layers - k[1], t) for k, t in self._seen.items()
+               if k[0] == "layers" and k[2] == rows]
+        if len({n for n, _ in pts}) < 2:
+            return None
+        x = torch.tensor([[1.0, n] for n, _ in pts], dtype=torch.float64)
+        y = torch.tensor([t for _, t in pts], dtype=torch.float64)
+        a, b = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+        if b <= 0:
+            return None
+        return max(0.0, a + b * (self.num_layers - start))
+
+    # ----- any batch: per layer and per head -----------------------------------------------------
+    def layer(self, rows: int) -> float:
+        """Seconds of one layer over ``rows`` rows (one position of each of ``rows``
+        sequences, or ``rows`` positions of one)."""
+        return self._rows(("layer",), rows,
+                          lambda r: self._time_layers(0, self.num_layers, r) / self.num_layers)
+
+    def head(self, layer: int, rows: int, vocab: int | None = None) -> float:
+        """Seconds of exit ``layer``'s head (``L``: the final head) for ``rows`` positions
+        over the first ``vocab`` token ids (default: all)."""
+        return self._rows(("head", layer, vocab), rows,
+                          lambda r: self._time_head(layer, r, vocab))
+
+    def close(self) -> None:
+        """Drop the scratch cache."""
+        if self._cache is not None:
+            self.runner.release(self._cache)
+        self._cache = None
+
+    # ----- measuring ------------------------------------------------------------------------
+    def _get(self, key: tuple[object, ...], measure: Callable[[], float]) -> float:
+        got = self._seen.get(key)
+        if got is None:
+            with torch.inference_mode():  # the scratch cache lives in inference mode
+                got = self._seen[key] = measure()
+            if self._cache is not None:  # what a runner keeps per cache (captured graphs)
+                self.runner.release(self._cache)
+        return got
+
+    def _rows(self, key: tuple[object, ...], rows: int, measure: Callable[[int], float]
+              ) -> float:
+        """Seconds at ``rows`` from measurements at powers of two (linear in between, and
+        proportional past :data:`MAX_ROWS`)."""
+        rows = max(1, rows)
+        lo = min(1 << (rows.bit_length() - 1), MAX_ROWS)
+        t_lo = self._get((*key, lo), lambda: measure(lo))
+        if rows == lo:
+            return t_lo
+        if lo >= MAX_ROWS:
+            return t_lo * rows / lo
+        hi = lo * 2
+        t_hi = self._get((*key, hi), lambda: measure(hi))
+        return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+
+    def _scratch(self, positions: int) -> tuple[KVCache, torch.Tensor]:
+        runner = self.runner
+        if self._cache is None:
+            self._cache = runner.new_cache(1, CONTEXT + MAX_ROWS + max(CHAIN_POINTS) + 2)
+        cache = self._cache
+        cache.lengths = torch.full((1,), CONTEXT, dtype=torch.long)
+        cache.fill = torch.full_like(cache.fill, CONTEXT)
+        pos = torch.arange(CONTEXT, CONTEXT + positions, device=runner.device)[None]
+        return cache, pos
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        """The fastest of a few calls of ``fn``: up to :data:`REPEATS`, while they take less
+        than :data:`SLOW_CALL_S` together (a slow call is timed twice)."""
+        start = time.perf_counter()
+        best = float("inf")
+        for i in range(REPEATS):
+            t0 = time.perf_counter()
+            fn()
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
+            best = min(best, time.perf_counter() - t0)
+            if i >= 1 and time.perf_counter() - start >= SLOW_CALL_S:
+                break
+        self.measured_s += time.perf_counter() - start
+        return best
+
+    def _hidden(self, rows: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(rows)
+        h = torch.randn(1, rows, self.runner.config.dim, generator=gen)
+        return h.to(device=self.runner.device, dtype=self.runner.dtype)
+
+    def _time_chain(self, depth: int, n: int, vocab: int | None) -> float:
+        runner = self.runner
+        token = torch.zeros(1, dtype=torch.long, device=runner.device)
+        plain = n == 0 and depth == self.num_layers
+
+        def call() -> None:
+            cache, _ = self._scratch(1)
+            runner.chain(token, cache, n, depth, vocab=vocab, logits=plain)
+
+        return self._timed(call)
+
+    def _time_layers(self, start: int, end: int, rows: int) -> float:
+        runner = self.runner
+        h = self._hidden(rows)
+        cache, pos = self._scratch(rows)
+        return self._timed(lambda: runner.layers(h, start, end, pos, cache))
+
+    def _time_head(self, layer: int, rows: int, vocab: int | None) -> float:
+        runner = self.runner
+        h = self._hidden(rows)
+        cache, pos = self._scratch(rows)
+        return self._timed(lambda: runner.logits(h, layer, vocab=vocab, positions=pos,
+                                                 cache=cache))
+
+
+_COSTS: weakref.WeakKeyDictionary[Runner, PrimitiveCosts] = weakref.WeakKeyDictionary()
+
+
+def costs_of(runner: Runner) -> PrimitiveCosts:
+    """The one :class:`PrimitiveCosts` of ``runner`` (measured shapes are kept for as long as
+    the runner lives: engines and calls that share a runner measure once)."""
+    got = _COSTS.get(runner)
+    if got is None:
+        got = _COSTS[runner] = PrimitiveCosts(runner)
+    return got
+
+
+__all__ = ["CONTEXT", "MAX_ROWS", "PrimitiveCosts", "costs_of"]

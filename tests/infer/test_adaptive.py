@@ -1,0 +1,336 @@
+"""Adaptive self-speculation: the planner's arithmetic and choices on given costs, agreement
+estimates, and the decoder's steps - rounds at chosen exits, plain steps, probe steps - all
+giving plain decoding's tokens (greedy) or its distribution (sampling)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
+from exitlm.infer import Engine, SamplingOptions, generate
+from exitlm.infer.adaptive import (
+    MAX_PROBE_EVERY,
+    MIN_PROBE_EVERY,
+    Agreement,
+    SpecPlanner,
+    candidate_exits,
+    expected_tokens,
+)
+from exitlm.runtime import prepare
+from exitlm.runtime.costs import PrimitiveCosts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 24
+
+
+class FakeCosts:
+    """Primitive costs given by formula: a layer costs ``base + per_row * rows``, a head
+    ``head`` per row, a chain and layers what their layers and heads cost."""
+
+    def __init__(self, base: float = 1.0, per_row: float = 0.05, head: float = 0.5,
+                 num_layers: int = 8) -> None:
+        self.base, self.per_row, self.head_s = base, per_row, head
+        self.num_layers = num_layers
+
+    def layer(self, rows: int) -> float:
+        return self.base + self.per_row * rows
+
+    def head(self, layer: int, rows: int, vocab: int | None = None) -> float:
+        return self.head_s * rows
+
+    def chain(self, depth: int, n: int, vocab: int | None = None) -> float:
+        if n == 0:
+            return depth * self.layer(1) + self.head(depth, 1)
+        return (n + 1) * depth * self.layer(1) + n * self.head(depth, 1)
+
+    def layers(self, start: int, positions: int) -> float:
+        return (self.num_layers - start) * self.layer(positions)
+
+    def close(self) -> None:
+        pass
+
+
+def _planner(costs: FakeCosts, exits: tuple[int, ...] = (2, 4, 6), layers: int = 8
+             ) -> SpecPlanner:
+    return SpecPlanner(costs, layers, exits, vocab=None, lazy_head=True)  # type: ignore[arg-type]
+
+
+def test_expected_tokens_is_leviathan_eq_1() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.9, 0) == 1.0
+    # a simulation of rounds with independent acceptances agrees
+    gen = torch.Generator().manual_seed(0)
+    ok = torch.rand(20000, 3, generator=gen) < 0.7
+    tokens = ok.to(torch.long).cumprod(dim=1).sum(dim=1) + 1
+    assert float(tokens.float().mean()) == pytest.approx(expected_tokens(0.7, 3), rel=0.02)
+
+
+def test_agreement_prior_and_decay() -> None:
+    a = Agreement()
+    assert a.rate(3) == 0.5
+    for _ in range(200):
+        a.observe(3, 1.0, 1.0)
+    assert a.rate(3) > 0.95
+    for _ in range(200):
+        a.observe(3, 0.0, 1.0)  # the text changed: the estimate follows
+    assert a.rate(3) < 0.05
+    a.observe(5, 3.0, 4.0)
+    assert 0.5 < a.rate(5) < 1.0
+
+
+def test_candidate_exits_spread_over_the_depth() -> None:
+    assert candidate_exits([12, 20], 30) == [12, 20]
+    many = candidate_exits(list(range(1, 30)), 30)
+    assert len(many) == 8 and many[0] == 1 and many[-1] == 29
+
+
+def test_planner_picks_plain_steps_when_rounds_do_not_pay() -> None:
+    planner = _planner(FakeCosts())
+    low = [{2: 0.1, 4: 0.2, 6: 0.3}]
+    plan = planner.plan(low, [30], [None])
+    assert plan.exit_layer is None and plan.drafts == (0,)
+    assert 0 < plan.best_gain < 1
+
+
+def test_planner_picks_the_round_with_most_tokens_per_second() -> None:
+    planner = _planner(FakeCosts())
+    rates = [{2: 0.95, 4: 0.97, 6: 0.99}]
+    plan = planner.plan(rates, [30], [None])
+    assert plan.exit_layer is not None and plan.drafts[0] > 1 and plan.gain > 1.2
+    # brute force over the same grid with the same cost model
+    best = max(((e, d) for e in (2, 4, 6) for d in range(1, 9)),
+               key=lambda ed: expected_tokens(rates[0][ed[0]], ed[1])
+               / planner.round_cost(ed[0], ed[1], 1, expected_tokens(rates[0][ed[0]], ed[1])))
+    assert (plan.exit_layer, plan.drafts[0]) == best
+    # a row's budget caps its drafts; a fixed d is kept
+    assert planner.plan(rates, [2], [None]).drafts == (2,)
+    assert planner.plan(rates, [30], [3]).drafts == (3,)
+
+
+def test_planner_follows_measured_times() -> None:
+    planner = _planner(FakeCosts())
+    rates = [{2: 0.8, 4: 0.85, 6: 0.9}]
+    assert planner.plan(rates, [30], [None]).exit_layer is not None
+    # rounds took ten times what the model said: plain steps win from now on
+    plan = planner.plan(rates, [30], [None])
+    assert plan.exit_layer is not None
+    modelled = planner.round_cost(plan.exit_layer, plan.drafts[0], 1, 2.0)
+    for _ in range(20):
+        planner.timed_round(plan.exit_layer, plan.drafts[0], 1, 2.0, 10 * modelled)
+    assert planner.plan(rates, [30], [None]).exit_layer is None
+    # plain steps measured slower than modelled make rounds pay again
+    for _ in range(30):
+        planner.timed_plain(1, 100.0)
+    assert planner.plan(rates, [30], [None]).exit_layer is not None
+
+
+def test_probe_interval_backs_off_and_returns() -> None:
+    planner = _planner(FakeCosts())
+    far = planner.plan([{2: 0.0, 4: 0.0, 6: 0.0}], [30], [None])
+    for _ in range(10):
+        planner.probed(far)
+    assert planner.probe_every == MAX_PROBE_EVERY
+    steps = [planner.probe_due(far) for _ in range(MAX_PROBE_EVERY)]
+    assert steps.count(True) == 1 and steps[-1]
+    close = planner.plan([{2: 0.99, 4: 0.99, 6: 0.99}], [30], [None])
+    planner.probed(close)
+    assert planner.probe_every == MIN_PROBE_EVERY
+
+
+def test_primitive_costs_are_measured_once_per_shape() -> None:
+    model = ee_model(every_layer=True)
+    costs = PrimitiveCosts(prepare(model, backend="eager"))
+    one = costs.layer(1)
+    assert one > 0 and costs.layer(1) == one
+    spent = costs.measured_s
+    three = costs.layer(3)  # between the measured 2 and 4 rows
+    assert min(costs.layer(2), costs.layer(4)) <= three <= max(costs.layer(2), costs.layer(4))
+    assert costs.head(4, 1) > 0 and costs.head(2, 1, vocab=7) > 0
+    assert costs.measured_s > spent
+    # chains: measured at two lengths, linear in between
+    c1, c8 = costs.chain(2, 1), costs.chain(2, 8)
+    assert costs.chain(2, 4) == pytest.approx(c1 + (c8 - c1) * 3 / 7)
+    assert costs.chain(4, 0) > 0 and costs.layers(2, 3) > 0
+    before = costs.measured_s
+    costs.chain(2, 5)
+    costs.layers(2, 3)
+    assert costs.measured_s == before  # nothing new measured
+    costs.close()
+
+
+# ----- the decoder -----------------------------------------------------------------------------
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Replace measured costs by :class:`FakeCosts` (set on the returned holder) and ignore
+    measured times, so that the planner's choices do not depend on the machine."""
+
+    class Holder:
+        costs = FakeCosts()
+
+    def fake(name: str) -> None:
+        def call(self: PrimitiveCosts, *args: object, **kw: object) -> float:
+            Holder.costs.num_layers = self.num_layers
+            return getattr(Holder.costs, name)(*args, **kw)
+
+        monkeypatch.setattr(PrimitiveCosts, name, call)
+
+    for name in ("layer", "head", "chain", "layers"):
+        fake(name)
+    monkeypatch.setattr(SpecPlanner, "timed_round", lambda self, *a: None)
+    def modelled_plain(self: SpecPlanner, b: int, seconds: float) -> None:
+        self._plain[b] = self.num_layers * self.costs.layer(b) + self.costs.head(
+            self.num_layers, b)
+
+    monkeypatch.setattr(SpecPlanner, "timed_plain", modelled_plain)
+    yield Holder
+
+
+def _perfect_draft_model() -> torch.nn.Module:
+    """Layers 3 and 4 are identities, so exit 2 equals the final output: every draft passes."""
+    model = ee_model(every_layer=True)
+    with torch.no_grad():
+        for i in (2, 3):
+            model.layers[i].attn.wo.weight.zero_()
+            model.layers[i].mlp.w_out.weight.zero_()
+    return model
+
+
+@pytest.mark.parametrize("backend", ["eager", "native", "static"])
+def test_rounds_at_the_agreeing_exit(forced: object, backend: str) -> None:
+    from exitlm.kernels import native
+
+    if backend == "native" and not native.available():
+        pytest.skip(native.unavailable_reason())
+    forced.costs = FakeCosts(base=1.0, per_row=0.05, head=0.05)  # type: ignore[attr-defined]
+    model = _perfect_draft_model()
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=NEW)
+    got = generate(prepare(model, backend=backend), None, prompts, strategy="self-spec",
+                   max_new_tokens=NEW)
+    assert got.token_ids == ar.token_ids
+    st = got.stats
+    assert st.rounds > 0 and st.acceptance_rate > 0.9
+    assert st.derived()["mean_drafts"] > 1
+    # exit 2 agrees as well as 3 and costs less: the planner drafts there
+    assert st.derived()["mean_exit_layer"] == pytest.approx(2.0, abs=0.5)
+    assert got.options["adaptive"] is True
+
+
+def test_plain_and_probe_steps_when_drafts_do_not_pay(forced: object) -> None:
+    forced.costs = FakeCosts(base=0.01, per_row=1.0, head=0.001)  # type: ignore[attr-defined]
+    model = ee_model(every_layer=True)
+    prompts = random_prompts()
+    ar = generate(model, None, prompts, max_new_tokens=40)
+    got = generate(model, None, prompts, strategy="self-spec", max_new_tokens=40)
+    assert got.token_ids == ar.token_ids
+    st = got.stats
+    assert st.rounds == 0 and st.plain_steps > 0 and st.probe_steps > 0
+    assert st.derived()["plain_share"] == 1.0
+    assert set(layer for s in got.sequences for layer in s.exit_layers) == {model.num_layers}
+
+
+@pytest.mark.parametrize("kind", [{"every_layer": True}, {"head": "mlp", "gpt2": True}])
+def test_measured_choices_keep_the_output(kind: dict) -> None:
+    """Whatever the machine makes the planner choose, greedy output is plain decoding's, in
+    a batch and alone, with a fixed exit (d chosen) or a fixed d (exit chosen)."""
+    model = ee_model(**kind)
+    prompts = random_prompts(sizes=(5, 9, 3, 12))
+    ar = generate(model, None, prompts, max_new_tokens=NEW).token_ids
+    for opts in ({}, {"exit_layer": 2}, {"num_speculations": 3}):
+        got = generate(model, None, prompts, strategy="self-spec", max_new_tokens=NEW, **opts)
+        assert got.token_ids == ar, opts
+        alone = generate(model, None, [prompts[1]], strategy="self-spec", max_new_tokens=NEW,
+                         **opts)
+        assert alone.token_ids == ar[1:2], opts
+
+
+def test_mixed_greedy_and_sampled_rows(forced: object) -> None:
+    """A sampled row in the batch does not change a greedy row's tokens, whatever steps the
+    batch takes."""
+    model = _perfect_draft_model()
+    prompts = random_prompts()
+    ar = generate(model, None, prompts[:1], max_new_tokens=NEW).token_ids[0]
+    engine = Engine(model, None, "self-spec", max_batch=4)
+    greedy = engine.submit(prompts[0], SamplingOptions(max_new_tokens=NEW))
+    sampled = engine.submit(prompts[1], SamplingOptions(max_new_tokens=NEW, temperature=1.0,
+                                                        seed=3))
+    engine.run()
+    engine.close()
+    assert greedy.token_ids == ar
+    assert len(sampled.token_ids) == NEW
+    assert greedy.stats.rounds > 0 and sampled.stats.rounds > 0
+
+
+def test_adaptive_sampling_matches_target_distribution(forced: object) -> None:
+    """Chi-square goodness of fit of 3-token continuations sampled with adaptive rounds (the
+    planner drafts at exit 1, as costs make it pay) against the exact joint distribution."""
+    forced.costs = FakeCosts(base=1.0, per_row=0.0, head=0.0)  # type: ignore[attr-defined]
+    model = ee_model(every_layer=True, vocab=5, scale=0.5, seed=1)
+    prompt = [1, 3, 0, 2]
+    n = 6000
+    out = generate(model, None, [prompt] * n, strategy="self-spec", max_new_tokens=3,
+                   temperature=1.0, seed=7, ignore_eos=True)
+    assert out.stats.rounds > 0 and out.stats.drafted > 0
+    exact = _exact_joint(model, prompt, 3, 1.0)
+    counts: dict[tuple[int, ...], int] = {}
+    for toks in out.token_ids:
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    chi2, cells = 0.0, 0
+    for seq, p in exact.items():
+        if n * p < 5:
+            continue
+        cells += 1
+        chi2 += (counts.get(seq, 0) - n * p) ** 2 / (n * p)
+    dof = cells - 1
+    assert chi2 < dof + 4 * math.sqrt(2 * dof), (chi2, dof)
+
+
+def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int, temperature: float
+                 ) -> dict[tuple[int, ...], float]:
+    """The exact probability of every continuation of ``steps`` tokens under the final
+    layer (full forwards without a cache)."""
+    vocab = model.config.vocab_size
+    probs: dict[tuple[int, ...], float] = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(vocab), repeat=steps):
+            full = torch.tensor([prompt + list(seq)])
+            logp = torch.log_softmax(model(full).logits[0].double() / temperature, dim=-1)
+            n = len(prompt)
+            probs[seq] = math.exp(sum(float(logp[n - 1 + j, seq[j]]) for j in range(steps)))
+    return probs
+
+
+@pytest.mark.parametrize("backend", ["eager", "native", "static"])
+def test_chains_that_stop_on_low_confidence(backend: str) -> None:
+    """A chain with ``stop_below`` ends after the first draft whose probability is below the
+    threshold: the same drafts, fewer of them, on every runner; 0 never stops."""
+    from exitlm.kernels import native
+
+    if backend == "native" and not native.available():
+        pytest.skip(native.unavailable_reason())
+    model = ee_model(every_layer=True)
+    runner = prepare(model, backend=backend)
+    eager = prepare(model, backend="eager")
+    out = {}
+    for name, r in (("eager", eager), (backend, runner)):
+        for tau in (None, 0.0, 0.5, 1.0):
+            cache = r.new_cache(1, 64)
+            with torch.inference_mode():
+                r.prefill(torch.tensor([[3, 9, 7, 1, 4]]), torch.tensor([5]), cache)
+                ch = r.chain(torch.tensor([2]), cache, 6, 2, stop_below=tau)
+            out[(name, tau)] = ch.tokens[0].tolist()
+            assert ch.hidden.shape[1] == ch.tokens.shape[1] + 1
+    full = out[(backend, None)]
+    assert len(full) == 6 and out[(backend, 0.0)] == full
+    assert len(out[(backend, 1.0)]) == 1  # no draft is certain: stop after the first
+    assert full[: len(out[(backend, 0.5)])] == out[(backend, 0.5)]
+    assert out[(backend, 0.5)] == out[("eager", 0.5)]
