@@ -44,7 +44,8 @@ modelled calls (the decoder's own work) is added to the model.
 threshold from costs was tried and dropped: the exits' probabilities are not calibrated to
 acceptance (drafts at 97% acceptance were cut to 1.7 per round), so ``d`` is chosen per step.
 
-**Probing.** While plain steps win, a probe step comes every ``probe_every`` steps; the
+**Probing.** While plain steps win, a probe step of one sequence (a batch probes through its
+prompts and rounds only) comes every ``probe_every`` steps; the
 interval doubles (up to :data:`MAX_PROBE_EVERY`) after every probe that leaves plain steps
 ahead and returns to :data:`MIN_PROBE_EVERY` once a round wins, like
 :class:`~exitlm.infer.threads.ThreadPolicy` re-measuring now and then.

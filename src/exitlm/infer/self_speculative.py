@@ -256,7 +256,7 @@ class SelfSpecDecoder(Decoder):
             return self._round(batch, self.e, limits, observe=self.planner is not None)
         planner, b = self.planner, len(batch)
         plan = self._current_plan(batch)
-        if planner.probe_due(plan):
+        if b == 1 and planner.probe_due(plan):  # (a batch's probe costs every row a step)
             emits = self._probe_step(batch)
             self._plan = None
             planner.probed(self._current_plan(batch))
