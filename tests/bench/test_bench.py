@@ -87,8 +87,10 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     rc = main([*args, "--sweep", "speculation", "--sweep-exits", "1,2",
                "--sweep-speculations", "1,3"])
     assert rc == 0
-    rows = json.loads(capsys.readouterr().out)["sweep"]["rows"]
+    sweep = json.loads(capsys.readouterr().out)["sweep"]
+    rows = sweep["rows"]
     assert len(rows) == 4 and all(r["exact_match"] == 1.0 for r in rows)
+    assert sweep["adaptive"]["exact_match"] == 1.0 and sweep["adaptive"]["over_best_static"] > 0
     assert (tmp_path / "out" / "sweep_self_spec.csv").is_file()
     assert (tmp_path / "out" / "sweep_self_spec.png").is_file()
     rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])

@@ -411,13 +411,16 @@ def run_comparison(b: Bench) -> dict[str, Any]:
 
 
 def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path) -> dict[str, Any]:
-    """LayerSkip Fig. 6: self-spec speed-up over AR for every (exit layer, speculations)."""
-    variants: dict[str, tuple[str, dict[str, Any]]] = {"ar": ("ar", {})}
+    """LayerSkip Fig. 6: self-spec speed-up over AR for every (exit layer, speculations), and
+    adaptive self-spec (no exit or draft length given) against the grid in the same run."""
+    variants: dict[str, tuple[str, dict[str, Any]]] = {"ar": ("ar", {}),
+                                                       "adaptive": ("self-spec", {})}
     for e in exits:
         for d in specs:
             variants[f"E{e}-d{d}"] = ("self-spec", {"exit_layer": e, "num_speculations": d})
     runs = b.measure(variants, b.cfg.max_new_tokens, b.cfg.repeats)
     ref = summarize(runs["ar"], None)["decode_tokens_per_s"]
+    adaptive = summarize(runs["adaptive"], runs["ar"])
     rows = []
     for e in exits:
         for d in specs:
@@ -429,7 +432,13 @@ def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path)
                          "exact_match": s["exact_match"]})
     csv_path = _write_csv(out_dir / "sweep_self_spec.csv", rows)
     png = _contour(out_dir / "sweep_self_spec.png", exits, specs, rows)
-    return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png}
+    best = max(rows, key=lambda r: r["decode_tokens_per_s"])
+    return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png,
+            "adaptive": {"decode_tokens_per_s": adaptive["decode_tokens_per_s"],
+                         "speedup": adaptive["decode_tokens_per_s"] / ref,
+                         "over_best_static": adaptive["decode_tokens_per_s"]
+                         / best["decode_tokens_per_s"],
+                         "exact_match": adaptive["exact_match"]}}
 
 
 def sweep_thresholds(b: Bench, thresholds: list[float], out_dir: Path) -> dict[str, Any]:

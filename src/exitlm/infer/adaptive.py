@@ -18,7 +18,7 @@ layer's; for sampling the probability is ``sum_x min(p(x), q(x))`` (Leviathan et
 Sec. 3.1 / Definition 3.1: ``1 - D_LK(p, q)``). Observations come from three places: the
 prompt (the exit's and the final layer's choices at the last prompt positions, measured during
 prefill), every self-speculative round (its accepted prefix and the first rejection) and
-*probe* steps - plain steps that also read the hidden state at every candidate exit and
+*probe* steps - plain steps that also read the hidden state at a few candidate exits and
 compare the exits' choices with the final layer's (DEL's shadow tokens). Counts decay
 (:data:`DECAY`) so that the estimate follows the text.
 
@@ -35,20 +35,21 @@ machine; a plain step is ``L c(b) + h_L(b)``, and a batch's modelled round is sc
 measured plain step over that model (a batch of ``b`` sequences takes other code paths than
 ``b`` rows of one; a batch decodes plainly until one plain step was timed). For one
 sequence the round's calls are measured as they are made instead (the chain of ``d`` drafts,
-layers ``E..L`` over ``d + 1`` positions):
-a fused native chain costs far less than its layers one by one. The times actually taken are
-tracked too: plain steps replace the modelled plain cost, and what rounds take beyond their
-modelled calls (the decoder's own work) is added to the model.
+layers ``E..L`` over ``d + 1`` positions): a fused native chain costs far less than its layers
+one by one. The times actually taken are tracked too: plain steps replace the modelled plain
+cost, and what rounds take beyond their modelled calls (the decoder's own work, a longer
+context) is added to the model; a probe step halves that addition, so that plain steps chosen
+because of it are tried against rounds again.
 
 **Within a round** a user's ``draft_threshold`` ends drafting at an unsure draft; an automatic
 threshold from costs was tried and dropped: the exits' probabilities are not calibrated to
 acceptance (drafts at 97% acceptance were cut to 1.7 per round), so ``d`` is chosen per step.
 
 **Probing.** While plain steps win, a probe step of one sequence (a batch probes through its
-prompts and rounds only) comes every ``probe_every`` steps; the
-interval doubles (up to :data:`MAX_PROBE_EVERY`) after every probe that leaves plain steps
-ahead and returns to :data:`MIN_PROBE_EVERY` once a round wins, like
-:class:`~exitlm.infer.threads.ThreadPolicy` re-measuring now and then.
+prompts and rounds only) comes every ``probe_every`` steps; the interval doubles (up to
+:data:`MAX_PROBE_EVERY`) after every probe that leaves plain steps ahead and returns to
+:data:`MIN_PROBE_EVERY` once a round wins, like :class:`~exitlm.infer.threads.ThreadPolicy`
+re-measuring now and then.
 """
 
 from __future__ import annotations

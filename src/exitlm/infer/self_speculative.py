@@ -72,8 +72,9 @@ MAX_SPECULATIONS = 64
 Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
 DEFAULT_SPECULATIONS = 4
 """``d`` when it is not chosen online (a sharded model, or a fixed draft exit... given)."""
-REPLAN_EVERY = 4
-"""Steps a plan is kept while the batch stays the same (planning costs Python time)."""
+REPLAN_EVERY, BATCH_REPLAN_EVERY = 4, 16
+"""Steps a plan is kept while the batch stays the same (planning costs Python time, a batch's
+more: every row's rate at every exit and length)."""
 
 
 @dataclass(frozen=True)
@@ -275,11 +276,12 @@ class SelfSpecDecoder(Decoder):
 
     # ----- adaptive steps ----------------------------------------------------------------------
     def _current_plan(self, batch: Batch) -> Plan:
-        """The planner's choice for this batch, kept for :data:`REPLAN_EVERY` steps while the
-        batch holds the same sequences."""
+        """The planner's choice for this batch, kept for :data:`REPLAN_EVERY` steps (a batch:
+        ``BATCH_REPLAN_EVERY``) while the batch holds the same sequences."""
         assert self.planner is not None
         key = tuple(id(s) for s in batch.seqs)
-        if self._plan is None or key != self._plan_key or self._plan_age >= REPLAN_EVERY:
+        every = REPLAN_EVERY if len(batch) == 1 else BATCH_REPLAN_EVERY
+        if self._plan is None or key != self._plan_key or self._plan_age >= every:
             states = [self._agreement(s) for s in batch.seqs]
             rates = [{e: st.rate(e) for e in self.planner.candidates} for st in states]
             limits = [max(0, s.remaining - 1) for s in batch.seqs]
