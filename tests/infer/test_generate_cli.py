@@ -62,6 +62,10 @@ def test_generate_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no prompt" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "debug", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    # a probability threshold above 1 is refused (it would silently never exit)
+    assert main(["generate", "x", "--model", "debug", "--strategy", "early-exit",
+                 "--threshold", "2"]) == 2
+    assert "threshold" in capsys.readouterr().err
 
 
 def test_generate_compare_reports_speedup_and_identity(
@@ -84,3 +88,5 @@ def test_generate_compare_reports_speedup_and_identity(
     assert cmp["identical"] is same
     assert main([*base, "--tp", "2"]) == 2
     assert "--compare" in capsys.readouterr().err
+    assert main(base) == 2  # plain decoding compared with itself
+    assert "--strategy ar is plain decoding" in capsys.readouterr().err

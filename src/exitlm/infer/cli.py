@@ -163,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
     )
     overrides = strategy_overrides(args, args.strategy)
     mode = distributed_mode(args.tp, args.strategy, overrides)
+    if args.compare and args.strategy == "ar":
+        raise ConfigError("--compare decodes the prompts again with plain decoding to compare "
+                          "a strategy with it; --strategy ar is plain decoding (choose "
+                          "early-exit, self-spec or ppd)")
     if args.compare and mode is not None:
         raise ConfigError("--compare runs plain decoding in this process; it does not combine "
                           "with --tp or --kv pipeline (see benchmarks/dist_decode.py)")

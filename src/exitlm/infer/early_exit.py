@@ -38,14 +38,14 @@ from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
 from exitlm.infer.options import option
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.runner import Runner
-from exitlm.schema import NonNegativeFloat, PositiveInt, check
+from exitlm.schema import PositiveInt, UnitFloat, check
 
 
 @dataclass(frozen=True)
 class EarlyExitOptions:
     """Options of the ``early-exit`` strategy (see the module docstring)."""
 
-    threshold: NonNegativeFloat = option(
+    threshold: UnitFloat = option(
         0.9, "confidence threshold on an exit's maximum probability (EE-LLM); 1.0 never "
         "exits early (exactly greedy decoding)", per_request=True)
     exit_layers: tuple[PositiveInt, ...] | None = option(
