@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -71,3 +73,35 @@ def self_spec_with_budgets(model: EarlyExitLM, prompts: list[list[int]], exit_la
             for p, n in zip(prompts, BUDGETS, strict=True)]
     engine.run()
     return [r.result(model.num_layers).token_ids for r in reqs]
+
+
+def exact_joint(model: EarlyExitLM, prompt: list[int], steps: int, temperature: float
+                ) -> dict[tuple[int, ...], float]:
+    """The exact probability of every continuation of ``steps`` tokens under the final layer
+    at ``temperature`` (full forwards without a cache)."""
+    vocab = model.config.vocab_size
+    probs: dict[tuple[int, ...], float] = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(vocab), repeat=steps):
+            full = torch.tensor([prompt + list(seq)])
+            logp = torch.log_softmax(model(full).logits[0].double() / temperature, dim=-1)
+            n = len(prompt)
+            probs[seq] = math.exp(sum(float(logp[n - 1 + j, seq[j]]) for j in range(steps)))
+    return probs
+
+
+def chi_square(samples: list[list[int]], exact: dict[tuple[int, ...], float]
+               ) -> tuple[float, int]:
+    """Pearson's statistic of ``samples`` against ``exact`` over the cells expecting at least
+    5 samples, and its degrees of freedom."""
+    n = len(samples)
+    counts: dict[tuple[int, ...], int] = {}
+    for toks in samples:
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    chi2, cells = 0.0, 0
+    for seq, p in exact.items():
+        if n * p < 5:
+            continue
+        cells += 1
+        chi2 += (counts.get(seq, 0) - n * p) ** 2 / (n * p)
+    return chi2, cells - 1

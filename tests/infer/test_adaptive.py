@@ -4,14 +4,13 @@ giving plain decoding's tokens (greedy) or its distribution (sampling)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
+from _ee_models import chi_square, ee_model, exact_joint, one_thread, random_prompts  # noqa: F401
 from exitlm.infer import Engine, SamplingOptions, generate
 from exitlm.infer.adaptive import (
     MAX_PROBE_EVERY,
@@ -283,33 +282,8 @@ def test_adaptive_sampling_matches_target_distribution(forced: object) -> None:
     out = generate(model, None, [prompt] * n, strategy="self-spec", max_new_tokens=3,
                    temperature=1.0, seed=7, ignore_eos=True)
     assert out.stats.rounds > 0 and out.stats.drafted > 0
-    exact = _exact_joint(model, prompt, 3, 1.0)
-    counts: dict[tuple[int, ...], int] = {}
-    for toks in out.token_ids:
-        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-    chi2, cells = 0.0, 0
-    for seq, p in exact.items():
-        if n * p < 5:
-            continue
-        cells += 1
-        chi2 += (counts.get(seq, 0) - n * p) ** 2 / (n * p)
-    dof = cells - 1
+    chi2, dof = chi_square(out.token_ids, exact_joint(model, prompt, 3, 1.0))
     assert chi2 < dof + 4 * math.sqrt(2 * dof), (chi2, dof)
-
-
-def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int, temperature: float
-                 ) -> dict[tuple[int, ...], float]:
-    """The exact probability of every continuation of ``steps`` tokens under the final
-    layer (full forwards without a cache)."""
-    vocab = model.config.vocab_size
-    probs: dict[tuple[int, ...], float] = {}
-    with torch.inference_mode():
-        for seq in itertools.product(range(vocab), repeat=steps):
-            full = torch.tensor([prompt + list(seq)])
-            logp = torch.log_softmax(model(full).logits[0].double() / temperature, dim=-1)
-            n = len(prompt)
-            probs[seq] = math.exp(sum(float(logp[n - 1 + j, seq[j]]) for j in range(steps)))
-    return probs
 
 
 @pytest.mark.parametrize("backend", ["eager", "native", "static"])

@@ -5,13 +5,12 @@ back to the accepted tokens, lazy verification."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 
-from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
+from _ee_models import chi_square, ee_model, exact_joint, one_thread, random_prompts  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import generate
 from exitlm.infer.self_speculative import _accept_sampled
@@ -111,19 +110,6 @@ def test_cache_rollback_keeps_only_accepted_tokens() -> None:
     assert len(engine.running) == len(reqs)
 
 
-def _exact_joint(model: torch.nn.Module, prompt: list[int], steps: int,
-                 temperature: float) -> dict[tuple[int, ...], float]:
-    vocab = model.config.vocab_size
-    probs: dict[tuple[int, ...], float] = {}
-    with torch.inference_mode():
-        for seq in itertools.product(range(vocab), repeat=steps):
-            full = torch.tensor([prompt + list(seq)])
-            logp = torch.log_softmax(model(full).logits[0].double() / temperature, dim=-1)
-            n = len(prompt)
-            probs[seq] = math.exp(sum(float(logp[n - 1 + j, seq[j]]) for j in range(steps)))
-    return probs
-
-
 @pytest.mark.parametrize(("temperature", "draft_vocab", "tau", "order"),
                          [(1.0, None, None, None), (0.7, 3, None, None), (1.0, None, 1.0, None),
                           (0.7, 3, None, (4, 2, 0, 1, 3))])
@@ -141,7 +127,7 @@ def test_speculative_sampling_matches_target_distribution(
     if order is not None:
         model.set_token_order(torch.tensor(order))
     prompt = [1, 3, 0, 2]
-    exact = _exact_joint(model, prompt, 3, temperature)
+    exact = exact_joint(model, prompt, 3, temperature)
     n = 8000
     out = generate(model, None, [prompt] * n, strategy="self-spec", exit_layer=1,
                    num_speculations=2, max_new_tokens=3, temperature=temperature, seed=7,
@@ -149,27 +135,12 @@ def test_speculative_sampling_matches_target_distribution(
     assert 0.03 < out.stats.acceptance_rate < 0.95
     if tau is not None:
         assert out.stats.drafted == n  # one draft per sequence, not two
-    counts: dict[tuple[int, ...], int] = {}
-    for toks in out.token_ids:
-        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-    chi2 = 0.0
-    cells = 0
-    for seq, p in exact.items():
-        expected = n * p
-        if expected < 5:
-            continue
-        cells += 1
-        chi2 += (counts.get(seq, 0) - expected) ** 2 / expected
-    dof = cells - 1
+    chi2, dof = chi_square(out.token_ids, exact)
     assert chi2 < dof + 4 * math.sqrt(2 * dof), (chi2, dof)
     # ... and the draft really differs from the target (the test is not vacuous)
     plain = generate(model, None, [prompt] * n, strategy="early-exit", exit_layer=1,
                      max_new_tokens=3, temperature=temperature, seed=7, ignore_eos=True)
-    counts_q: dict[tuple[int, ...], int] = {}
-    for toks in plain.token_ids:
-        counts_q[tuple(toks)] = counts_q.get(tuple(toks), 0) + 1
-    chi2_q = sum((counts_q.get(s, 0) - n * p) ** 2 / (n * p) for s, p in exact.items()
-                 if n * p >= 5)
+    chi2_q, _ = chi_square(plain.token_ids, exact)
     assert chi2_q > dof + 10 * math.sqrt(2 * dof)
 
 
