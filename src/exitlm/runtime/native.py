@@ -197,8 +197,9 @@ class NativeRunner(Runner):
         if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
             return None
         weight = model.output_embedding()
-        head = weight_struct(self._head_rows(weight, vocab) if vocab < weight.shape[0]
-                             else weight)
+        # a ranked draft vocabulary gathers its rows; the first ids are a view of them
+        ranked = model.draft_ids(vocab) is not None
+        head = weight_struct(self._head_rows(weight, vocab) if ranked else weight[:vocab])
         if head is None or head[0].fmt == 1:
             return None
         return w_norm, norm.eps, head
