@@ -95,7 +95,7 @@ def completion_from_answer(answer: str, prompt: str, entry_point: str) -> str:
     """The completion of ``prompt`` that the answer amounts to (see the module docstring).
     An answer generated after :func:`chat_prompt` starts with :data:`RESPONSE_START`."""
     code = code_block(answer, entry_point)
-    whole = _sanitise(code)
+    whole = _sanitise(textwrap.dedent(code))  # a whole function may come indented
     if whole is not None and any(
             isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == entry_point
             for n in whole[1].body):
