@@ -42,6 +42,13 @@ class _Lines:
         """Accepted for tqdm compatibility; shown only on a terminal."""
 
 
+def _count(n: int, unit: str) -> str:
+    """``"1 batch"``, ``"3 batches"``, ``"2 programs"``."""
+    if n == 1:
+        return f"{n} {unit}"
+    return f"{n} {unit}{'es' if unit.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
+
+
 @contextmanager
 def progress(desc: str, total: int | None = None, unit: str = "it",
              stream: TextIO | None = None) -> Iterator[Any]:
@@ -56,12 +63,12 @@ def progress(desc: str, total: int | None = None, unit: str = "it",
             yield bar
         n = bar.n
     else:
-        size = f" ({total} {unit}{'' if total == 1 else 's'})" if total is not None else ""
+        size = f" ({_count(total, unit)})" if total is not None else ""
         print(f"exitlm: {desc}{size}...", file=stream, flush=True)
         bar = _Lines()
         yield bar
         n = bar.n
-    done = f"{n} {unit}{'' if n == 1 else 's'} in " if total is not None else ""
+    done = f"{_count(n, unit)} in " if total is not None else ""
     print(f"exitlm: {desc}: done, {done}{time.monotonic() - t0:.1f} s", file=stream, flush=True)
 
 

@@ -73,3 +73,23 @@ def test_progress_on_a_terminal_draws_a_bar() -> None:
     text = out.getvalue()
     assert "/2 [" in text and "\r" in text  # tqdm's bar, redrawn in place
     assert text.rstrip().splitlines()[-1].startswith("exitlm: generating: done, 2 problems")
+
+
+def test_exitlm_eval_reports_its_phases(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from _byte_models import sharp_byte_model
+    from exitlm.cli import main
+    from exitlm.io import save_model
+
+    model_dir = save_model(sharp_byte_model(2, 512), tmp_path / "m")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    assert main(["eval", str(model_dir), "--data", str(corpus), "--seq-len", "32",
+                 "--max-samples", "5", "--batch-size", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.lstrip().startswith("{")  # stdout stays the result
+    err = captured.err.splitlines()
+    for step in (f"loading {model_dir}", "preparing the evaluation data"):
+        assert f"exitlm: {step}..." in err
+        assert any(x.startswith(f"exitlm: {step}: done in ") for x in err)
+    assert "exitlm: evaluating 2 exits (3 batches)..." in err
+    assert any(x.startswith("exitlm: evaluating 2 exits: done, 3 batches in ") for x in err)
