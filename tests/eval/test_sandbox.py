@@ -178,3 +178,19 @@ def test_command_refuses_before_loading_the_model(monkeypatch: pytest.MonkeyPatc
     err = capsys.readouterr().err
     assert rc != 0 and "no Landlock (test)" in err and "--unsafe-no-sandbox" in err
     assert "nonexistent" not in err and "Traceback" not in err
+
+
+def test_command_runs_unsafely_only_when_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    from _byte_models import sharp_byte_model
+    from exitlm.cli import main
+    from exitlm.io import save_model
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "no Landlock (test)")
+    model_dir = save_model(sharp_byte_model(2, 1024), tmp_path / "m")
+    rc = main(["humaneval", "--model", str(model_dir), "--limit", "1", "--max-new-tokens", "4",
+               "--unsafe-no-sandbox"])
+    captured = capsys.readouterr()
+    assert rc == 0 and "WITHOUT a sandbox (no Landlock (test))" in captured.err
+    report = json.loads(captured.out)
+    assert report["sandbox"] is False and len(report["results"]) == 1
