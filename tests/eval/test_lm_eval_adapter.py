@@ -132,9 +132,11 @@ def test_generate_until_through_the_engine(tiny: tuple, strategy: str, opts: dic
     assert len(ar[2]) <= 5  # one byte per token: at most 5 characters
 
 
-def test_cli_wraps_lm_evals_own(tiny: tuple, tmp_path: Path) -> None:
+def test_cli_wraps_lm_evals_own(tiny: tuple, tmp_path: Path,
+                                capsys: pytest.CaptureFixture) -> None:
     """``exitlm lm-eval`` runs lm-eval's command line with ``--model exitlm``: strategy
-    options travel as a JSON object (lists included), results land in --output-path."""
+    options travel as a JSON object (lists included), results land in --output-path (given
+    here in lm-eval's own spelling); task indexing is reported as a phase."""
     from exitlm.cli import build_parser, main
     from exitlm.eval.cli import lm_eval_argv
     from exitlm.io import save_model
@@ -149,8 +151,9 @@ def test_cli_wraps_lm_evals_own(tiny: tuple, tmp_path: Path) -> None:
     assert model_args["exit_layers"] == [1] and model_args["threshold"] == 0.5
     assert argv[-2:] == ["--seed", "1"]
     out = tmp_path / "out"
-    rc = main(["lm-eval", "--model", str(model_dir), "--tasks", "tiny_mc", "--include-path",
-               str(write_task(tmp_path)), "--limit", "3", "--output-path", str(out)])
+    rc = main(["lm-eval", "--model", str(model_dir), "--tasks", "tiny_mc", "--include_path",
+               str(write_task(tmp_path)), "--limit", "3", "--output_path", str(out)])
     assert rc == 0
+    assert "exitlm: indexing lm-eval's tasks..." in capsys.readouterr().err
     result = json.loads(next(out.rglob("results_*.json")).read_text())
     assert result["results"]["tiny_mc"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)

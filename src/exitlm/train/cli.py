@@ -131,13 +131,15 @@ def _eval(args: argparse.Namespace) -> int:
     # lazy: loaded when the command runs
     from exitlm.infer.per_exit import evaluate_exits, format_table
     from exitlm.io import load_model  # lazy: loaded when the command runs
+    from exitlm.progress import phase, progress  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
     from exitlm.train.data import ByteTokenizer, load_tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    with phase(f"loading {args.model}"):
+        loaded = load_model(args.model)
     model = loaded.model
     path = Path(args.model)
     spec = args.tokenizer or _eval_tokenizer_spec(args.model, path if path.is_dir() else None)
@@ -171,9 +173,13 @@ def _eval(args: argparse.Namespace) -> int:
         bad = [k for k in layers if not 1 <= k <= L]
         if bad or not layers:
             raise ConfigError(f"--layers {args.layers!r}: expected layers in 1..{L}")
-    batches = eval_data(args.data, spec, tok, args.seq_len, args.batch_size, args.max_samples)
-    with torch.inference_mode():
-        metrics = evaluate_exits(model, batches, layers, topk=min(args.topk, cfg.vocab_size))
+    with phase("preparing the evaluation data"):
+        batches = eval_data(args.data, spec, tok, args.seq_len, args.batch_size,
+                            args.max_samples)
+    with torch.inference_mode(), progress(f"evaluating {len(layers)} exits",
+                                          getattr(batches, "count", None), "batch") as bar:
+        metrics = evaluate_exits(model, _counted(batches, bar), layers,
+                                 topk=min(args.topk, cfg.vocab_size))
     if args.json:
         print(json.dumps({"model": args.model, "source": loaded.source,
                           "exits": [m.to_dict() for m in metrics]}, indent=2))
@@ -181,6 +187,13 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"{args.model} ({loaded.source})")
         print(format_table(metrics, args.topk))
     return 0
+
+
+def _counted(items: Any, bar: Any) -> Any:
+    """``items``, advancing ``bar`` after each."""
+    for item in items:
+        yield item
+        bar.update(1)
 
 
 def eval_data(
@@ -194,19 +207,33 @@ def eval_data(
     from exitlm.io.corpus import DataConfig, iter_documents  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
-    from exitlm.train.data import TokenFile, eval_batches, prepare
+    from exitlm.train.data import TokenFile, prepare
 
     if not paths:
         cfg = DataConfig(tokenizer=spec, seq_len=seq_len)
         directory = prepare(cfg, tokenizer=tok, progress=sys.stderr.isatty())
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
         data = TokenFile.open(directory / "val.bin", meta["dtype"], seq_len)
-        return eval_batches(data, batch_size, max_samples)
+        return _Batches(data, batch_size, max_samples)
     cfg = DataConfig(paths=tuple(paths), tokenizer=spec, seq_len=seq_len)
     eos = getattr(tok, "eos_token_ids", ()) or (0,)
     ids: list[int] = []
     for _, text in iter_documents(cfg):
         ids.extend(tok.encode(text, add_bos=False))
         ids.append(int(eos[0]))
-    return eval_batches(TokenFile(np.asarray(ids, dtype=np.int64), seq_len, "--data"),
-                        batch_size, max_samples)
+    return _Batches(TokenFile(np.asarray(ids, dtype=np.int64), seq_len, "--data"),
+                    batch_size, max_samples)
+
+
+class _Batches:
+    """``eval_batches`` over a token file, with their ``count`` known before they are read."""
+
+    def __init__(self, data: Any, batch_size: int, max_samples: int | None) -> None:
+        self.data, self.batch_size, self.max_samples = data, batch_size, max_samples
+        n = min(data.num_samples, max_samples or data.num_samples)
+        self.count = -(-n // batch_size)
+
+    def __iter__(self) -> Any:
+        from exitlm.train.data import eval_batches  # lazy: loaded when the command runs
+
+        return iter(eval_batches(self.data, self.batch_size, self.max_samples))
