@@ -26,6 +26,7 @@ RELEASE_7B = Spec(untie_embeddings_and_output_weights=True, untie_exit_output_we
                   num_query_groups=None)  # the 7B release's flags (exits untied, MHA)
 HEADS = Spec(use_exit_block=True, use_exit_norm=True, untie_exit_output_weights=True,
              pre_exit=False, exit_layer_nums=[1, 3])
+BIASED = Spec(add_bias_linear=True)  # Llama with attention_bias and mlp_bias
 GPT = Spec(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
            add_bias_linear=True, num_query_groups=None, ffn_hidden_size=64)
 
@@ -84,7 +85,7 @@ def test_other_architectures(tmp_path: Path, spec: Spec) -> None:
     _check_logits(load_model(str(root)).model, spec, full)
 
 
-@pytest.mark.parametrize("spec", [LLAMA, GPT], ids=["llama", "gpt2-style"])
+@pytest.mark.parametrize("spec", [LLAMA, BIASED, GPT], ids=["llama", "biased", "gpt2-style"])
 def test_convert_to_hf_loads_in_transformers(tmp_path: Path, spec: Spec) -> None:
     transformers = pytest.importorskip("transformers")
     root, full = _ckpt(tmp_path, spec, 2, 2)
@@ -152,3 +153,13 @@ def test_pre_exit_at_layer_one_is_refused(tmp_path: Path) -> None:
     root, _ = _ckpt(tmp_path, spec, 1, 1)
     with pytest.raises(CheckpointError, match="--exit-layer-nums 1 with --pre-exit"):
         load_model(str(root))
+
+
+def test_to_hf_refuses_a_model_no_hf_architecture_computes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = dataclasses.replace(LLAMA, normalization="LayerNorm")  # rotary + LayerNorm
+    root, full = _ckpt(tmp_path, spec, 2, 1)
+    _check_logits(load_model(str(root)).model, spec, full)  # exitlm computes it
+    assert main(["convert", str(root), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert "RMSNorm" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
