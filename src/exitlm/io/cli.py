@@ -20,13 +20,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 def register(subparsers: Any) -> None:
     """Add the ``convert`` and ``info`` sub-commands."""
     p = subparsers.add_parser(
-        "convert", help="convert a checkpoint (default, .gguf, HF dir, exitlm dir, preset)",
+        "convert", help="convert a checkpoint (default, .gguf, HF, exitlm or Megatron dir, preset)",
         description="Load SRC (anything exitlm.io.load_model accepts) and write it to DST.",
     )
     p.add_argument("src", metavar="SRC", help="'default', a preset, a .gguf file or a directory")
     p.add_argument("dst", metavar="DST", help="output directory (replaced atomically)")
-    p.add_argument("--to", choices=("exitlm", "hf"), default="exitlm",
-                   help="output format: exitlm's own (default) or a Hugging Face directory")
+    p.add_argument("--to", choices=("exitlm", "hf", "megatron"), default="exitlm",
+                   help="output format: exitlm's own (default), a Hugging Face directory, or "
+                        "a Megatron-LM / EE-LLM checkpoint split --tp x --pp")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="with --to megatron: tensor-parallel ranks (default 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="with --to megatron: pipeline stages (default 1)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                    help="parameter dtype of the written weights (default float32)")
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
@@ -49,12 +54,19 @@ def _convert(args: argparse.Namespace) -> int:
 
     dst = Path(args.dst).expanduser()
     check_not_source(dst, source_paths(args.src))
-    if args.quantize and args.to == "hf":
-        raise ConfigError("--quantize writes exitlm checkpoints only; drop --to hf")
+    if args.quantize and args.to != "exitlm":
+        raise ConfigError(f"--quantize writes exitlm checkpoints only; drop --to {args.to}")
+    if (args.tp, args.pp) != (1, 1) and args.to != "megatron":
+        raise ConfigError("--tp and --pp split Megatron checkpoints only; add --to megatron")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
     loaded = load_model(args.src, dtype=args.quantize or _DTYPES[args.dtype])
-    write = export_hf if args.to == "hf" else save_model
-    out = write(loaded, dst, overwrite=args.overwrite)
+    if args.to == "megatron":
+        from exitlm.io.megatron_write import save_megatron  # lazy: loaded when the command runs
+
+        out = save_megatron(loaded, dst, tp=args.tp, pp=args.pp, overwrite=args.overwrite)
+    else:
+        write = export_hf if args.to == "hf" else save_model
+        out = write(loaded, dst, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint to {out}")
     return 0
 

@@ -134,8 +134,27 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         raise CheckpointError(f"config.json lacks the key {err.args[0]!r} for {arch}") from None
 
 
+def hf_mismatch(cfg: ModelConfig) -> str | None:
+    """Why no ``transformers`` architecture exitlm writes (Llama, Qwen2, GPT-2) computes the
+    backbone of ``cfg``, or ``None`` when one does."""
+    if cfg.pos == "learned":
+        if cfg.norm != "layernorm" or cfg.mlp != "gelu":
+            return "learned positions need LayerNorm and a GELU MLP (GPT-2)"
+        if not (cfg.qkv_bias and cfg.out_bias and cfg.mlp_bias):
+            return "GPT-2 has biases in every linear layer"
+        if cfg.n_kv_heads != cfg.num_heads or cfg.hdim * cfg.num_heads != cfg.dim:
+            return "GPT-2 has neither grouped-query attention nor a head_dim of its own"
+        return None
+    if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
+        return "rotary positions need RMSNorm and a SwiGLU MLP (Llama)"
+    if cfg.out_bias and not cfg.qkv_bias:
+        return "an output-projection bias without q/k/v biases"
+    return None
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """A ``config.json`` for ``transformers`` describing the backbone of ``cfg``."""
+    """A ``config.json`` for ``transformers`` describing the backbone of ``cfg``
+    (:func:`hf_mismatch` says whether one exists)."""
     if cfg.pos == "learned":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -147,9 +166,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_token_id,
             "eos_token_id": _eos_out(cfg), "torch_dtype": "float32",
         }
+    qwen2 = cfg.qkv_bias and not cfg.out_bias  # Llama's attention_bias covers o_proj too
     d: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hdim,

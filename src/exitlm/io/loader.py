@@ -7,6 +7,8 @@ Accepted sources, tried in this order:
   exit heads, :mod:`exitlm.io.bundle`);
 * a path to a ``.gguf`` file;
 * a directory written by :func:`save_model` (``config.json`` carries ``exitlm_format_version``);
+* a Megatron-LM / EE-LLM checkpoint directory (``latest_checkpointed_iteration.txt``,
+  ``iter_*/mp_rank_*/model_optim_rng.pt``; :mod:`exitlm.io.megatron`), any TP x PP split;
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, sharded or not);
 * a preset name from :data:`exitlm.config.PRESETS` (random initialisation, no tokenizer).
 
@@ -45,6 +47,8 @@ from exitlm.io.loaded import (
     rebuild,
 )
 from exitlm.io.materialize import model_from_tensors
+from exitlm.io.megatron import load_megatron
+from exitlm.io.megatron_layout import is_megatron_dir
 from exitlm.io.native import (
     is_native_dir,
     load_tokenizer_dir,
@@ -98,6 +102,8 @@ def load_model(
     elif path.is_dir():
         if is_native_dir(path):
             loaded = load_native(path, dtype=dtype, exits=exits)
+        elif is_megatron_dir(path):
+            loaded = load_megatron(path, dtype=dtype, exits=exits)
         else:
             loaded = load_hf_dir(path, dtype=dtype, exits=exits)
     elif src in PRESETS:

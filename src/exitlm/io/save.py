@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exitlm.io.hf_map import config_to_hf, exitlm_to_hf
+from exitlm.io.hf_map import CheckpointError, config_to_hf, exitlm_to_hf, hf_mismatch
 from exitlm.io.native import EXITS_CONFIG, EXITS_WEIGHTS, FORMAT_KEY, FORMAT_VERSION, save_native
 from exitlm.io.st import atomic_dir, tensors_for_saving, write_safetensors
 from exitlm.model.transformer import EarlyExitLM
@@ -66,6 +66,10 @@ def export_hf(
     """
     m, tok = _unpack(model, tokenizer)
     cfg = m.config
+    problem = hf_mismatch(cfg)
+    if problem is not None:
+        raise CheckpointError(f"{cfg.name}: no Hugging Face architecture computes this model "
+                              f"({problem})", hint="write exitlm's format instead (--to exitlm)")
     state = m.state_dict()
     backbone, _ = tensors_for_saving(dict(exitlm_to_hf(state.items(), cfg)))
     exits, aliases = tensors_for_saving({k: v for k, v in state.items() if k.startswith("exits.")})
