@@ -140,8 +140,8 @@ def _installed() -> tuple[Path, dict[str, Any]] | None:
     except ImportError:
         return None
     folder = Path(record.__file__).resolve().parent
-    return folder, {k: getattr(record, k) for k in ("VARIANTS", "SOURCE_DIGEST", "COMPILER")
-                    if hasattr(record, k)}
+    return folder, {k: getattr(record, k) for k in ("VARIANTS", "SOURCE_DIGEST", "COMPILER",
+                                                    "NOTE") if hasattr(record, k)}
 
 
 def source_digest() -> str | None:
@@ -282,9 +282,10 @@ def _load_installed(folder: Path, record: dict[str, Any],
     ``EXITLM_NATIVE`` names)."""
     variants = tuple(record.get("VARIANTS", ()))
     if "baseline" not in variants:
+        note = record.get("NOTE") or (f"the installed native library in {folder} has no "
+                                      "baseline build (a broken install: reinstall exitlm)")
         return None, KernelPath("torch", None, None, None, None,
-                                f"the installed native library in {folder} has no baseline "
-                                "build (a broken install: reinstall exitlm)")
+                                f"{note} (reinstall exitlm where a C compiler is available)")
     try:
         base = _open(library_file("baseline", folder))
         cpu = _cpu_level(int(base.exitlm_cpu_features()))
