@@ -123,7 +123,7 @@ def ctypes_overhead(calls: int = 20000) -> dict:
     bare ctypes call (no checks, no allocation), and torch / numpy for scale."""
     x, w = torch.randn(1, 32), torch.randn(1, 32)
     y = torch.empty(1, 1)
-    lib = native._load()
+    lib = native.library()
     assert lib is not None
     f = lib.exitlm_gemm_f32
     px, pw, py = x.data_ptr(), w.data_ptr(), y.data_ptr()
@@ -187,7 +187,8 @@ def main() -> None:
     if not native.available():
         sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
     result: dict = {"threads": 1, "repeats": args.repeats,
-                    "library": str(native.library_path()), "ctypes": ctypes_overhead()}
+                    "library": str(native.library_path()),
+                    "kernels": native.kernel_path().describe(), "ctypes": ctypes_overhead()}
     note(f"ctypes: {result['ctypes']}")
     shapes = [s for s in args.shapes.split(",") if not (args.quick and s == "head")]
     result["shapes"] = {s: bench_shape(s, *SHAPES[s], args.repeats, True) for s in shapes}

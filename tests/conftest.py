@@ -24,6 +24,14 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def pytest_report_header() -> str:
+    """Name the kernel path (native build and ISA, or the torch fallback and why) at the top
+    of every run, so that a run on the fallback is visible."""
+    from exitlm.kernels import native
+
+    return f"exitlm kernels: {native.kernel_path().describe()}"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
+from _native import needs_native
 from exitlm.comm.launch import join_group
 from exitlm.comm.native_channel import DEAD, PEER, TIMEOUT, ChannelError
 from exitlm.comm.p2p import P2P
@@ -26,10 +27,9 @@ from exitlm.comm.shm import pipeline_pairs, shm_channels
 from exitlm.comm.shm_p2p import ChannelP2P
 from exitlm.infer import generate
 from exitlm.infer.executors.pipeline import PipelineExecutor
-from exitlm.kernels import native
 from exitlm.runtime import prepare
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = needs_native
 
 CAP = 4096  # a small ring: the large messages below go through in hundreds of pieces
 

@@ -17,17 +17,17 @@ import torch.distributed as dist
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
 from _ee_models import random_prompts
+from _native import needs_native
 from exitlm.comm.launch import join_group
 from exitlm.comm.shm import shm_reducer
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
 from exitlm.infer.executors.tp import TPExecutor
 from exitlm.infer.executors.tp_shard import shard_model
-from exitlm.kernels import native
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan.sharding import share as split
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = needs_native
 
 
 def _part(rank: int, n: int) -> torch.Tensor:

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
+from _native import needs_native
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.kernels import native
-from exitlm.kernels.native_block import Scratch, bind, build_native_block
+from exitlm.kernels.native_block import Scratch, build_native_block
 from exitlm.kernels.quantized import QuantizedLinear, quantize_model
 from exitlm.model.transformer import EarlyExitLM
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+pytestmark = needs_native
 
 def _model(kind: str | None, seed: int = 0) -> EarlyExitLM:
     model = sharp_model(ModelConfig(
@@ -51,7 +52,7 @@ def test_native_block_matches_torch_and_is_row_chunk_thread_invariant(
         tol = 1e-3
     model = _model(kind)
     block = model.layers[0]
-    nb = build_native_block(native.bound(bind), block, Scratch())
+    nb = build_native_block(native.library(), block, Scratch())
     assert nb is not None
     t = 11
     h = torch.randn(1, t, 64)
@@ -78,7 +79,7 @@ def test_native_block_matches_torch_and_is_row_chunk_thread_invariant(
 def test_rounding_to_half_is_torchs() -> None:
     """The chain's float16 rounding of the residual stream (kernels.c float_to_half) is
     torch's float -> float16 cast, bit for bit: normals, subnormals, ties, overflow, NaN."""
-    lib = native.bound(bind)
+    lib = native.library()
     gen = torch.Generator().manual_seed(8)
     bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), generator=gen, dtype=torch.int64)
     x = torch.cat([

@@ -1,6 +1,6 @@
 """Native batch-small kernels (exitlm.kernels.native): values against a float64 reference,
-bit-exact row invariance (rows and threads), argument checking, the build cache and the
-fallbacks when the library is disabled or cannot be built.
+bit-exact row invariance (rows and threads), argument checking. (Finding, checking and
+choosing the library, its builds' equal bits and the fallbacks: test_native_loader.py.)
 
 Tolerance: every kernel output is within ``2e-5 * sum_k |x_k W_nk|`` of the float64 product of
 the same (dequantized) weight - fp32 accumulation over at most K/8 + 4 terms per lane.
@@ -8,24 +8,21 @@ the same (dequantized) weight - fp32 accumulation over at most K/8 + 4 terms per
 
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from exitlm.errors import ExitlmWarning
+from _native import needs_native
 from exitlm.kernels import native
 
 TOL = 2e-5
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason=f"native kernels: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[tuple, torch.Tensor]:
@@ -233,94 +230,6 @@ def test_argument_errors() -> None:
         native.gemm_q4(x, torch.zeros(5, 32, dtype=torch.uint8), s, torch.ones(5, 2).double())
     with pytest.raises(ValueError, match="threads"):
         native.gemm_f32(x, w, threads=0)
-
-
-def test_second_load_does_not_recompile(monkeypatch: pytest.MonkeyPatch) -> None:
-    path = native.library_path()
-    assert path is not None and path.exists()
-    compiles: list[list[str]] = []
-    real_run = subprocess.run
-
-    def spy(cmd: list[str], *a: object, **kw: object) -> subprocess.CompletedProcess:
-        if "-shared" in cmd:
-            compiles.append(cmd)
-        return real_run(cmd, *a, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(native.subprocess, "run", spy)
-    monkeypatch.setenv("EXITLM_CACHE", str(path.parent.parent))
-    assert native._build(os.environ.get("EXITLM_CC", "cc")) == path
-    assert compiles == []
-    assert not [p for p in path.parent.iterdir() if p.name.startswith(".build-")]
-
-
-@pytest.fixture
-def fresh_state() -> Iterator[None]:
-    """Let a test re-run the one-time load (with its own env), then restore the real library."""
-    saved = dict(native._state)
-    fast = (native._f32, native._f16, native._q8, native._q4)
-    native._state.clear()
-    native._f32 = native._f16 = native._q8 = native._q4 = None
-    try:
-        yield
-    finally:
-        native._state.clear()
-        native._state.update(saved)
-        native._f32, native._f16, native._q8, native._q4 = fast
-
-
-def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
-    monkeypatch.setenv("EXITLM_NATIVE", "0")
-    assert not native.available()
-    assert "EXITLM_NATIVE" in native.unavailable_reason()
-    gen = torch.Generator().manual_seed(5)
-    for kind, fn in KERNELS.items():
-        args, w64 = _weights(kind, 9, 64, gen)
-        x = torch.randn(3, 64, generator=gen)
-        y = fn(x, *args)
-        assert y.dtype == torch.float32 and y.shape == (3, 9)
-        assert torch.allclose(y.double(), x.double() @ w64.T, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="multiple of 32"):  # checks still apply
-        native.gemm_q8(torch.randn(1, 48), torch.zeros(5, 48, dtype=torch.int8),
-                       torch.ones(5, 1))
-
-
-def test_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                           fresh_state: None) -> None:
-    monkeypatch.setenv("EXITLM_CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("EXITLM_CACHE", str(tmp_path))
-    with pytest.warns(ExitlmWarning, match="native kernels unavailable"):
-        assert not native.available()
-    assert "unavailable" in native.unavailable_reason()
-    x, w = torch.randn(2, 32), torch.randn(3, 32)
-    assert torch.allclose(native.gemm_f32(x, w), x @ w.T)
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_scalar_build_gives_the_same_bits(tmp_path: Path) -> None:
-    """The portable build (no -march=native: no AVX2) follows the same order as the AVX2 one."""
-    lib = native._load()
-    assert lib is not None
-    if not lib.exitlm_has_avx2():
-        pytest.skip("the loaded library is already the scalar build")
-    so = tmp_path / "scalar.so"
-    flags = [f for f in native.CFLAGS if f != "-march=native"]
-    subprocess.run(["cc", *flags, "-o", str(so), *map(str, native._SOURCES), "-lm"], check=True)
-    scalar = ctypes.CDLL(str(so))
-    native._bind(scalar)
-    assert scalar.exitlm_has_avx2() == 0
-    gen = torch.Generator().manual_seed(6)
-    m, n, k = 5, 37, 96
-    x = torch.randn(m, k, generator=gen)
-    for kind, fn in (KERNELS | A8).items():
-        args, _ = _weights(kind[:2] if kind in A8 else kind, n, k, gen)
-        y = torch.empty(m, n)
-        ptrs = [a.data_ptr() for a in args]
-        getattr(scalar, f"exitlm_gemm_{kind}")(x.data_ptr(), *ptrs, y.data_ptr(), m, n, k, 1)
-        assert torch.equal(y, fn(x, *args)), kind
-    xt, wt = torch.randn(3, 13, generator=gen), torch.randn(4, 13, generator=gen)
-    y = torch.empty(3, 4)
-    scalar.exitlm_gemm_f32(xt.data_ptr(), wt.data_ptr(), y.data_ptr(), 3, 4, 13, 1)
-    assert torch.equal(y, native.gemm_f32(xt, wt))
 
 
 def test_pool_is_safe_across_python_threads_and_fork() -> None:

@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _native import needs_native
 from exitlm.kernels import native, quant
 from exitlm.kernels.quant import QuantizedWeight, qlinear, quantize
-
-needs_native = pytest.mark.skipif(not native.available(),
-                                  reason=f"native kernels: {native.unavailable_reason()}")
 
 
 def test_int8_round_trip_bound() -> None:

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
+from _native import needs_native
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import EarlyExitOptions, Engine, SamplingOptions, generate
-from exitlm.kernels import native
 from exitlm.kernels.quantized import quantize_model
 from exitlm.model.kv_cache import KVCache
 from exitlm.runtime import NativeRunner, prepare
 from exitlm.runtime import native as native_runner
 from exitlm.runtime.runner import Runner
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+pytestmark = needs_native
 
 KINDS = (None, "int8", "int4")
 

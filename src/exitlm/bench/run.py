@@ -529,9 +529,12 @@ def describe(b: Bench) -> dict[str, Any]:
     """Run metadata for the JSON report."""
     import platform
 
+    from exitlm.kernels import native
+
     cfg = dataclasses.asdict(b.cfg)
     return {"model": b.loaded.source, "exits": dataclasses.asdict(b.model.config.exits),
             "num_layers": b.model.num_layers, "prompts": len(b.prompts),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "config": cfg}
+            "machine": platform.machine(), "kernels": native.kernel_path().as_dict(),
+            "config": cfg}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from exitlm.kernels import native
+from exitlm.kernels import abi, native
 
 HEADER_BYTES = 4 * 128
 """Bytes before each channel's ring (``channel.c``: four 128-byte lines)."""
@@ -26,27 +26,6 @@ _SENDER_PID, _RECEIVER_PID = 1, 16 + 1  # int64 words of the header (channel.c)
 
 TIMEOUT, PEER, ARGS, DEAD = -20, -21, -22, -23
 """Error codes of ``channel.c``."""
-
-
-class _End(ctypes.Structure):
-    _fields_ = [("header", ctypes.c_void_p), ("ring", ctypes.c_void_p),
-                ("cap", ctypes.c_int64), ("sender", ctypes.c_int64),
-                ("watch", ctypes.c_int64)]
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the channels' entry points of the native library."""
-    p, i64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    lib.exitlm_chan_send.argtypes = [p, p, i64, dbl]
-    lib.exitlm_chan_send.restype = ctypes.c_int
-    lib.exitlm_chan_recv.argtypes = [p, p, i64, dbl]
-    lib.exitlm_chan_recv.restype = ctypes.c_int
-    lib.exitlm_chan_drain.argtypes = [p, dbl]
-    lib.exitlm_chan_drain.restype = ctypes.c_int
-    lib.exitlm_chan_abort.argtypes = [p]
-    lib.exitlm_chan_abort.restype = None
-    lib.exitlm_chan_header_bytes.argtypes = []
-    lib.exitlm_chan_header_bytes.restype = i64
 
 
 def channel_bytes(capacity: int = DEFAULT_CAPACITY) -> int:
@@ -71,7 +50,7 @@ class ShmChannel:
 
     def __init__(self, path: str | Path, index: int, *, sender: bool,
                  capacity: int = DEFAULT_CAPACITY) -> None:
-        lib = native.bound(bind)
+        lib = native.library()
         if lib is None:
             raise RuntimeError(f"native kernels unavailable: {native.unavailable_reason()}")
         if lib.exitlm_chan_header_bytes() != HEADER_BYTES:
@@ -86,7 +65,7 @@ class ShmChannel:
             raise ValueError(f"{path}: no channel {index} of {capacity} bytes in it")
         header = self._map[:HEADER_BYTES].view(torch.int64)
         self._header = header
-        self._end = _End(self._map.data_ptr(), self._map.data_ptr() + HEADER_BYTES, capacity,
+        self._end = abi.Chan(self._map.data_ptr(), self._map.data_ptr() + HEADER_BYTES, capacity,
                          int(sender), 0)
         header[_SENDER_PID if sender else _RECEIVER_PID] = os.getpid()
         self._ptr = ctypes.addressof(self._end)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from exitlm.kernels import native
+from exitlm.kernels import abi, native
 
 FLAG_STRIDE = 16
 """int64 entries per rank's flag (``reduce.c``: one 128-byte line each)."""
@@ -32,24 +32,6 @@ _ERRORS = {-20: "a tensor-parallel peer did not reach the collective within {t:g
            -21: "a tensor-parallel peer failed (it marked the shared collective aborted)",
            -22: "bad arguments to the shared-memory collective",
            -23: "a tensor-parallel peer's process exited"}
-
-
-class _Region(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_void_p), ("data", ctypes.c_void_p),
-                ("cap", ctypes.c_int64), ("rank", ctypes.c_int64),
-                ("world", ctypes.c_int64), ("seq", ctypes.c_int64),
-                ("timeout_s", ctypes.c_double), ("watch", ctypes.c_int64)]
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the collectives' entry points of the native library."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.exitlm_reduce_sum.argtypes = [p, p, i64]
-    lib.exitlm_reduce_sum.restype = ctypes.c_int
-    lib.exitlm_reduce_gather.argtypes = [p, p, i64, p]
-    lib.exitlm_reduce_gather.restype = ctypes.c_int
-    lib.exitlm_reduce_abort.argtypes = [p]
-    lib.exitlm_reduce_abort.restype = None
 
 
 def region_bytes(world: int, capacity: int = DEFAULT_CAPACITY) -> int:
@@ -77,7 +59,7 @@ class ShmReducer:
 
     def __init__(self, path: str | Path, rank: int, world: int, *,
                  capacity: int = DEFAULT_CAPACITY, timeout_s: float = 300.0) -> None:
-        lib = native.bound(bind)
+        lib = native.library()
         if lib is None:
             raise RuntimeError(f"native kernels unavailable: {native.unavailable_reason()}")
         if not 0 <= rank < world:
@@ -89,7 +71,7 @@ class ShmReducer:
         self._map = torch.from_file(str(path), shared=True, size=words, dtype=torch.int64)
         flags = world * FLAG_STRIDE
         data = self._map[flags:].view(torch.float32)
-        self._region = _Region(self._map.data_ptr(), data.data_ptr(), capacity, rank, world, 0,
+        self._region = abi.Reduce(self._map.data_ptr(), data.data_ptr(), capacity, rank, world, 0,
                                float(timeout_s), 0)
         self._map[rank * FLAG_STRIDE + PID_SLOT] = os.getpid()
         self.pointer = ctypes.addressof(self._region)

@@ -211,8 +211,10 @@ def run(args: argparse.Namespace) -> int:
                          chat=args.chat, threads=args.threads)
         compared = comparison(result, plain)
     if args.json:
+        from exitlm.kernels import native  # lazy: loaded when the command runs
+
         out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
-               **result.to_dict()}
+               **result.to_dict(), "kernels": native.kernel_path().describe()}
         if theory is not None:
             out["ppd_theorem_4_1"] = theory
         if compared is not None:

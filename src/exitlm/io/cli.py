@@ -42,8 +42,11 @@ def register(subparsers: Any) -> None:
                         "allowed when DST is the source or contains it)")
     p.set_defaults(func=_convert)
 
-    q = subparsers.add_parser("info", help="describe a model: architecture, parameters, exits")
-    q.add_argument("model", metavar="MODEL", help="'default', a preset, a .gguf or a directory")
+    q = subparsers.add_parser("info", help="describe this installation (kernel path, torch) "
+                                           "and a model: architecture, parameters, exits")
+    q.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="'default', a preset, a .gguf or a directory (omit it to describe only "
+                        "the installation)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(func=_info)
 
@@ -146,12 +149,39 @@ def describe(loaded: Any) -> dict[str, Any]:
     return info
 
 
+def installation() -> dict[str, Any]:
+    """Facts about this installation: versions, threads, and which kernels run and why
+    (:func:`exitlm.kernels.loader.kernel_path`)."""
+    import platform
+
+    import torch
+
+    from exitlm import __version__
+    from exitlm.kernels import native
+
+    return {"exitlm": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "kernels": native.kernel_path().as_dict()}
+
+
 def _info(args: argparse.Namespace) -> int:
     from exitlm.io import load_model  # lazy: loaded when the command runs
+    from exitlm.kernels.loader import KernelPath
 
+    system = installation()
+    if args.model is None:
+        if args.json:
+            print(json.dumps(system, indent=2))
+            return 0
+        print(f"exitlm {system['exitlm']}  (torch {system['torch']}, python {system['python']}, "
+              f"{system['machine']}, {system['threads']} threads)")
+        print(f"  kernels       {KernelPath(**system['kernels']).describe()}")
+        if system["kernels"]["library"]:
+            print(f"  library       {system['kernels']['library']}")
+        return 0
     info = describe(load_model(args.model))
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps({**info, "installation": system}, indent=2))
         return 0
     p = info["parameters"]
     print(f"{info['name']}  ({info['source']})")
@@ -170,4 +200,5 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  tokenizer     vocab {t['vocab_size']}, bos {t['bos_token_id']}, eos "
               f"{t['eos_token_ids']}, pad {t['pad_token_id']}, add_bos {t['add_bos']}, "
               f"chat template {'yes' if t['chat_template'] else 'no'}")
+    print(f"  kernels       {KernelPath(**system['kernels']).describe()}")
     return 0

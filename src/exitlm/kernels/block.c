@@ -22,22 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
-                    int nthreads);
-int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
-                    int nthreads);
-int exitlm_gemm_q8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
-                   int64_t N, int64_t K, int nthreads);
-int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
-                   float *y, int64_t M, int64_t N, int64_t K, int nthreads);
-int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float *y, int64_t M,
-                     int64_t N, int64_t K, int nthreads);
-int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
-                     float *y, int64_t M, int64_t N, int64_t K, int nthreads);
-
-/* Tensor parallelism (reduce.c): the rank-order sum of a partial product over the ranks. */
-struct exitlm_reduce;
-int exitlm_reduce_sum(struct exitlm_reduce *r, float *x, int64_t n);
+#include "exitlm_native.h" /* the products of kernels.c, the reduce of reduce.c */
 
 /* Whether the blocks' int8 / int4 products round their activations to int8 first (kernels.c:
  * q8a8 / q4a8, as llama.cpp computes Q8_0 / Q4_x); on unless switched off. One setting for
@@ -51,22 +36,6 @@ int exitlm_set_int8_activations(int on) {
 }
 
 int exitlm_int8_activations(void) { return act8; }
-
-/* A weight of any format (the layout is mirrored by a ctypes.Structure in native.py). */
-typedef struct {
-    int64_t fmt; /* 0 f32, 1 f16, 2 q8, 3 q4 */
-    int64_t n, k;
-    const void *w; /* f32/f16 weight (n, k) or the quantized values */
-    const float *scales;
-    const float *mins;
-} exitlm_weight;
-
-/* The shapes and scalars of a block (mirrored in native.py). */
-typedef struct {
-    int64_t dim, heads, kv_heads, head_dim, hidden;
-    float eps;
-    float attn_scale;
-} exitlm_block_dims;
 
 /* x (M, k) times w^T; grouped weights with int8 activations when a8 (kernels.c's q8a8/q4a8),
  * else with float32 ones. */
@@ -209,23 +178,11 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
     return 0;
 }
 
-/* One layer of a chain (exitlm_llama_blocks): what exitlm_llama_block takes per layer. */
-typedef struct {
-    const exitlm_block_dims *d;
-    const float *norm1, *norm2;
-    const exitlm_weight *wqkv, *wo, *w_in, *w_out;
-    float *kc, *vc;
-    int64_t head_stride;
-    struct exitlm_reduce *red;
-} exitlm_layer;
-
 /* h (M, dim) <- layers[n-1](...layers[0](h)): consecutive blocks of one sequence in one call,
  * each exactly as exitlm_llama_block computes it (the same function, in order), so a chain
  * gives the bits of its layers called one by one. scratch: the largest need of the layers.
  * half_stream: round h to float16 after every block (exitlm_round_to_half), as a float16
  * model's blocks called one by one do. */
-void exitlm_round_to_half(float *x, int64_t n);
-
 int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
                         const float *cos_t, const float *ssin, int64_t start, float *scratch,
                         int nthreads, int half_stream) {

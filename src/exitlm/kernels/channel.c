@@ -29,6 +29,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "exitlm_native.h"
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -61,19 +63,6 @@
 #define SPIN_S 40e-6   /* busy-wait this long before sleeping */
 #define NAP_S 2e-3     /* a sleep lasts at most this long: deadline and peer checks between */
 #define CHECK_S 20e-3  /* how often a sleeping wait looks at the peer's process */
-
-/* One end of a channel (mirrored by a ctypes.Structure in exitlm/backend/native_channel.py). */
-typedef struct exitlm_chan {
-    int64_t *header;
-    uint8_t *ring;
-    int64_t cap;
-    int64_t sender; /* 1: this end sends, 0: it receives */
-    int64_t watch;  /* 1: a wait checks that the peer's process still lives */
-} exitlm_chan;
-
-/* reduce.c: the monotonic clock and the check that a peer's process still runs */
-double exitlm_now_s(void);
-int exitlm_process_alive(int64_t pid);
 
 static void nap(int64_t *word, int64_t seen, double max_s) {
 #ifdef __linux__

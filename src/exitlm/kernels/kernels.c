@@ -55,6 +55,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "exitlm_native.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -679,6 +681,44 @@ int exitlm_has_avx2(void) {
 #else
     return 0;
 #endif
+}
+
+int exitlm_abi_version(void) { return EXITLM_ABI_VERSION; }
+
+int64_t exitlm_struct_size(int which) {
+    switch (which) {
+    case EXITLM_STRUCT_WEIGHT: return (int64_t)sizeof(exitlm_weight);
+    case EXITLM_STRUCT_BLOCK_DIMS: return (int64_t)sizeof(exitlm_block_dims);
+    case EXITLM_STRUCT_LAYER: return (int64_t)sizeof(exitlm_layer);
+    case EXITLM_STRUCT_REDUCE: return (int64_t)sizeof(exitlm_reduce);
+    case EXITLM_STRUCT_CHAN: return (int64_t)sizeof(exitlm_chan);
+    }
+    return -1;
+}
+
+/* The instruction set this build was compiled for (the build system names its variants with
+ * -DEXITLM_ISA=...; a developer build with -march=native says "native"). */
+#ifndef EXITLM_ISA
+#define EXITLM_ISA "native"
+#endif
+const char *exitlm_isa(void) { return EXITLM_ISA; }
+
+/* What this CPU can run (EXITLM_CPU_* bits), asked of the CPU itself (cpuid and the OS's
+ * register saving, through the compiler's __builtin_cpu_supports), so that the loader can
+ * ask the baseline build before it loads a faster one. */
+int exitlm_cpu_features(void) {
+    int f = 0;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        f |= EXITLM_CPU_AVX2;
+    if ((f & EXITLM_CPU_AVX2) && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+        f |= EXITLM_CPU_AVX512;
+#endif
+    return f;
 }
 
 int exitlm_pool_workers(void) { return n_workers; }

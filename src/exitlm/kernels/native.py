@@ -1,130 +1,46 @@
-"""The native kernels of ``kernels.c``: compiled on first use, loaded with ctypes.
+"""The native products of ``kernels.c`` (loaded by :mod:`exitlm.kernels.loader`) with checks.
 
 Each ``gemm_*`` computes ``y[..., n] = sum_k x[..., k] * W[n, k]`` for a float32 ``x`` of shape
 ``(..., K)`` and returns float32 ``(..., N)``. With the native library the value of every output
 element is a fixed function of its row of ``x`` and its row of ``W`` (a fixed summation order,
-see ``kernels.c``): the same bits whatever the number of rows in the call and whatever
-``threads`` is. Decoders rely on this to make 1-row decoding and k-row draft verification give
-identical tokens.
+see ``kernels.c``): the same bits whatever the number of rows in the call, whatever
+``threads`` is and whatever instruction set the loaded build uses. Decoders rely on this to
+make 1-row decoding and k-row draft verification give identical tokens.
 
-The library is compiled with ``cc -O3 -march=native -fPIC -shared -std=c11 -pthread`` (never
-``-ffast-math``, which would let the compiler reorder the sums) into
-``$EXITLM_CACHE/kernels/`` (default ``~/.cache/exitlm/kernels/``), named by the SHA-256 of
-the source, the flags, ``cc --version`` and the platform, and written atomically (compile to a
-temporary name in the same directory, then ``os.replace``), so concurrent first uses are safe.
-``EXITLM_NATIVE=0`` disables it; a missing compiler or a failed build warns once and every
-function falls back to a torch reference path (same values up to rounding, but *not*
-row-invariant: BLAS may change its blocking with the number of rows).
+How the library is built, chosen and loaded (installed per-ISA builds, ``EXITLM_NATIVE``):
+:mod:`exitlm.kernels.loader`. Without it every function falls back to a torch reference path
+(same values up to rounding, but *not* row-invariant: BLAS may change its blocking with the
+number of rows).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from exitlm.errors import warn
+from exitlm.kernels import loader
 
 __all__ = [
-    "CFLAGS",
     "BoundGemm",
     "available",
     "bind",
+    "forget",
     "gemm_f16",
     "gemm_f32",
     "gemm_q4",
     "gemm_q8",
     "int8_activations",
+    "kernel_path",
+    "library",
     "library_path",
     "set_int8_activations",
     "unavailable_reason",
 ]
-
-CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread")
-_SOURCES = tuple(Path(__file__).with_name(f)
-                 for f in ("kernels.c", "block.c", "reduce.c", "channel.c"))
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib", "path", "reason": set once by _load()
-
-
-def _cache_dir() -> Path:
-    """``$EXITLM_CACHE/kernels`` (default ``~/.cache/exitlm/kernels``, exitlm's cache)."""
-    root = os.environ.get("EXITLM_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "exitlm"
-    return base / "kernels"
-
-
-def _cc_version(cc: str) -> str:
-    """``cc --version`` output (part of the cache key: a new compiler means a new build)."""
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
-    return out.stdout
-
-
-def _build(cc: str) -> Path:
-    """Compile the C sources (``kernels.c``, ``block.c``, ``reduce.c``, ``channel.c``)
-    unless a library for these sources, flags, compiler and platform exists."""
-    key = hashlib.sha256()
-    parts = [src.read_bytes() for src in _SOURCES]
-    for part in (*parts, " ".join(CFLAGS).encode(), _cc_version(cc).encode(),
-                 platform.platform().encode(), platform.machine().encode()):
-        key.update(part)
-        key.update(b"\0")
-    out_dir = _cache_dir()
-    target = out_dir / f"{key.hexdigest()}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            msg = (proc.stderr or proc.stdout).strip().splitlines()
-            raise RuntimeError(f"{cc} failed: {msg[0] if msg else proc.returncode}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    """Declare the C signatures once (ctypes then converts ints without guessing)."""
-    lib.exitlm_gemm_f32.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
-    lib.exitlm_gemm_f16.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
-    lib.exitlm_gemm_q8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
-    lib.exitlm_gemm_q4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT]
-    lib.exitlm_gemm_q8a8.argtypes = lib.exitlm_gemm_q8.argtypes
-    lib.exitlm_gemm_q4a8.argtypes = lib.exitlm_gemm_q4.argtypes
-    for name in ("exitlm_gemm_f32", "exitlm_gemm_f16", "exitlm_gemm_q8", "exitlm_gemm_q4",
-                 "exitlm_gemm_q8a8", "exitlm_gemm_q4a8"):
-        getattr(lib, name).restype = _INT
-    lib.exitlm_has_avx2.argtypes = []
-    lib.exitlm_has_avx2.restype = _INT
-    lib.exitlm_pool_workers.argtypes = []
-    lib.exitlm_pool_workers.restype = _INT
-    lib.exitlm_set_spin.argtypes = [_INT]
-    lib.exitlm_set_spin.restype = None
-    lib.exitlm_set_int8_activations.argtypes = [_INT]
-    lib.exitlm_set_int8_activations.restype = _INT
-    lib.exitlm_int8_activations.argtypes = []
-    lib.exitlm_int8_activations.restype = _INT
-    lib.exitlm_set_int8_activations(int(_env_int8_activations()))
-
 
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on", "")
@@ -171,67 +87,51 @@ def set_int8_activations(on: bool) -> bool:
 
 
 def _load() -> ctypes.CDLL | None:
-    """The loaded library, or None (the reason is in ``_state["reason"]``); tried once."""
-    if "reason" in _state:
-        return _state.get("lib")  # type: ignore[return-value]
-    with _lock:
-        if "reason" in _state:
-            return _state.get("lib")  # type: ignore[return-value]
-        lib = None
-        reason = ""
-        if os.environ.get("EXITLM_NATIVE", "1").strip().lower() in _OFF:
-            reason = "disabled by EXITLM_NATIVE=0"
-        else:
-            try:
-                path = _build(os.environ.get("EXITLM_CC", "cc"))
-                lib = ctypes.CDLL(str(path))
-                _bind(lib)
-                _state["path"] = path
-            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-                lib = None
-                reason = f"native kernels unavailable ({type(exc).__name__}: {exc})"
-                warn(f"{reason}; using the torch reference path (not row-invariant)")
-        _state["lib"] = lib
-        _state["reason"] = reason
-        if lib is not None:
-            _bind_fast(lib)
-        return lib
+    """The loaded library, or None (the reason is in :func:`unavailable_reason`)."""
+    if _f32 is not None:
+        return loader.library()
+    lib = loader.library()
+    if lib is not None:
+        lib.exitlm_set_int8_activations(int(_env_int8_activations()))
+        _bind_fast(lib)
+    return lib
+
+
+def forget() -> None:
+    """Forget the loaded library, so that the next call finds and loads it again under the
+    environment of that moment (tests switching ``EXITLM_NATIVE``)."""
+    global _f32, _f16, _q8, _q4, _q8a8, _q4a8
+    loader.reset()
+    _f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = None
 
 
 def available() -> bool:
-    """Whether the native library is compiled and loaded (compiles it on first call)."""
+    """Whether the native library is loaded (finds and loads it on first call)."""
     return _load() is not None
 
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ('' when it is True)."""
     _load()
-    return str(_state["reason"])
+    path = loader.kernel_path()
+    return "" if path.backend == "native" else f"native kernels unavailable: {path.reason}"
 
 
-def bound(bind: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """The library with the signatures ``bind`` declares (once per ``bind``): the modules
-    wrapping the other C files (``block.c``, ``reduce.c``, ``channel.c``) declare their own
-    entry points when they first use them; declaring twice is harmless."""
-    lib = library()
-    if lib is not None and bind not in _declared:
-        bind(lib)
-        _declared.add(bind)
-    return lib
-
-
-_declared: set[Callable[[ctypes.CDLL], None]] = set()
+def kernel_path() -> loader.KernelPath:
+    """Which kernels run and why (:class:`exitlm.kernels.loader.KernelPath`)."""
+    _load()
+    return loader.kernel_path()
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded library (None without one): for :mod:`exitlm.kernels.native_block`."""
+    """The loaded library, every signature declared (None without one)."""
     return _load()
 
 
 def library_path() -> Path | None:
     """Path of the loaded shared library (None without one)."""
-    _load()
-    return _state.get("path")  # type: ignore[return-value]
+    path = kernel_path().library
+    return Path(path) if path else None
 
 
 # Bound C functions (set by _bind_fast) - module globals keep the per-call lookups minimal.

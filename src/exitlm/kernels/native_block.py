@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from exitlm.kernels import abi
 from exitlm.kernels.quant import QuantizedWeight
 from exitlm.kernels.quantized import QuantizedLinear
 from exitlm.model.layers import MLP, Attention, Linear, Norm
@@ -35,46 +36,7 @@ MAX_ROWS = 16
 _FORMATS = {"int8": 2, "int4": 3}
 
 
-class _Weight(ctypes.Structure):
-    _fields_ = [("fmt", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
-
-
-class _Dims(ctypes.Structure):
-    _fields_ = [("dim", ctypes.c_int64), ("heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-                ("hidden", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):
-    """One layer of a chain (``block.c``'s ``exitlm_layer``)."""
-
-    _fields_ = [("d", ctypes.c_void_p), ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
-                ("wqkv", ctypes.c_void_p), ("wo", ctypes.c_void_p), ("w_in", ctypes.c_void_p),
-                ("w_out", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
-                ("head_stride", ctypes.c_int64), ("red", ctypes.c_void_p)]
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the block entry points of the native library."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.exitlm_llama_block.argtypes = [p, i64, p, p, p, p, p, p, p, p, p, p, p, i64, i64, p,
-                                       ctypes.c_int, p]
-    lib.exitlm_llama_block.restype = ctypes.c_int
-    lib.exitlm_llama_blocks.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int,
-                                        ctypes.c_int]
-    lib.exitlm_llama_blocks.restype = ctypes.c_int
-    lib.exitlm_round_to_half.argtypes = [p, i64]
-    lib.exitlm_round_to_half.restype = None
-    lib.exitlm_block_scratch.argtypes = [p, i64, i64]
-    lib.exitlm_block_scratch.restype = i64
-    lib.exitlm_chain.argtypes = [i64, i64, i64, p, p, p, i64, p, p, ctypes.c_float, p, p,
-                                 ctypes.c_float, p, p, p, p, p, ctypes.c_int]
-    lib.exitlm_chain.restype = ctypes.c_int
-    lib.exitlm_segments.argtypes = [p, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p, p, p,
-                                    p, ctypes.c_float, p, p, p, ctypes.c_int, p]
-    lib.exitlm_segments.restype = ctypes.c_int
+_Weight, _Dims, _Layer = abi.Weight, abi.BlockDims, abi.Layer
 
 
 def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:

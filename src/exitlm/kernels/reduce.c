@@ -30,6 +30,8 @@
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
+
+#include "exitlm_native.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define RELAX() _mm_pause()
@@ -39,17 +41,6 @@
 
 #define FLAG_STRIDE 16 /* int64 per flag: one 128-byte line each, no false sharing */
 #define SPINS_BEFORE_YIELD 2000 /* ~50 us of PAUSE; then share the core */
-
-/* One rank's view of the shared region (mirrored by a ctypes.Structure in
- * exitlm/backend/native_reduce.py). flags: world flags FLAG_STRIDE apart; data: 2 buffers of
- * world slots of `cap` floats. */
-typedef struct exitlm_reduce {
-    int64_t *flags;
-    float *data;
-    int64_t cap, rank, world, seq;
-    double timeout_s;
-    int64_t watch; /* 1: check that waited-for peers' processes still live (see exitlm_process_alive) */
-} exitlm_reduce;
 
 #define ERR_TIMEOUT (-20)
 #define ERR_PEER (-21)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 from exitlm.kernels import native as native_lib
-from exitlm.kernels import native_block
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.graphs import GraphRunner, graphs_wanted
 from exitlm.runtime.native import NativeRunner
@@ -48,9 +47,9 @@ def prepare(model: EarlyExitLM, *, backend: Backend = "auto", pack_rows: bool = 
     if device.type != "cpu":
         return Runner(model)
     if backend == "native":
-        lib = native_lib.bound(native_block.bind)
+        lib = native_lib.library()
         if lib is None:
-            raise RuntimeError(f"the native kernels are unavailable: "
+            raise RuntimeError(f"backend 'native': "
                                f"{native_lib.unavailable_reason()}")
         return NativeRunner(model, lib, pack_rows=pack_rows)
     return Runner(model, Products(model, pack_rows=pack_rows))

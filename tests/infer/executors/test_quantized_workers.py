@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _byte_models import sharp_model
+from _native import needs_native
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
 from exitlm.infer.executors.pipeline import PipelineExecutor
@@ -25,7 +26,7 @@ from exitlm.kernels.quantized import quantize_model
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import NativeRunner, prepare
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+pytestmark = needs_native
 
 VOCAB = 40
 NEW = 24

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from _byte_models import sharp_model
 from _dist import free_port, run_processes
+from _native import needs_native
 from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError, ExitConfig, ModelConfig
 from exitlm.infer import generate
@@ -223,7 +224,7 @@ def _native_shard(rank: int, world: int, port: int, root: str, kind: str) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+@needs_native
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_quantized_shards_blocks_are_native_calls_with_their_sums(kind: str,
                                                                    tmp_path: Path) -> None:
