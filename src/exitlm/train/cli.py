@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
                         "heads) start from scratch instead of being an error (logged)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, extra_positionals="overrides")
 
     e = subparsers.add_parser(
         "eval", help="per-exit loss, perplexity, accuracy and agreement with the final layer",
