@@ -59,14 +59,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     dest = getattr(args, "extra_positionals", None)
     stray = [a for a in extra if a.startswith("-")] if dest else extra
     command = getattr(args, "command", None)
-    sub = _subparsers(parser).get(command) if command else None
+    sub = subparsers(parser).get(command) if command else None
     if stray or not dest:
         (sub or parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
     getattr(args, dest).extend(extra)
     return args
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The sub-command parsers of ``parser`` by name (empty if it has none)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)

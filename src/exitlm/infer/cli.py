@@ -21,30 +21,45 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from exitlm.args import int_at_least
 from exitlm.config import ConfigError, ExitConfig
-from exitlm.infer.api import generate
-from exitlm.infer.executors.run import distributed_generate, distributed_mode
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.ppd import PPDStats
-from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
-from exitlm.infer.threads import set_threads
-from exitlm.io import load_model
-from exitlm.io.token_order import rank_model_tokens
-from exitlm.runtime import prepare
-from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
-DTYPES: dict[str, torch.dtype | str] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": "int8", "int4": "int4",  # weight-only quantized (exitlm.kernels.quantized)
-}
+if TYPE_CHECKING:
+    import torch
+
+    from exitlm.infer.result import GenerationResult
+    from exitlm.tokenizer import Tokenizer
+
+
+class _Dtypes(Mapping[str, Any]):
+    """``--dtype`` names -> torch dtypes (or the quantized formats' names); the names are
+    known without importing torch, the values import it when first read."""
+
+    NAMES = ("float32", "float16", "bfloat16", "int8", "int4")
+
+    def __getitem__(self, name: str) -> torch.dtype | str:
+        if name not in self.NAMES:
+            raise KeyError(name)
+        if name in ("int8", "int4"):  # weight-only quantized (exitlm.kernels.quantized)
+            return name
+        import torch  # lazy: --help and argument errors import no torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+DTYPES: Mapping[str, Any] = _Dtypes()
 
 
 def register(subparsers: Any) -> None:
@@ -119,6 +134,7 @@ def unescape(text: str) -> str:
 def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
     """Load a model for decoding; strategies other than ``ar`` need exits, so a model without
     any gets LayerSkip-style exits at every layer (through the final norm and head)."""
+    from exitlm.io import load_model  # lazy: the commands' parsers import no torch
 
     loaded = load_model(source, dtype=dtype)
     if strategy != "ar" and not loaded.model.config.exit_layers:
@@ -133,6 +149,8 @@ def rank_draft_vocab(model: Any, tokenizer: Any, options: Any) -> None:
     """A draft vocabulary of ``N < V`` ids (``draft_vocab`` in ``options``, a dict or a
     strategy's options) drafts over the model's ``N`` most frequent tokens: rank them on the
     default corpus with ``tokenizer`` once (cached, :mod:`exitlm.io.token_order`)."""
+    from exitlm.io.token_order import rank_model_tokens  # lazy: parsers import no torch
+
     n = options.get("draft_vocab") if isinstance(options, dict) else \
         getattr(options, "draft_vocab", None)
     rank_model_tokens(model, tokenizer, n)
@@ -154,6 +172,15 @@ def tokenizer_for(loaded: Any, source: str) -> Tokenizer:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm generate``; returns the exit status (bad input raises an
     :class:`~exitlm.errors.ExitlmError`, which ``exitlm`` prints as one line)."""
+    from exitlm.infer.api import generate  # lazy: no torch for --help
+    from exitlm.infer.executors.run import (  # lazy: no torch for --help
+        distributed_generate,
+        distributed_mode,
+    )
+    from exitlm.infer.options import SamplingOptions  # lazy: no torch for --help
+    from exitlm.infer.threads import set_threads  # lazy: no torch for --help
+    from exitlm.runtime import prepare  # lazy: no torch for --help
+
     prompts = _collect_prompts(args)
     sampling = SamplingOptions(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -327,6 +354,7 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 def ppd_theory_of(result: GenerationResult, num_layers: int) -> dict[str, float] | None:
     """PPD Theorem 4.1's prediction for a ``ppd`` result's measured ``p_correct`` (per
     sequence of the mean length), or ``None`` for other strategies / nothing forked."""
+    from exitlm.infer.ppd import PPDStats  # lazy: the commands' parsers import no torch
 
     st = result.stats
     if not isinstance(st, PPDStats) or not st.forks or not result.sequences:
@@ -355,6 +383,8 @@ def byte_level_tokenizer() -> Tokenizer:
     """A tokenizer with one token per byte (id = byte value) for models shipped without one
     (presets with ``vocab_size >= 256``)."""
     import tokenizers
+
+    from exitlm.tokenizer import Tokenizer, byte_level_alphabet  # lazy: parsers import no torch
 
     char_of = byte_level_alphabet()
     vocab = {char_of[b]: b for b in range(256)}

@@ -8,13 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from exitlm.config import ConfigError
-from exitlm.io.hf_map import CheckpointError
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# --dtype names -> torch dtype names (torch is imported when the command runs)
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16",
+           "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +50,9 @@ def _convert(args: argparse.Namespace) -> int:
     if args.quantize and args.to == "hf":
         raise ConfigError("--quantize writes exitlm checkpoints only; drop --to hf")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
-    loaded = load_model(args.src, dtype=args.quantize or _DTYPES[args.dtype])
+    import torch  # lazy: loaded when the command runs
+
+    loaded = load_model(args.src, dtype=args.quantize or getattr(torch, _DTYPES[args.dtype]))
     write = export_hf if args.to == "hf" else save_model
     out = write(loaded, dst, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint to {out}")
@@ -77,6 +77,7 @@ def source_paths(src: str) -> list[Path]:
     elif src == "default":
         # lazy: loaded when the command runs
         from exitlm.io.default_model import cache_dir_for, default_gguf_path
+        from exitlm.io.hf_map import CheckpointError  # lazy: loaded when the command runs
 
         try:
             gguf = default_gguf_path()
@@ -90,6 +91,8 @@ def source_paths(src: str) -> list[Path]:
 
 def check_not_source(dst: Path, sources: list[Path]) -> None:
     """Refuse an output directory that is a source of the conversion or contains one."""
+    from exitlm.io.hf_map import CheckpointError  # lazy: loaded when the command runs
+
     target = dst.resolve()
     for src in sources:
         real = src.resolve()

@@ -22,7 +22,7 @@ from exitlm.errors import ExitlmError
 
 def register(subparsers: Any) -> None:
     """Add the ``train`` and ``eval`` sub-commands."""
-    from exitlm.train.config import PRESETS  # lazy: loaded when the command runs
+    from exitlm.train.presets import PRESETS  # lazy: loaded when the command runs
 
     p = subparsers.add_parser(
         "train", help="train a model with early exits (EE-LLM / LayerSkip / exit tuning)",
