@@ -60,6 +60,7 @@ class _Dtypes(Mapping[str, Any]):
 
 
 DTYPES: Mapping[str, Any] = _Dtypes()
+_MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file larger than this is refused
 
 
 def register(subparsers: Any) -> None:
@@ -92,7 +93,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the model's end-of-sequence token")
     p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as a user message with the chat template")
+                   help="wrap each prompt as a user message with the model's chat template "
+                        "(a model without one is refused unless --chat-template is given)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
+                   help="with --chat: a Jinja chat template file to use instead of the "
+                        "model's, or 'chatml' for ChatML (<|im_start|>role ... <|im_end|>)")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
     p.add_argument("--threads", type=int_at_least(1), default=None,
@@ -169,6 +174,37 @@ def tokenizer_for(loaded: Any, source: str) -> Tokenizer:
     return byte_level_tokenizer()
 
 
+def use_chat_template(tokenizer: Tokenizer, source: str, template: str | None,
+                      chat: bool = True) -> None:
+    """``--chat``: the model's own template, or the one ``--chat-template`` names; a model
+    without a template is refused instead of wrapped in a format it was never trained on."""
+    if template is not None and not chat:
+        raise ConfigError("--chat-template applies to --chat; add --chat")
+    if template is None:
+        if tokenizer.chat_template:
+            return
+        raise ConfigError(
+            f"--chat: model {source!r} has no chat template, so there is no format it was "
+            "trained to read messages in",
+            hint="pass --chat-template FILE (a Jinja template) or --chat-template chatml to "
+                 "choose one, or drop --chat to send the prompt as it is")
+    if template == "chatml":
+        from exitlm.tokenizer import CHATML_TEMPLATE  # lazy: no torch for --help
+
+        tokenizer.chat_template = CHATML_TEMPLATE
+        return
+    path = Path(template).expanduser()
+    try:
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+            raise ConfigError(f"--chat-template {template}: larger than "
+                              f"{_MAX_TEMPLATE_BYTES // 1024} KiB; expected a Jinja template")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or "not UTF-8 text"
+        raise ConfigError(f"--chat-template {template}: cannot read it ({reason}); expected "
+                          "a Jinja template file or 'chatml'") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm generate``; returns the exit status (bad input raises an
     :class:`~exitlm.errors.ExitlmError`, which ``exitlm`` prints as one line)."""
@@ -203,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args.threads)  # loading and prefill use them too
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
+    if args.chat or args.chat_template is not None:
+        use_chat_template(tokenizer, args.model, args.chat_template, args.chat)
     rank_draft_vocab(loaded.model, tokenizer, overrides)
     num_layers = loaded.model.num_layers
     colour = args.show_exits and (
@@ -372,6 +410,8 @@ def _summary(result: GenerationResult, theory: dict[str, float] | None = None) -
     if not extra and result.strategy == "early-exit":
         extra = f"early exits {result.exits().early_exit_fraction:.1%}"
     extra = f"; {extra}" if extra else ""
+    if t.startup_s > 0:
+        extra += f"; worker start {t.startup_s:.1f} s (not in prefill)"
     return (
         f"[{t.new_tokens} new tokens in {len(result.sequences)} sequence(s); prefill "
         f"{t.prefill_s * 1e3:.0f} ms ({t.prompt_tokens} prompt tokens), decode "

@@ -151,6 +151,11 @@ class PPDDecoder(Decoder):
     def max_lookahead(self) -> int:
         return 2
 
+    @property
+    def startup_s(self) -> float:
+        """Seconds spent starting the branches' worker process (``--ppd-workers process``)."""
+        return float(getattr(self.branches, "startup_s", 0.0))
+
     def check(self, seq: Seq) -> None:
         if not seq.sampling.greedy:
             raise ConfigError("ppd is exact greedy decoding; use temperature=0")
