@@ -48,9 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``. A sub-command that sets ``extra_positionals=DEST`` (a list
+    positional) also takes positionals that options separate from the first ones
+    (``train -c tiny a=1 --resume b=2``), which plain argparse rejects; anything else
+    unrecognized is an error of the sub-command's parser, naming the arguments."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    dest = getattr(args, "extra_positionals", None)
+    stray = [a for a in extra if a.startswith("-")] if dest else extra
+    command = getattr(args, "command", None)
+    sub = subparsers(parser).get(command) if command else None
+    if stray or not dest:
+        (sub or parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    getattr(args, dest).extend(extra)
+    return args
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The sub-command parsers of ``parser`` by name (empty if it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

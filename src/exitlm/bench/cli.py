@@ -17,22 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exitlm.args import int_at_least, int_list
-from exitlm.bench.run import (
-    OURS,
-    THEIRS,
-    Bench,
-    BenchConfig,
-    describe,
-    run_comparison,
-    sweep_self_spec,
-    sweep_thresholds,
-)
+from exitlm.bench.names import OURS, THEIRS
 from exitlm.config import ConfigError
 from exitlm.infer.flags import add_strategy_flags, strategies_taking
 from exitlm.infer.strategies import STRATEGIES
+
+if TYPE_CHECKING:
+    from exitlm.bench.run import BenchConfig
 
 # --exit-layer is the draft exit of self-spec (and transformers' assistant_early_exit) in the
 # benchmark, not early-exit's fixed exit; hf-ee mirrors self-spec's drafting options
@@ -105,6 +99,8 @@ def _floats(text: str) -> list[float]:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    from exitlm.bench.run import BenchConfig  # lazy: the parser imports no torch
+
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     options: dict[str, dict[str, Any]] = {}
     names = {f for s in STRATEGIES.values() for f in s.options_type.__dataclass_fields__}
@@ -125,6 +121,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm bench``; returns the exit status (bad input raises an
     :class:`~exitlm.errors.ExitlmError`)."""
+    # lazy: the parser imports no torch
+    from exitlm.bench.run import Bench, describe, run_comparison, sweep_self_spec, sweep_thresholds
+
     cfg = config_from_args(args)
     out_dir: Path = args.out_dir
     try:

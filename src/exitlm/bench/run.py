@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from exitlm.bench.names import OURS, THEIRS
 from exitlm.config import ConfigError, ExitConfig
 from exitlm.infer.api import generate
 from exitlm.infer.cli import byte_level_tokenizer
@@ -47,9 +48,6 @@ from exitlm.io.save import export_hf
 from exitlm.io.token_order import rank_model_tokens
 from exitlm.plan import ppd_theory
 from exitlm.runtime import prepare
-
-OURS = ("ar", "early-exit", "self-spec", "ppd")
-THEIRS = ("hf", "hf-ee")
 
 
 @dataclass

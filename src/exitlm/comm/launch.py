@@ -56,9 +56,13 @@ def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
     ``timeout_s``. (Rank 0 notices a child that dies before joining at once, see
     :func:`start_workers`.)"""
     meet = timedelta(seconds=max(timeout_s, RENDEZVOUS_S))
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, meet, wait_for_workers=True)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    where = f"127.0.0.1:{port}"
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, meet, wait_for_workers=True)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except dist.DistError as err:
+        raise rendezvous_failed(err, rank, world, where, meet.total_seconds()) from err
 
 
 def torchrun_world() -> int:
@@ -69,8 +73,32 @@ def torchrun_world() -> int:
 def join_torchrun(timeout_s: float) -> tuple[int, int]:
     """Join the job ``torchrun`` started (gloo, ``timeout_s``); returns (rank, world)."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        init_torchrun_group("gloo", timeout_s)
     return dist.get_rank(), dist.get_world_size()
+
+
+def init_torchrun_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` from torchrun's environment; a rank that cannot meet the others
+    (one stopped or failed during start-up) is one :class:`ParallelError` naming this rank and
+    the store, instead of torch's ``DistStoreError``."""
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except dist.DistError as err:
+        env = os.environ
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+        raise rendezvous_failed(err, int(env.get("RANK", "-1")),
+                                int(env.get("WORLD_SIZE", "0")), where, timeout_s) from err
+
+
+def rendezvous_failed(err: Exception, rank: int, world: int, where: str,
+                      waited_s: float) -> ParallelError:
+    """The error of a rank that could not join its group at the store ``where``."""
+    detail = " ".join(str(err).split())[:200]
+    return ParallelError(
+        f"rank {rank} of {world} could not meet the other ranks at the rendezvous store "
+        f"{where} within {waited_s:g} s: another rank stopped or failed during start-up "
+        f"({type(err).__name__}: {detail})",
+        hint="look for the first error of the other ranks; rerun the whole job")
 
 
 def _child(index: int, fn: Callable[..., None], world: int, port: int, timeout_s: float,

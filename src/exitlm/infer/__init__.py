@@ -6,23 +6,66 @@ and one result type.
 join and leave a running batch (:mod:`exitlm.infer.engine`).
 """
 
-from exitlm.infer.api import encode_prompts, generate
-from exitlm.infer.autoregressive import AROptions
-from exitlm.infer.early_exit import EarlyExitOptions
-from exitlm.infer.engine import Engine, EngineFull
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.ppd import PPDOptions
-from exitlm.infer.request import Request, Update
-from exitlm.infer.result import (
-    DecodeStats,
-    ExitSummary,
-    GenerationResult,
-    SequenceResult,
-    Timings,
-)
-from exitlm.infer.self_speculative import SelfSpecOptions
-from exitlm.infer.stopping import TextTracker
-from exitlm.infer.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from exitlm.infer.api import encode_prompts, generate
+    from exitlm.infer.engine import Engine, EngineFull
+    from exitlm.infer.options import SamplingOptions
+    from exitlm.infer.request import Request, Update
+    from exitlm.infer.result import (
+        DecodeStats,
+        ExitSummary,
+        GenerationResult,
+        SequenceResult,
+        Timings,
+    )
+    from exitlm.infer.stopping import TextTracker
+    from exitlm.infer.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
+    from exitlm.infer.strategy_options import (
+        AROptions,
+        EarlyExitOptions,
+        PPDOptions,
+        SelfSpecOptions,
+    )
+
+# The public names, loaded on first use (PEP 562): the strategy registry and the
+# command-line flags must load without torch.
+_HOMES = {
+    "encode_prompts": "exitlm.infer.api",
+    "generate": "exitlm.infer.api",
+    "AROptions": "exitlm.infer.strategy_options",
+    "EarlyExitOptions": "exitlm.infer.strategy_options",
+    "Engine": "exitlm.infer.engine",
+    "EngineFull": "exitlm.infer.engine",
+    "SamplingOptions": "exitlm.infer.options",
+    "PPDOptions": "exitlm.infer.strategy_options",
+    "Request": "exitlm.infer.request",
+    "Update": "exitlm.infer.request",
+    "DecodeStats": "exitlm.infer.result",
+    "ExitSummary": "exitlm.infer.result",
+    "GenerationResult": "exitlm.infer.result",
+    "SequenceResult": "exitlm.infer.result",
+    "Timings": "exitlm.infer.result",
+    "SelfSpecOptions": "exitlm.infer.strategy_options",
+    "TextTracker": "exitlm.infer.stopping",
+    "STRATEGIES": "exitlm.infer.strategies",
+    "Strategy": "exitlm.infer.strategies",
+    "get_strategy": "exitlm.infer.strategies",
+    "register_strategy": "exitlm.infer.strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'exitlm.infer' has no attribute {name!r}")
+    import importlib  # lazy: the public names load on first use
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "STRATEGIES",

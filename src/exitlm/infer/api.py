@@ -85,7 +85,7 @@ def generate(
     seqs = [r.result(num_layers) for r in reqs]
     t_first = max(r.t_first for r in reqs)
     timings = Timings(
-        prefill_s=engine.prefill_s, decode_s=engine.decode_s,
+        prefill_s=engine.prefill_s, decode_s=engine.decode_s, startup_s=engine.startup_s,
         prompt_tokens=sum(len(ids) for ids in prompt_ids),
         new_tokens=sum(len(s.token_ids) for s in seqs),
         decode_tokens=sum(max(0, len(s.token_ids) - 1) for s in seqs),

@@ -8,15 +8,9 @@ sequence at that sequence's own position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from exitlm.infer.decoder import Batch, Decoder, Emit, last_positions, prefill_hidden
+from exitlm.infer.strategy_options import AROptions  # noqa: F401 - re-exported
 from exitlm.runtime.runner import Runner
-
-
-@dataclass(frozen=True)
-class AROptions:
-    """Options of plain autoregressive decoding (none beyond :class:`SamplingOptions`)."""
 
 
 class DepthDecoder(Decoder):

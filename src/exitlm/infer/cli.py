@@ -21,30 +21,46 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from exitlm.args import int_at_least
 from exitlm.config import ConfigError, ExitConfig
-from exitlm.infer.api import generate
-from exitlm.infer.executors.run import distributed_generate, distributed_mode
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
-from exitlm.infer.options import SamplingOptions
-from exitlm.infer.ppd import PPDStats
-from exitlm.infer.result import GenerationResult
 from exitlm.infer.strategies import STRATEGIES
-from exitlm.infer.threads import set_threads
-from exitlm.io import load_model
-from exitlm.io.token_order import rank_model_tokens
-from exitlm.runtime import prepare
-from exitlm.tokenizer import Tokenizer, byte_level_alphabet
 
-DTYPES: dict[str, torch.dtype | str] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": "int8", "int4": "int4",  # weight-only quantized (exitlm.kernels.quantized)
-}
+if TYPE_CHECKING:
+    import torch
+
+    from exitlm.infer.result import GenerationResult
+    from exitlm.tokenizer import Tokenizer
+
+
+class _Dtypes(Mapping[str, Any]):
+    """``--dtype`` names -> torch dtypes (or the quantized formats' names); the names are
+    known without importing torch, the values import it when first read."""
+
+    NAMES = ("float32", "float16", "bfloat16", "int8", "int4")
+
+    def __getitem__(self, name: str) -> torch.dtype | str:
+        if name not in self.NAMES:
+            raise KeyError(name)
+        if name in ("int8", "int4"):  # weight-only quantized (exitlm.kernels.quantized)
+            return name
+        import torch  # lazy: --help and argument errors import no torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+DTYPES: Mapping[str, Any] = _Dtypes()
+_MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file larger than this is refused
 
 
 def register(subparsers: Any) -> None:
@@ -77,7 +93,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the model's end-of-sequence token")
     p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as a user message with the chat template")
+                   help="wrap each prompt as a user message with the model's chat template "
+                        "(a model without one is refused unless --chat-template is given)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
+                   help="with --chat: a Jinja chat template file to use instead of the "
+                        "model's, or 'chatml' for ChatML (<|im_start|>role ... <|im_end|>)")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
     p.add_argument("--threads", type=int_at_least(1), default=None,
@@ -119,6 +139,7 @@ def unescape(text: str) -> str:
 def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
     """Load a model for decoding; strategies other than ``ar`` need exits, so a model without
     any gets LayerSkip-style exits at every layer (through the final norm and head)."""
+    from exitlm.io import load_model  # lazy: the commands' parsers import no torch
 
     loaded = load_model(source, dtype=dtype)
     if strategy != "ar" and not loaded.model.config.exit_layers:
@@ -133,6 +154,8 @@ def rank_draft_vocab(model: Any, tokenizer: Any, options: Any) -> None:
     """A draft vocabulary of ``N < V`` ids (``draft_vocab`` in ``options``, a dict or a
     strategy's options) drafts over the model's ``N`` most frequent tokens: rank them on the
     default corpus with ``tokenizer`` once (cached, :mod:`exitlm.io.token_order`)."""
+    from exitlm.io.token_order import rank_model_tokens  # lazy: parsers import no torch
+
     n = options.get("draft_vocab") if isinstance(options, dict) else \
         getattr(options, "draft_vocab", None)
     rank_model_tokens(model, tokenizer, n)
@@ -151,9 +174,49 @@ def tokenizer_for(loaded: Any, source: str) -> Tokenizer:
     return byte_level_tokenizer()
 
 
+def use_chat_template(tokenizer: Tokenizer, source: str, template: str | None,
+                      chat: bool = True) -> None:
+    """``--chat``: the model's own template, or the one ``--chat-template`` names; a model
+    without a template is refused instead of wrapped in a format it was never trained on."""
+    if template is not None and not chat:
+        raise ConfigError("--chat-template applies to --chat; add --chat")
+    if template is None:
+        if tokenizer.chat_template:
+            return
+        raise ConfigError(
+            f"--chat: model {source!r} has no chat template, so there is no format it was "
+            "trained to read messages in",
+            hint="pass --chat-template FILE (a Jinja template) or --chat-template chatml to "
+                 "choose one, or drop --chat to send the prompt as it is")
+    if template == "chatml":
+        from exitlm.tokenizer import CHATML_TEMPLATE  # lazy: no torch for --help
+
+        tokenizer.chat_template = CHATML_TEMPLATE
+        return
+    path = Path(template).expanduser()
+    try:
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+            raise ConfigError(f"--chat-template {template}: larger than "
+                              f"{_MAX_TEMPLATE_BYTES // 1024} KiB; expected a Jinja template")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or "not UTF-8 text"
+        raise ConfigError(f"--chat-template {template}: cannot read it ({reason}); expected "
+                          "a Jinja template file or 'chatml'") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm generate``; returns the exit status (bad input raises an
     :class:`~exitlm.errors.ExitlmError`, which ``exitlm`` prints as one line)."""
+    from exitlm.infer.api import generate  # lazy: no torch for --help
+    from exitlm.infer.executors.run import (  # lazy: no torch for --help
+        distributed_generate,
+        distributed_mode,
+    )
+    from exitlm.infer.options import SamplingOptions  # lazy: no torch for --help
+    from exitlm.infer.threads import set_threads  # lazy: no torch for --help
+    from exitlm.runtime import prepare  # lazy: no torch for --help
+
     prompts = _collect_prompts(args)
     sampling = SamplingOptions(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -176,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args.threads)  # loading and prefill use them too
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
+    if args.chat or args.chat_template is not None:
+        use_chat_template(tokenizer, args.model, args.chat_template, args.chat)
     rank_draft_vocab(loaded.model, tokenizer, overrides)
     num_layers = loaded.model.num_layers
     colour = args.show_exits and (
@@ -329,6 +394,7 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 def ppd_theory_of(result: GenerationResult, num_layers: int) -> dict[str, float] | None:
     """PPD Theorem 4.1's prediction for a ``ppd`` result's measured ``p_correct`` (per
     sequence of the mean length), or ``None`` for other strategies / nothing forked."""
+    from exitlm.infer.ppd import PPDStats  # lazy: the commands' parsers import no torch
 
     st = result.stats
     if not isinstance(st, PPDStats) or not st.forks or not result.sequences:
@@ -346,6 +412,8 @@ def _summary(result: GenerationResult, theory: dict[str, float] | None = None) -
     if not extra and result.strategy == "early-exit":
         extra = f"early exits {result.exits().early_exit_fraction:.1%}"
     extra = f"; {extra}" if extra else ""
+    if t.startup_s > 0:
+        extra += f"; worker start {t.startup_s:.1f} s (not in prefill)"
     return (
         f"[{t.new_tokens} new tokens in {len(result.sequences)} sequence(s); prefill "
         f"{t.prefill_s * 1e3:.0f} ms ({t.prompt_tokens} prompt tokens), decode "
@@ -357,6 +425,8 @@ def byte_level_tokenizer() -> Tokenizer:
     """A tokenizer with one token per byte (id = byte value) for models shipped without one
     (presets with ``vocab_size >= 256``)."""
     import tokenizers
+
+    from exitlm.tokenizer import Tokenizer, byte_level_alphabet  # lazy: parsers import no torch
 
     char_of = byte_level_alphabet()
     vocab = {char_of[b]: b for b in range(256)}

@@ -179,6 +179,12 @@ class Decoder:
     def new_stats(self) -> DecodeStats:
         return self.stats_type()
 
+    @property
+    def startup_s(self) -> float:
+        """Seconds spent so far starting helpers (a worker process) inside :meth:`prefill`;
+        the engine reports them apart from prefill time."""
+        return 0.0
+
     def close(self) -> None:
         """Release what the decoder holds beyond the engine's pool (threads, streams)."""
 

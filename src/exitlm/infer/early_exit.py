@@ -28,54 +28,13 @@ transformer layers, recomputation included; the copy mode's projections are not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from exitlm.config import ConfigError
 from exitlm.infer.autoregressive import DepthDecoder
 from exitlm.infer.decoder import Decoder
 from exitlm.infer.kv_recompute import CopyDecoder, RecomputeDecoder
-from exitlm.infer.options import option
+from exitlm.infer.strategy_options import EarlyExitOptions
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.runner import Runner
-from exitlm.schema import PositiveInt, UnitFloat, check
-
-
-@dataclass(frozen=True)
-class EarlyExitOptions:
-    """Options of the ``early-exit`` strategy (see the module docstring)."""
-
-    threshold: UnitFloat = option(
-        0.9, "confidence threshold on an exit's maximum probability (EE-LLM); 1.0 never "
-        "exits early (exactly greedy decoding)", per_request=True)
-    exit_layers: tuple[PositiveInt, ...] | None = option(
-        None, "the exits checked, in order (default: the model's exit heads; for a LayerSkip "
-        "model with only every-layer exits, the layers at 1/4, 1/2 and 3/4 depth - each "
-        "check costs an LM-head projection)")
-    max_pending: PositiveInt = option(
-        8, "force a full-depth pass once this many tokens await KV recomputation (EE-LLM "
-        "App. D.3)", per_request=True)
-    kv: Literal["recompute", "copy", "pipeline"] = option(
-        "recompute", "KV recomputation (exact keys/values, EE-LLM), CALM state copying "
-        "(lossy), or pipeline-based inference across --stages processes (EE-LLM Sec. 4; "
-        "no recomputation, same tokens as recompute)")
-    stages: PositiveInt | None = option(
-        None, "with --kv pipeline: pipeline stages, one process each (default 2)")
-    exit_layer: PositiveInt | None = option(
-        None, "fixed-layer exit at E for every token (LayerSkip Sec. 4.2, lossy); overrides "
-        "the confidence rule")
-
-    def __post_init__(self) -> None:
-        check(self)
-        if self.stages is not None and self.kv != "pipeline":
-            raise ConfigError(f"--stages {self.stages} applies only to --kv pipeline "
-                              f"(got --kv {self.kv})")
-        if self.kv == "pipeline" and self.exit_layer is not None:
-            raise ConfigError("--exit-layer (a fixed exit) does not run as a pipeline; use "
-                              "--kv pipeline with confidence exits (--threshold)")
-        if self.exit_layers is not None:
-            layers = tuple(sorted(set(self.exit_layers)))
-            object.__setattr__(self, "exit_layers", layers)
 
 
 def resolve_checks(model: EarlyExitLM, opts: EarlyExitOptions) -> tuple[int, ...]:

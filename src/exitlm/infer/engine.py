@@ -166,6 +166,9 @@ class Engine:
         self.running: list[Request] = []
         self.prefill_s = 0.0
         self.decode_s = 0.0
+        self.startup_s = 0.0
+        """Seconds the decoder spent starting helpers during prefills (PPD's branch worker
+        process), not counted in ``prefill_s``."""
         ref = model.embed_tokens.weight
         self._gemv = gemv_bound(ref.dtype, ref.device)
         self.threads = ThreadPolicy(threads)
@@ -365,6 +368,7 @@ class Engine:
         if not new:
             return
         t0 = time.perf_counter()
+        started = self.decoder.startup_s
         lo = len(self.running)
         for r in new:  # running before anything can fail (abort_running finds them)
             r.status, r.t_admit = "running", t0
@@ -379,7 +383,9 @@ class Engine:
             t1 = time.perf_counter()
             for r in new[a:b]:
                 r.t_first = t1
-        self.prefill_s += time.perf_counter() - t0
+        startup = self.decoder.startup_s - started
+        self.startup_s += startup
+        self.prefill_s += time.perf_counter() - t0 - startup
         self._record(lo, new, emits, updates)
 
     def _decode(self, updates: list[Update]) -> None:

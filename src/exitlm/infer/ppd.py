@@ -37,48 +37,19 @@ defined for greedy decoding only. :class:`PPDStats` reports the measured ``p_cor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from exitlm.config import ConfigError
 from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
-from exitlm.infer.options import option
 from exitlm.infer.ppd_branches import Branches, SerialBranches, StreamBranches, ThreadBranches
 from exitlm.infer.result import DecodeStats
+from exitlm.infer.strategy_options import PPDOptions
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan import ppd_theory
 from exitlm.runtime.runner import Runner
-from exitlm.schema import PositiveInt, check
-
-
-@dataclass(frozen=True)
-class PPDOptions:
-    """Options of the ``ppd`` strategy."""
-
-    ppd_layer: PositiveInt | None = option(
-        None, "d_bar, the exit whose top-k predictions start the next token (d/2 <= d_bar < d; "
-        "default: the deepest exit head >= d/2, else d/2)")
-    ppd_k: PositiveInt = option(1, "k, the number of candidate branches")
-    parallel: bool = option(
-        True, "run branches concurrently with the main thread (threads / CUDA streams); "
-        "--no-parallel runs them one after the other (same tokens)")
-    ppd_workers: Literal["thread", "process"] = option(
-        "thread", "where the branches run: 'thread' (worker threads; CUDA streams on a GPU) or "
-        "'process' (CPU: one spawned worker process, KV cache in shared memory, one thread "
-        "per process; overlaps where threads are serialised by the GIL)")
-    draft_vocab: PositiveInt | None = option(
-        None, "take the top-k among the first N token ids only (a cheaper early projection "
-        "on the critical path); output unchanged")
-
-    def __post_init__(self) -> None:
-        check(self)
-        if self.draft_vocab is not None and self.draft_vocab < self.ppd_k:
-            raise ConfigError(f"draft_vocab must be >= ppd_k, got {self.draft_vocab}")
-        if self.ppd_workers == "process" and not self.parallel:
-            raise ConfigError("ppd_workers='process' runs the branches in parallel; drop "
-                              "--no-parallel (or use --ppd-workers thread)")
 
 
 @dataclass
@@ -179,6 +150,11 @@ class PPDDecoder(Decoder):
     @property
     def max_lookahead(self) -> int:
         return 2
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds spent starting the branches' worker process (``--ppd-workers process``)."""
+        return float(getattr(self.branches, "startup_s", 0.0))
 
     def check(self, seq: Seq) -> None:
         if not seq.sampling.greedy:

@@ -135,7 +135,9 @@ class Timings:
     ``decode_s`` covers every later step. ``decode_tokens`` counts the tokens chosen during
     the decode phase (all new tokens but the first of each sequence), summed over the batch,
     so ``decode_tokens_per_s`` is the batch's decode throughput.
-    ``time_to_first_token_s`` also includes prompt encoding and cache allocation.
+    ``time_to_first_token_s`` also includes prompt encoding and cache allocation, and
+    ``startup_s``: helpers the strategy started during the call (PPD's branch worker process
+    with ``--ppd-workers process``), which ``prefill_s`` does not count.
     """
 
     prefill_s: float = 0.0
@@ -145,6 +147,7 @@ class Timings:
     decode_tokens: int = 0
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
+    startup_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

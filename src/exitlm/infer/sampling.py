@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from exitlm.errors import ExitlmError
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import TokenLogprob
 
@@ -72,6 +73,10 @@ def make_generator(opts: SamplingOptions, device: torch.device | str = "cpu") ->
     return gen
 
 
+class NonFiniteLogits(ExitlmError):
+    """Sampling met logits that are not finite: no distribution to draw from."""
+
+
 def choose(
     logits: torch.Tensor, opts: SamplingOptions, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -79,6 +84,12 @@ def choose(
     if opts.greedy:
         return greedy(logits)
     probs = probabilities(logits, opts)
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteLogits(
+            "cannot sample: the model's logits are NaN or infinite (non-finite weights in the "
+            "checkpoint, or activations that overflow in this dtype)",
+            hint="check the load warnings; retrain or reconvert the model, or try --dtype "
+                 "float32")
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
 
 import torch
 
@@ -59,45 +58,23 @@ from exitlm.infer.adaptive import (
     candidate_exits,
 )
 from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
-from exitlm.infer.options import SamplingOptions, option
+from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import DecodeStats
 from exitlm.infer.sampling import probabilities
+from exitlm.infer.strategy_options import (  # noqa: F401 - re-exported
+    MAX_SPECULATIONS,
+    SelfSpecOptions,
+    Speculations,
+)
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.costs import costs_of
 from exitlm.runtime.runner import Chain, Pick, Runner
-from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
-MAX_SPECULATIONS = 64
-"""The most draft tokens a round may hold (bounds the cache slots a round writes)."""
-Speculations = Annotated[int, Range(ge=1, le=MAX_SPECULATIONS)]
 DEFAULT_SPECULATIONS = 4
 """``d`` when it is not chosen online (a sharded model, or a fixed draft exit... given)."""
 REPLAN_EVERY, BATCH_REPLAN_EVERY = 4, 16
 """Steps a plan is kept while the batch stays the same (planning costs Python time, a batch's
 more: every row's rate at every exit and length)."""
-
-
-@dataclass(frozen=True)
-class SelfSpecOptions:
-    """Options of the ``self-spec`` strategy."""
-
-    exit_layer: PositiveInt | None = option(
-        None, "the draft exit E (default: chosen per step from measured agreement and costs; "
-        "on a tensor-parallel shard the deepest exit head, or L // 2 for LayerSkip "
-        "every-layer exits)")
-    num_speculations: Speculations | None = option(
-        None, "d, draft tokens per round (LayerSkip Sec. 4.3.1; default: chosen per step, "
-        "plain steps when no round pays; 4 on a tensor-parallel shard)", per_request=True)
-    draft_vocab: PositiveInt | None = option(
-        None, "draft only among the first N token ids (BPE ids roughly follow merge "
-        "frequency): a cheaper exit projection; output unchanged")
-    draft_threshold: UnitFloat | None = option(
-        None, "stop a round's drafting once the exit's probability of its own draft falls "
-        "below this (transformers' assistant_confidence_threshold); output unchanged",
-        per_request=True)
-
-    def __post_init__(self) -> None:
-        check(self)
 
 
 @dataclass

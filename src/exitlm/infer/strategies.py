@@ -10,16 +10,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exitlm.config import ConfigError
-from exitlm.infer.autoregressive import AROptions, DepthDecoder
-from exitlm.infer.decoder import Decoder
-from exitlm.infer.early_exit import EarlyExitOptions, early_exit_decoder
 from exitlm.infer.options import per_request_fields
-from exitlm.infer.ppd import PPDDecoder, PPDOptions
-from exitlm.infer.self_speculative import SelfSpecDecoder, SelfSpecOptions
-from exitlm.runtime.runner import Runner
+from exitlm.infer.strategy_options import AROptions, EarlyExitOptions, PPDOptions, SelfSpecOptions
+
+if TYPE_CHECKING:
+    from exitlm.infer.decoder import Decoder
+    from exitlm.runtime.runner import Runner
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,41 @@ def get_strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
+# The decoders are imported when one is built: the registry (names, options, flags) loads
+# without torch.
+def _ar(runner: Runner, opts: Any) -> Decoder:
+    from exitlm.infer.autoregressive import DepthDecoder  # lazy: torch-free registry
+
+    return DepthDecoder(runner, opts)
+
+
+def _early_exit(runner: Runner, opts: Any) -> Decoder:
+    from exitlm.infer.early_exit import early_exit_decoder  # lazy: torch-free registry
+
+    return early_exit_decoder(runner, opts)
+
+
+def _self_spec(runner: Runner, opts: Any) -> Decoder:
+    from exitlm.infer.self_speculative import SelfSpecDecoder  # lazy: torch-free registry
+
+    return SelfSpecDecoder(runner, opts)
+
+
+def _ppd(runner: Runner, opts: Any) -> Decoder:
+    from exitlm.infer.ppd import PPDDecoder  # lazy: torch-free registry
+
+    return PPDDecoder(runner, opts)
+
+
 register_strategy(Strategy(
-    "ar", AROptions, lambda runner, opts: DepthDecoder(runner, opts),
+    "ar", AROptions, _ar,
     "plain autoregressive decoding (the baseline)"))
 register_strategy(Strategy(
-    "early-exit", EarlyExitOptions, early_exit_decoder,
+    "early-exit", EarlyExitOptions, _early_exit,
     "confidence exits with KV recomputation (EE-LLM); fixed-layer exit (LayerSkip)"))
 register_strategy(Strategy(
-    "self-spec", SelfSpecOptions, SelfSpecDecoder,
+    "self-spec", SelfSpecOptions, _self_spec,
     "self-speculative decoding: draft with exit E, verify with layers E..L (LayerSkip)"))
 register_strategy(Strategy(
-    "ppd", PPDOptions, PPDDecoder,
+    "ppd", PPDOptions, _ppd,
     "Predictive Pipelined Decoding: top-k early guesses start the next token in parallel"))

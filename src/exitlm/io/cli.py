@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from exitlm.args import finite_float
 from exitlm.config import ConfigError
-from exitlm.io.hf_map import CheckpointError
+from exitlm.io.cache import KINDS as KIND_NAMES
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# --dtype names -> torch dtype names (torch is imported when the command runs)
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16",
+           "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def register(subparsers: Any) -> None:
@@ -50,6 +50,26 @@ def register(subparsers: Any) -> None:
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(func=_info)
 
+    c = subparsers.add_parser(
+        "cache", help="list or prune exitlm's cache ($EXITLM_CACHE, default ~/.cache/exitlm)",
+        description="List what exitlm's cache holds (converted models, tokenized data, token "
+                    "orders, compiled kernels), or remove some of it. Only entries exitlm "
+                    "wrote (its own sub-folders and names) are listed or removed.")
+    c.add_argument("action", nargs="?", choices=("list", "prune", "clear"), default="list",
+                   help="list (default); prune: remove entries chosen by --older-than / "
+                        "--max-size; clear: remove every entry (of --kind)")
+    c.add_argument("--kind", action="append", choices=sorted(KIND_NAMES), default=None,
+                   help="only this kind of entry (repeatable; default: all)")
+    c.add_argument("--older-than", type=finite_float, default=None, metavar="DAYS",
+                   help="prune: entries not modified for more than DAYS days")
+    c.add_argument("--max-size", default=None, metavar="SIZE",
+                   help="prune: remove the oldest entries until the rest fits in SIZE "
+                        "(e.g. 500M, 2G)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="prune/clear: show what would be removed, remove nothing")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(func=_cache)
+
 
 def _convert(args: argparse.Namespace) -> int:
     from exitlm.io import export_hf, load_model, save_model  # lazy: loaded when the command runs
@@ -62,7 +82,9 @@ def _convert(args: argparse.Namespace) -> int:
     if (args.tp, args.pp) != (1, 1) and args.to != "megatron":
         raise ConfigError("--tp and --pp split Megatron checkpoints only; add --to megatron")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
-    loaded = load_model(args.src, dtype=args.quantize or _DTYPES[args.dtype])
+    import torch  # lazy: loaded when the command runs
+
+    loaded = load_model(args.src, dtype=args.quantize or getattr(torch, _DTYPES[args.dtype]))
     if args.to == "megatron":
         from exitlm.io.megatron_write import save_megatron  # lazy: loaded when the command runs
 
@@ -92,6 +114,7 @@ def source_paths(src: str) -> list[Path]:
     elif src == "default":
         # lazy: loaded when the command runs
         from exitlm.io.default_model import cache_dir_for, default_gguf_path
+        from exitlm.io.hf_map import CheckpointError  # lazy: loaded when the command runs
 
         try:
             gguf = default_gguf_path()
@@ -105,6 +128,8 @@ def source_paths(src: str) -> list[Path]:
 
 def check_not_source(dst: Path, sources: list[Path]) -> None:
     """Refuse an output directory that is a source of the conversion or contains one."""
+    from exitlm.io.hf_map import CheckpointError  # lazy: loaded when the command runs
+
     target = dst.resolve()
     for src in sources:
         real = src.resolve()
@@ -201,4 +226,59 @@ def _info(args: argparse.Namespace) -> int:
               f"{t['eos_token_ids']}, pad {t['pad_token_id']}, add_bos {t['add_bos']}, "
               f"chat template {'yes' if t['chat_template'] else 'no'}")
     print(f"  kernels       {KernelPath(**system['kernels']).describe()}")
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    """``exitlm cache``: list, prune or clear exitlm's own cache entries."""
+    from exitlm.io import cache  # lazy: loaded when the command runs
+
+    max_size = None
+    if args.max_size is not None:
+        try:
+            max_size = cache.parse_size(args.max_size)
+        except ValueError as err:
+            raise ConfigError(f"--max-size: {err}") from None
+    if args.action != "prune" and (args.older_than is not None or max_size is not None):
+        raise ConfigError("--older-than and --max-size choose what 'exitlm cache prune' "
+                          "removes; add 'prune'")
+    if args.action == "list" and args.dry_run:
+        raise ConfigError("--dry-run applies to prune and clear")
+    root = cache.cache_root()
+    found = cache.entries(root, args.kind)
+    if args.action == "list":
+        chosen, verb = found, None
+    else:
+        if args.older_than is not None and args.older_than < 0:
+            raise ConfigError(f"--older-than {args.older_than:g}: expected days >= 0")
+        chosen = found if args.action == "clear" else cache.select(
+            found, older_than_days=args.older_than, max_size=max_size)
+        verb = "would remove" if args.dry_run else "removed"
+        if not args.dry_run:
+            for entry in chosen:
+                cache.remove(entry)
+    total = sum(e.size for e in chosen)
+    if args.json:
+        print(json.dumps({"root": str(root), "action": args.action, "dry_run": args.dry_run,
+                          "entries": [{"kind": e.kind, "path": str(e.path), "bytes": e.size,
+                                       "mtime": e.mtime} for e in chosen],
+                          "bytes": total}, indent=2))
+        return 0
+    if verb is None:
+        print(f"exitlm cache: {root}")
+        if not found:
+            print("  (empty)")
+        for kind in KIND_NAMES:
+            mine = [e for e in found if e.kind == kind]
+            if mine:
+                print(f"  {kind:<13} {len(mine):>4} entr{'y' if len(mine) == 1 else 'ies'}  "
+                      f"{cache.human(sum(e.size for e in mine)):>10}")
+                for e in mine:
+                    print(f"      {cache.human(e.size):>10}  {e.path.name}")
+        print(f"  {'total':<13} {len(found):>4} entries  {cache.human(total):>10}")
+        return 0
+    for e in chosen:
+        print(f"{verb} {e.kind:<13} {cache.human(e.size):>10}  {e.path}")
+    print(f"{verb} {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'}, "
+          f"{cache.human(total)}; {len(found) - len(chosen)} kept")
     return 0

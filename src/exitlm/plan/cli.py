@@ -9,11 +9,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from exitlm.args import finite_float, int_at_least
+
+if TYPE_CHECKING:
+    import numpy as np
+
 from exitlm.plan.cost_model import (
     OpCost,
     PipelineSpec,

@@ -28,7 +28,6 @@ from exitlm.config import ConfigError
 from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
 from exitlm.infer.flags import add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES, get_strategy
-from exitlm.infer.threads import set_threads
 
 log = logging.getLogger("exitlm.serve")
 
@@ -88,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = strategy_overrides(args, args.strategy)
     sock = _listen(args.host, args.port)  # fail before the model loads
     if args.threads is not None:
+        from exitlm.infer.threads import set_threads  # lazy: the parser imports no torch
+
         set_threads(args.threads)
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)

@@ -10,8 +10,10 @@ Every series is prefixed ``exitlm_``:
   token; ``layer == num_layers`` is the full depth);
 * ``layer_evaluations_total`` (transformer-layer evaluations spent decoding, recomputation and
   rejected drafts included), ``layer_evaluations_full_depth_total`` (what the same tokens
-  cost through every layer) and the gauge ``layer_evaluations_saved`` (their difference,
-  negative when speculation cost more than it saved);
+  cost through every layer) and two gauges, never negative: ``layer_evaluations_saved``
+  (evaluations plain decoding would have spent that were not: early exits) and
+  ``layer_evaluations_extra`` (evaluations spent beyond plain decoding: rejected drafts,
+  recomputation); at most one of them is non-zero;
 * ``strategy_events_total{event}``: the strategy's counters (self-spec: ``rounds``,
   ``drafted``, ``accepted``; PPD: ``forks``, ``matches``) and the gauge
   ``strategy_rate{rate}`` of their derived rates (``acceptance_rate``, ``p_correct``, ...);
@@ -75,8 +77,12 @@ class Metrics:
                                    "(token x layer) spent decoding", registry=r)
         self.full_depth = Counter("exitlm_layer_evaluations_full_depth", "layer evaluations "
                                   "the same tokens cost through every layer", registry=r)
-        Gauge("exitlm_layer_evaluations_saved", "full-depth minus spent layer evaluations",
+        Gauge("exitlm_layer_evaluations_saved", "layer evaluations plain decoding would have "
+              "spent on the same tokens that were not spent (never negative)",
               registry=r).set_function(self._saved)
+        Gauge("exitlm_layer_evaluations_extra", "layer evaluations spent beyond what plain "
+              "decoding would have spent on the same tokens (rejected drafts, recomputation)",
+              registry=r).set_function(self._extra)
         self.events = Counter("exitlm_strategy_events", "the decoding strategy's counters "
                               "(drafted/accepted tokens, PPD forks/matches, ...)", ["event"],
                               registry=r)
@@ -130,7 +136,11 @@ class Metrics:
 
     def _saved(self) -> float:
         with self._lock:
-            return float(self._full - self._spent)
+            return float(max(0, self._full - self._spent))
+
+    def _extra(self) -> float:
+        with self._lock:
+            return float(max(0, self._spent - self._full))
 
     def rates(self) -> dict[str, float]:
         with self._lock:

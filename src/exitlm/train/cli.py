@@ -22,7 +22,7 @@ from exitlm.errors import ExitlmError
 
 def register(subparsers: Any) -> None:
     """Add the ``train`` and ``eval`` sub-commands."""
-    from exitlm.train.config import PRESETS  # lazy: loaded when the command runs
+    from exitlm.train.presets import PRESETS  # lazy: loaded when the command runs
 
     p = subparsers.add_parser(
         "train", help="train a model with early exits (EE-LLM / LayerSkip / exit tuning)",
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
                         "heads) start from scratch instead of being an error (logged)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, extra_positionals="overrides")
 
     e = subparsers.add_parser(
         "eval", help="per-exit loss, perplexity, accuracy and agreement with the final layer",

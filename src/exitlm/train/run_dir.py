@@ -44,6 +44,7 @@ STEP_DIR = re.compile(r"step-\d{8}")
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-[A-Za-z0-9_-]+")
 _OUT_NAMES = frozenset(OUTPUTS) | {"log.jsonl.tmp"}
 _CHECKPOINT_NAMES = frozenset({"latest"})
+_LOG_TAIL = 64 * 1024  # bytes of log.jsonl read to find the last step
 
 
 class RunDir:
@@ -65,6 +66,10 @@ class RunDir:
         a file, another process writing there, or (a new run) another run's outputs."""
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"train.out_dir: {self.path} is a file, expected a directory")
+        blocker = _file_ancestor(self.path)
+        if blocker is not None:
+            raise ConfigError(f"train.out_dir: {self.path} cannot be created: {blocker} is a "
+                              "file, expected a directory")
         if resume and overwrite:
             raise ConfigError("--resume continues the run in train.out_dir and --overwrite "
                               "replaces it; pass one of them")
@@ -79,6 +84,52 @@ class RunDir:
                      "(nothing else in the directory is touched), or set train.out_dir to a "
                      "new directory",
             )
+        if found and resume and not self.has_checkpoint():
+            raise self._nothing_to_resume(found)
+
+    def has_checkpoint(self) -> bool:
+        """Whether ``OUT/checkpoints`` holds a complete checkpoint (one with ``state.json``)."""
+        root = self.path / CHECKPOINTS
+        return root.is_dir() and any(
+            STEP_DIR.fullmatch(p.name) and (p / "state.json").is_file() for p in root.iterdir())
+
+    def last_logged_step(self) -> int | None:
+        """The step of the last record in ``log.jsonl`` (its tail is read, so the cost is
+        bounded whatever the log's size); ``None`` when there is none."""
+        log = self.path / "log.jsonl"
+        try:
+            with open(log, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL))
+                tail = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return None
+        for line in reversed(tail.splitlines()):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                return int(rec["step"])
+        return None
+
+    def _nothing_to_resume(self, found: list[str]) -> ExitlmError:
+        """``--resume`` of a run that wrote no checkpoint: starting over would replace it."""
+        step = self.last_logged_step()
+        at = "" if step is None else f" at step {step}"
+        result = next((name for name in ("model", "exits") if name in found), None)
+        if result is not None:
+            what = f"the run there finished{at} (its result is in {self.path / result})"
+            reuse = (f"; to train further from its result, start a new run with "
+                     f"model.init={self.path / result}" if result == "model" else "")
+        else:
+            what = f"the run there stopped{at} before its first checkpoint"
+            reuse = ""
+        return ExitlmError(
+            f"--resume: no checkpoint in {self.path / CHECKPOINTS}: {what}; nothing to "
+            "resume, and starting over would replace it",
+            hint="set train.out_dir to a new directory" + reuse + ", or pass --overwrite "
+                 "instead of --resume to replace the run (set train.checkpoint_every to make "
+                 "a run resumable)")
 
     def read_run(self) -> dict[str, Any] | None:
         """``run.json`` (``None`` when the directory has none)."""
@@ -174,6 +225,15 @@ class RunDir:
                     remove_path(entry)
                     removed.append(entry)
         return removed
+
+
+def _file_ancestor(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` that is not a directory (``None`` if all
+    existing ancestors are directories)."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 def _leftover(entry: Path, in_checkpoints: bool) -> bool:

@@ -84,6 +84,11 @@ class RunStateMixin:
         else:
             raise ExitlmError(f"none of the {len(found)} checkpoint(s) under {self.out} is "
                               "readable", hint="start a new run (--overwrite) instead")
+        if state.step > self.cfg.train.steps:
+            raise ExitlmError(
+                f"--resume: train.steps={self.cfg.train.steps} is below the step of the run's "
+                f"newest checkpoint ({ckpt}, step {state.step}); a run cannot go back",
+                hint=f"set train.steps to {state.step} or more to continue the run")
         self._check_identity(ckpt, state.extra, recorded)
         self._check_tensors(ckpt, weights)
         unknown = sorted(set(weights) - self.layout.known())

@@ -348,14 +348,19 @@ class ProcessBranches(Branches):
         self.predicts = predicts
         self.worker: BranchWorker | None = None
         self.shared: BranchCache | None = None
+        self.startup_s = 0.0
+        """Seconds spent spawning the worker and waiting for it to build its model."""
 
     def start(self, main: KVCache, prompt: int, capacity: int) -> None:
         if self.worker is None or not self.worker.alive:
             if self.worker is not None:  # it failed in an earlier step: start afresh
                 self.worker.close()
+            t0 = time.perf_counter()
             self.worker = BranchWorker(self.runner.model, self.m, threads=1,
                                        draft=(self.d_bar, self.vocab) if self.predicts
                                        else None)
+            self.worker.wait_ready()
+            self.startup_s += time.perf_counter() - t0
         if self.shared is None or self.shared.capacity < capacity:
             self.shared = BranchCache(self.m, self.k, max(capacity, 256), self.runner.config,
                                       main.dtype)

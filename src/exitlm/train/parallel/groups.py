@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from exitlm.comm.health import Heartbeat, ParallelError, guard
+from exitlm.comm.launch import init_torchrun_group
 from exitlm.config import ConfigError
 from exitlm.train.parallel.dims import ParallelConfig, ParallelDims
 
@@ -49,7 +50,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     GPUs, gloo on CPUs, with ``timeout_s`` on the default group. Returns (rank, world)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        init_torchrun_group(backend, timeout_s)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
