@@ -1,7 +1,7 @@
 """Batch-1 fp32 products through numpy's OpenBLAS, and the thread hand-off they need.
 
 On this project's CPUs OpenBLAS' ``sgemv`` streams fp32 weights at 17-25 GB/s on one thread
-against 10-21 GB/s for the MKL kernel behind ``F.linear`` (~1.2-1.5x, docs/architecture.md "CPU fast paths"),
+against 10-21 GB/s for the MKL kernel behind ``F.linear`` (~1.2-1.5x, docs/architecture.md),
 and it scales to two threads, which MKL's does not. numpy ships that OpenBLAS; its products
 run here on zero-copy views of torch's tensors.
 

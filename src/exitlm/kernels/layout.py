@@ -1,8 +1,8 @@
 """Memory layout of weights for fast decoding on CPU: re-striding and oneDNN packing.
 
 Decoding one token multiplies a single row by every weight matrix, so it is bound by how fast
-the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thread, docs/architecture.md
-"CPU fast paths"):
+the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thread, see
+docs/architecture.md "CPU fast paths"):
 
 * fp32: ``F.linear`` with the ``(out, in)`` weight stored **column-major** streams 13-16 GB/s
   when ``out > in`` (q/k/v, MLP input, LM head) against 8-9 GB/s row-major; when
