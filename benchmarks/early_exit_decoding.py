@@ -1,6 +1,6 @@
 """Early-exit decoding strategies vs autoregressive decoding and transformers (one JSON).
 
-Runs ``exitlm bench`` (see :mod:`exitlm.bench.run`) with the settings reported in the README:
+Runs ``exitlm bench`` (see :mod:`exitlm.bench.run`) with the settings of docs/measurements/:
 our ``ar``, ``early-exit`` (KV recomputation), ``self-spec`` and ``ppd`` against
 transformers' greedy ``generate`` (``hf``) and its LayerSkip integration
 ``assistant_early_exit`` (``hf-ee``) on the same weights, over built-in code-completion prompts

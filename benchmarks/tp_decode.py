@@ -6,8 +6,8 @@ hits all alike. Reports decode tokens/s of each, TP's ratio to one thread
 (``ratio_of_medians``) and to the better one-process setting
 (``ratio_vs_best_one_process``), and
 whether the tokens are the same (fp32 sums in another order can part greedy tokens at near
-ties; int8 activations and bf16 make that likelier, see README "Early exit across
-processes"). Prints one JSON object; progress goes to stderr.
+ties; int8 activations and bf16 make that likelier, see docs/guide/generation.md
+"Early exit across processes"). Prints one JSON object; progress goes to stderr.
 
     python benchmarks/tp_decode.py                           # default model, 4 dtypes, TP=2
     python benchmarks/tp_decode.py --dtypes float32,int8 --repeats 3

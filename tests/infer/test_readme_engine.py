@@ -1,4 +1,4 @@
-"""The README's engine example runs as written and prints each request's text on lines of
+"""The generation guide's engine example runs as written and prints each request's text on lines of
 its own, never interleaved (the embedded default model)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from _default_model import requires_default_model
 
 pytestmark = [pytest.mark.real_model, requires_default_model]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "guide" / "generation.md"
 
 
 def test_readme_engine_example() -> None:
@@ -24,7 +24,7 @@ def test_readme_engine_example() -> None:
                 if "Engine(" in b and "engine.step()" in b and "load_model(" in b)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, str(README), "exec"), {})
     from exitlm.infer import Engine, SamplingOptions
     from exitlm.io import load_model
 

@@ -1,4 +1,4 @@
-"""The README's serving examples run as written against a real server (the tiny self-spec
+"""The serving guide's examples run as written against a real server (the tiny self-spec
 server stands in for ``default-ee``): the ``openai`` client example, and the ``curl``
 requests' bodies."""
 
@@ -15,12 +15,11 @@ from _serve_util import Server
 
 pytest.importorskip("openai")
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "guide" / "serving.md"
 
 
 def _section() -> str:
-    text = README.read_text(encoding="utf-8")
-    return text.split("## Serving", 1)[1].split("\n## ", 1)[0]
+    return README.read_text(encoding="utf-8")
 
 
 def test_readme_openai_example(servers: dict[str, Server]) -> None:
@@ -30,7 +29,7 @@ def test_readme_openai_example(servers: dict[str, Server]) -> None:
     code = code.replace("http://127.0.0.1:8000", server.url).replace('"default-ee"', '"tiny"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, str(README), "exec"), {})
     lines = out.getvalue().splitlines()  # text, exit layers, statistics, streamed text
     at = max(i for i, x in enumerate(lines) if re.fullmatch(r"\[\d+(, \d+)*\]", x))
     layers = json.loads(lines[at])

@@ -102,7 +102,7 @@ def register(subparsers: Any) -> None:
                    help="decoding strategy")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding: "
-                        "more threads only while they are faster, see README 'Performance')")
+                        "more threads only while they are faster, see docs/guide/performance.md)")
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
                    help="tensor-parallel decoding over T processes (ar, early-exit, self-spec): "
                         "started here, or the ones torchrun started")

@@ -3,7 +3,7 @@
 On a quiet machine more threads decode faster (2 threads: ~1.2x for batch-1 fp32 on the
 project's 2-core CPUs, more for batches). On a machine where another process is busy, a step
 split over threads waits for the one that shares a core, and decoding collapses - measured
-here 2-7x slower with 2 threads than with 1 (README "Performance"; OpenMP's passive wait policy
+here 2-7x slower with 2 threads than with 1 (docs/architecture.md; OpenMP's passive wait policy
 did not help, because OpenBLAS' own workers and the split itself are the problem). No fixed
 count is right for both, so by default the policy **measures**: it starts on all threads when
 the load average says the machine is idle and on one otherwise, and every so often tries the

@@ -1,7 +1,7 @@
 """Batch-1 fp32 products through numpy's OpenBLAS, and the thread hand-off they need.
 
 On this project's CPUs OpenBLAS' ``sgemv`` streams fp32 weights at 17-25 GB/s on one thread
-against 10-21 GB/s for the MKL kernel behind ``F.linear`` (~1.2-1.5x, README "Performance"),
+against 10-21 GB/s for the MKL kernel behind ``F.linear`` (~1.2-1.5x, docs/architecture.md),
 and it scales to two threads, which MKL's does not. numpy ships that OpenBLAS; its products
 run here on zero-copy views of torch's tensors.
 
@@ -115,7 +115,7 @@ class OpenBlas:
         batches multiply 2-8 rows. MKL and OpenBLAS pack the whole weight matrix for such a
         GEMM, so it costs 3-5 GEMVs; OpenBLAS' small-matrix kernel, which needs no packing,
         only takes products of at most ~1e6 multiply-adds. Cutting the weight into blocks of
-        rows that fit brings 5 rows to ~2.5 GEMVs (README "Performance").
+        rows that fit brings 5 rows to ~2.5 GEMVs (docs/architecture.md "CPU fast paths").
         """
         self.sync_threads()
         x2 = x.detach().reshape(-1, x.shape[-1])

@@ -1,8 +1,8 @@
 """Memory layout of weights for fast decoding on CPU: re-striding and oneDNN packing.
 
 Decoding one token multiplies a single row by every weight matrix, so it is bound by how fast
-the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thread, README
-"Performance"):
+the GEMV kernel streams weights. Measured on this project's x86 CPUs (single thread, see
+docs/architecture.md "CPU fast paths"):
 
 * fp32: ``F.linear`` with the ``(out, in)`` weight stored **column-major** streams 13-16 GB/s
   when ``out > in`` (q/k/v, MLP input, LM head) against 8-9 GB/s row-major; when
@@ -30,7 +30,7 @@ from exitlm.kernels.blas import PLAIN_TENSORS
 PACKED_ROWS = (2, 32)
 """Row counts (inclusive) of the fp32 products that use a pre-packed weight: oneDNN with the
 weight packed once costs ~1.1-2.4 GEMVs for 2-8 rows where MKL's and OpenBLAS' GEMMs, which
-pack the weight on every call, cost 3-6 (README "Performance")."""
+pack the weight on every call, cost 3-6 (docs/architecture.md "CPU fast paths")."""
 
 
 class Packed:

@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     * CPU fp16 GEMM with many rows (prefill) is ~50x slower than fp32, so such inputs are
       computed in fp32 and cast back; one-row GEMV (decoding) stays in fp16, where it is fast.
 
-    (README "Performance" has the measurements.)
+    (docs/architecture.md "CPU fast paths" has the measurements.)
     """
     if torch.is_grad_enabled() or x.requires_grad:
         return F.linear(x, weight, bias)
