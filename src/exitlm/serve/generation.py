@@ -46,7 +46,7 @@ from exitlm.serve.state import ServerState, config_error, read_json
 
 DEFAULT_COMPLETION_TOKENS = 16
 """``max_tokens`` of a completion that gives none (OpenAI's default); chat completions default
-to the rest of the context."""
+to the rest of the context (both at most ``--max-completion-tokens``)."""
 PING_S = 15.0
 """Seconds between SSE keep-alive comments."""
 
@@ -83,8 +83,11 @@ async def completions(state: ServerState, http: HTTPRequest) -> Response:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     raw = req.prompts()
     state.limits.check_prompts(len(raw), req.n, state.engine.max_queue)
-    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
-    state.limits.check_completion(max_tokens)
+    if req.max_tokens is None:
+        max_tokens = state.limits.default_completion(DEFAULT_COMPLETION_TOKENS)
+    else:
+        max_tokens = req.max_tokens
+        state.limits.check_completion(max_tokens)
     prompts = await state.prompts.encode(raw, "prompt")
     for ids in prompts:
         state.check_context(len(ids), max_tokens, "prompt")

@@ -63,11 +63,11 @@ class Limits:
                 "completion (raise it with --max-completion-tokens)", "max_tokens",
                 code="max_tokens_exceeded")
 
-    def default_completion(self, room: int) -> int:
-        """``max_tokens`` of a chat completion that gives none: the rest of the context
-        (``room``), at most ``--max-completion-tokens``."""
+    def default_completion(self, default: int) -> int:
+        """``max_tokens`` of a request that gives none: ``default`` (16 for a completion,
+        the rest of the context for a chat), at most ``--max-completion-tokens``."""
         cap = self.max_completion_tokens
-        return room if cap is None else min(room, cap)
+        return default if cap is None else min(default, cap)
 
     def body_too_large(self, size: int | None = None) -> APIError:
         """The 400 for a body beyond ``--max-request-bytes`` (``size``: when known)."""
