@@ -67,9 +67,12 @@ def test_bound_sizes() -> None:
     full = _byte_level_bpe(set()).token_bound()
     assert full is not None and full.bytes_per_token == 41 and not full.lost
     holes = _byte_level_bpe({4, 6, 0xF1}).token_bound()
-    assert holes is not None and holes.lost == "\x04\x06" and holes.bytes_per_token == 82
+    assert holes is not None and holes.lost == "\x04\x06" and holes.lost_leads
+    assert holes.bytes_per_token == 41
     text = "\x04" * 1000 + "ab"  # the dropped characters do not count
     assert holes.min_tokens(text, 10) == 1 <= len(_byte_level_bpe({4, 6, 0xF1}).encode(text))
+    four = chr(0x50000) * 41  # 164 bytes, each character losing its lead byte: 123 kept
+    assert holes.min_tokens(four, 10) == 3 <= len(_byte_level_bpe({4, 6, 0xF1}).encode(four))
     assert _byte_fallback_nfkc().token_bound().bytes_per_token == 4 * 6  # type: ignore[union-attr]
 
 
@@ -82,5 +85,6 @@ def test_tokenizers_that_drop_text_have_no_bound() -> None:
     assert Tokenizer(stripped).token_bound() is None
     # a byte-level vocabulary without a UTF-8 continuation byte can lose whole characters
     assert _byte_level_bpe({0x80}).token_bound() is None
+    assert _byte_level_bpe({0xC3}).token_bound() is None
     no_unk = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
     assert Tokenizer(no_unk).token_bound() is None

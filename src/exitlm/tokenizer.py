@@ -38,20 +38,26 @@ def byte_level_alphabet() -> dict[int, str]:
 @dataclass(frozen=True)
 class TokenBound:
     """Every token of a tokenizer stands for at most ``bytes_per_token`` bytes of input text,
-    except the characters of ``lost``, which it drops (see :meth:`Tokenizer.token_bound`)."""
+    except the characters of ``lost``, which it drops, and, with ``lost_leads``, the first
+    byte of some 4-byte characters (see :meth:`Tokenizer.token_bound`)."""
 
     bytes_per_token: int
     lost: str = ""
+    lost_leads: bool = False
 
     def min_tokens(self, text: str, limit: int) -> int:
-        """A lower bound on the tokens of ``text``: exact in bytes when that matters for
-        ``limit``, from its length in characters (never more than its bytes) otherwise, so
-        that a huge text costs a few scans, not an encoding."""
+        """A lower bound on the tokens of ``text``: from its length in characters (every
+        character keeps at least one byte) when that already exceeds ``limit``, so that a
+        huge text costs a few scans, not an encoding; from its bytes otherwise."""
         lost = sum(text.count(c) for c in self.lost)
-        low = -(-(len(text) - lost) // self.bytes_per_token)
+        chars = len(text)
+        low = -(-(chars - lost) // self.bytes_per_token)
         if low > limit:
             return low
-        return -(-(len(text.encode("utf-8", "surrogatepass")) - lost) // self.bytes_per_token)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        # a 4-byte character adds 3 to size - chars and loses at most its lead byte
+        kept = size - lost - ((size - chars) // 3 if self.lost_leads else 0)
+        return -(-kept // self.bytes_per_token)
 
 
 class Tokenizer:
@@ -106,10 +112,10 @@ class Tokenizer:
         one character per byte; otherwise its UTF-8 length, which is never less than the
         text it matches: SentencePiece's ``▁`` is 3 bytes for a 1-byte space, a byte-fallback
         ``<0x41>`` 6 bytes for one), times the most a Unicode normalizer can shrink text
-        (4: a 4-byte character becomes a 1-byte one under NFKC). Text a byte-level
-        vocabulary has no token for is dropped by the library: such ASCII characters are
-        not counted, and missing UTF-8 lead bytes (a character keeps its other bytes)
-        double the bound."""
+        (4: a 4-byte character becomes a 1-byte one under NFKC). Bytes a byte-level
+        vocabulary has no token for are dropped by the library: such ASCII characters are
+        not counted, nor the first byte of 4-byte characters when a lead byte is missing
+        (SmolLM2's vocabulary lacks 0xF1 and 0xF2, lead bytes of unassigned planes)."""
         spec = json.loads(self.tk.to_str())
         shrink = _shrink_bound(spec.get("normalizer"))
         if shrink is None or not _keeps_text(spec.get("pre_tokenizer")):
@@ -117,6 +123,7 @@ class Tokenizer:
         model = spec.get("model") or {}
         vocab = self.tk.get_vocab(with_added_tokens=False)
         lost = ""
+        lost_leads = False
         alphabet: dict[int, str] = {}
         if model.get("byte_fallback"):
             longest = 1  # every byte of any text has a token
@@ -125,8 +132,10 @@ class Tokenizer:
             missing = {b for b, c in alphabet.items() if c not in vocab} - _NOT_IN_UTF8
             if any(0x80 <= b < 0xC0 for b in missing):
                 return None  # a whole multi-byte character could be lost
+            if missing & set(range(0xC2, 0xF0)):
+                return None  # a 2- or 3-byte character could lose half its bytes or more
             lost = "".join(chr(b) for b in sorted(missing) if b < 0x80)
-            shrink *= 2 if any(b >= 0x80 for b in missing) else 1
+            lost_leads = any(b >= 0x80 for b in missing)
             longest = 1
         elif (model.get("type") == "BPE" and model.get("unk_token") is not None
               and not model.get("fuse_unk")):
@@ -139,7 +148,7 @@ class Tokenizer:
             longest = max(longest, size)
         for added in self.tk.get_added_tokens_decoder().values():  # matched in the raw text
             longest = max(longest, len(added.content.encode("utf-8", "replace")))
-        return TokenBound(longest * shrink, lost)
+        return TokenBound(longest * shrink, lost, lost_leads)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -83,9 +83,9 @@ def _finish(sock: socket.socket, last: bytes) -> tuple[int, dict[str, object]]:
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "x" * (4 * MIB), "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "x" * (3 * MIB), "max_tokens": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * (3 * MIB)}]}),
-    ("/tokenize", {"prompt": "z" * (4 * MIB)}),
+    ("/tokenize", {"prompt": "z" * (3 * MIB)}),
 ])
 def test_oversized_prompt_is_refused_at_once_while_health_answers(
         ar: Server, path: str, body: dict[str, object]) -> None:

@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
                    help="the longest prompt + completion served (default: the model's context)")
     p.add_argument("--max-prompts", type=int_at_least(1), default=256,
                    help="the most prompts one /v1/completions request may hold (a 400 beyond)")
-    p.add_argument("--max-request-bytes", type=int_at_least(1), default=8 * 2**20,
+    p.add_argument("--max-request-bytes", type=int_at_least(1), default=4 * 2**20,
                    help="the largest request body read (a 400 beyond); parsing holds every "
                         "other request for about 5-20 ms per MiB")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,

@@ -3,7 +3,7 @@
 Each is an ``exitlm serve`` option (:class:`Limits` holds the defaults); a request beyond one
 gets a 400 that names the limit and the option that raises it:
 
-* ``--max-request-bytes`` (8 MiB): the request body. A larger ``Content-Length`` is refused
+* ``--max-request-bytes`` (4 MiB): the request body. A larger ``Content-Length`` is refused
   before the body is read. Parsing JSON holds Python's interpreter for the whole body (about
   5-20 ms per MiB), so this bound is also how long any other request can be held up;
 * ``--max-prompts`` (256): the prompts of one ``/v1/completions`` request (``prompt`` as a
@@ -31,7 +31,7 @@ class Limits:
     """What one request may ask for (``None``: bounded by the context only)."""
 
     max_prompts: int = 256
-    max_request_bytes: int = 8 * MIB
+    max_request_bytes: int = 4 * MIB
     max_prompt_tokens: int | None = None
     max_completion_tokens: int | None = None
 

@@ -18,7 +18,7 @@ from exitlm.serve.prompts import PromptWorker
 from exitlm.serve.runner import EngineRunner
 from exitlm.tokenizer import Tokenizer
 
-LARGE_BODY_BYTES = 2**20
+LARGE_BODY_BYTES = 2**18
 """A request body from this size on is large: once answered, freed memory is given back to
 the system (:func:`exitlm.serve.prompts.trim_memory`)."""
 
