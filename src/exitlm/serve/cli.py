@@ -66,11 +66,11 @@ def register(subparsers: Any) -> None:
                    help="the largest request body read (a 400 beyond); parsing holds every "
                         "other request for about 5-20 ms per MiB")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
-                   help="the most tokens one prompt may have (a 400 beyond; default: the "
+                   help="the most tokens one prompt may have, a 400 beyond (None: the "
                         "context, --max-seq-len)")
     p.add_argument("--max-completion-tokens", type=int_at_least(1), default=None,
-                   help="the largest max_tokens one choice may ask for (a 400 beyond; default: "
-                        "the context)")
+                   help="the largest max_tokens one choice may ask for, a 400 beyond (None: "
+                        "the context); it also caps the default max_tokens")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                         "/detokenize (default: $EXITLM_API_KEY, else no key)")
