@@ -9,6 +9,7 @@ token ids is :class:`exitlm.infer.stopping.TextTracker`'s job.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,31 @@ def byte_level_alphabet() -> dict[int, str]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """Every token of a tokenizer stands for at most ``bytes_per_token`` bytes of input text,
+    except the characters of ``lost``, which it drops, and, with ``lost_leads``, the first
+    byte of some 4-byte characters (see :meth:`Tokenizer.token_bound`)."""
+
+    bytes_per_token: int
+    lost: str = ""
+    lost_leads: bool = False
+
+    def min_tokens(self, text: str, limit: int) -> int:
+        """A lower bound on the tokens of ``text``: from its length in characters (every
+        character keeps at least one byte) when that already exceeds ``limit``, so that a
+        huge text costs a few scans, not an encoding; from its bytes otherwise."""
+        lost = sum(text.count(c) for c in self.lost)
+        chars = len(text)
+        low = -(-(chars - lost) // self.bytes_per_token)
+        if low > limit:
+            return low
+        size = len(text.encode("utf-8", "surrogatepass"))
+        # a 4-byte character adds 3 to size - chars and loses at most its lead byte
+        kept = size - lost - ((size - chars) // 3 if self.lost_leads else 0)
+        return -(-kept // self.bytes_per_token)
 
 
 class Tokenizer:
@@ -65,6 +91,64 @@ class Tokenizer:
         if use_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_batch(self, texts: list[str], *, add_bos: bool | None = None) -> list[list[int]]:
+        """Token ids of each of ``texts``, as :meth:`encode` gives them. The Rust library does
+        the work without holding Python's GIL, so other threads (an event loop) go on
+        meanwhile; offsets are not computed."""
+        fast = getattr(self.tk, "encode_batch_fast", self.tk.encode_batch)  # tokenizers>=0.20
+        encodings = fast(list(texts), add_special_tokens=False)
+        use_bos = self.add_bos if add_bos is None else add_bos
+        head = [self.bos_token_id] if use_bos and self.bos_token_id is not None else []
+        return [head + e.ids for e in encodings]
+
+    def token_bound(self) -> TokenBound | None:
+        """A lower bound on the number of tokens of any text, computable without tokenizing
+        it (:class:`TokenBound`); ``None`` when no bound holds: a normalizer, pre-tokenizer or
+        model of this tokenizer may drop text without limit (BERT's whitespace splitting,
+        WordPiece's one ``[UNK]`` for a whole word, BPE without the bytes of unknown text).
+
+        The bound is the longest vocabulary entry in the bytes it spells (byte-level BPE:
+        one character per byte; otherwise its UTF-8 length, which is never less than the
+        text it matches: SentencePiece's ``▁`` is 3 bytes for a 1-byte space, a byte-fallback
+        ``<0x41>`` 6 bytes for one), times the most a Unicode normalizer can shrink text
+        (4: a 4-byte character becomes a 1-byte one under NFKC). Bytes a byte-level
+        vocabulary has no token for are dropped by the library: such ASCII characters are
+        not counted, nor the first byte of 4-byte characters when a lead byte is missing
+        (SmolLM2's vocabulary lacks 0xF1 and 0xF2, lead bytes of unassigned planes)."""
+        spec = json.loads(self.tk.to_str())
+        shrink = _shrink_bound(spec.get("normalizer"))
+        if shrink is None or not _keeps_text(spec.get("pre_tokenizer")):
+            return None
+        model = spec.get("model") or {}
+        vocab = self.tk.get_vocab(with_added_tokens=False)
+        lost = ""
+        lost_leads = False
+        alphabet: dict[int, str] = {}
+        if model.get("byte_fallback"):
+            longest = 1  # every byte of any text has a token
+        elif _has_byte_level(spec.get("pre_tokenizer")):
+            alphabet = byte_level_alphabet()
+            missing = {b for b, c in alphabet.items() if c not in vocab} - _NOT_IN_UTF8
+            if any(0x80 <= b < 0xC0 for b in missing):
+                return None  # a whole multi-byte character could be lost
+            if missing & set(range(0xC2, 0xF0)):
+                return None  # a 2- or 3-byte character could lose half its bytes or more
+            lost = "".join(chr(b) for b in sorted(missing) if b < 0x80)
+            lost_leads = any(b >= 0x80 for b in missing)
+            longest = 1
+        elif (model.get("type") == "BPE" and model.get("unk_token") is not None
+              and not model.get("fuse_unk")):
+            longest = 4  # an unknown character is one [UNK]: at most 4 UTF-8 bytes
+        else:  # unknown text may be dropped, or fused into one [UNK]
+            return None
+        spelled = set(alphabet.values())
+        for token in vocab:
+            size = sum(1 if c in spelled else len(c.encode("utf-8", "replace")) for c in token)
+            longest = max(longest, size)
+        for added in self.tk.get_added_tokens_decoder().values():  # matched in the raw text
+            longest = max(longest, len(added.content.encode("utf-8", "replace")))
+        return TokenBound(longest * shrink, lost, lost_leads)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -151,6 +235,59 @@ class Tokenizer:
             add_bos=bool(meta.get("add_bos_token", False)),
             chat_template=template,
         )
+
+
+_NOT_IN_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+"""Bytes that never occur in UTF-8 text (a vocabulary may leave them out)."""
+_GROWING_NORMALIZERS = frozenset({"Prepend", "Replace", "Lowercase", "NFC", "NFD", "NFKC",
+                                  "NFKD"})
+"""Normalizers that never shrink text by more than 4x (Replace: when its content is at least
+as long as its literal pattern; the Unicode forms and lowercasing: a character of up to 4
+bytes becomes one of at least 1 byte, and nothing is deleted)."""
+_TEXT_KEEPING_PRE = frozenset({"ByteLevel", "Digits", "Metaspace", "Punctuation", "Split",
+                               "UnicodeScripts"})
+"""Pre-tokenizers that keep every byte of the text (Split and Punctuation unless their
+behavior is "removed")."""
+
+
+def _shrink_bound(spec: dict[str, Any] | None) -> int | None:
+    """How many times shorter a normalizer can make text (``None``: unbounded)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers") or []:
+            f = _shrink_bound(part)
+            if f is None:
+                return None
+            factor = max(factor, f)  # each step shrinks only what it changes
+        return factor
+    if kind == "Replace":
+        pattern = (spec.get("pattern") or {}).get("String")
+        content = spec.get("content") or ""
+        ok = isinstance(pattern, str) and len(content.encode()) >= len(pattern.encode())
+        return 1 if ok else None
+    if kind == "Prepend":
+        return 1
+    return 4 if kind in _GROWING_NORMALIZERS else None
+
+
+def _keeps_text(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in spec.get("pretokenizers") or [])
+    return kind in _TEXT_KEEPING_PRE and str(spec.get("behavior", "")).lower() != "removed"
+
+
+def _has_byte_level(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in spec.get("pretokenizers") or [])
+    return spec.get("type") == "ByteLevel"
 
 
 def _one_line(err: BaseException) -> str:

@@ -105,6 +105,12 @@ class Server:
              headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """One plain HTTP request; ``body`` as bytes is sent as it is. Returns the status and
         the JSON answer (text when it is not JSON)."""
+        status, answer, _ = self.exchange(method, path, body, headers)
+        return status, answer
+
+    def exchange(self, method: str, path: str, body: Any = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+        """:meth:`call`, with the response's headers (lower-case names)."""
         u = urlsplit(self.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -112,11 +118,12 @@ class Server:
                      headers={"Content-Type": "application/json", **(headers or {})})
         res = conn.getresponse()
         raw = res.read().decode()
+        got = {k.lower(): v for k, v in res.getheaders()}
         conn.close()
         try:
-            return res.status, json.loads(raw)
+            return res.status, json.loads(raw), got
         except ValueError:
-            return res.status, raw
+            return res.status, raw, got
 
     def health(self) -> dict[str, Any]:
         status, body = self.call("GET", "/health")

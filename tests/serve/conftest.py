@@ -18,6 +18,10 @@ SPECS: dict[str, tuple[list[str], Path | None]] = {
     "self-spec": (["--strategy", "self-spec", "--exit-layer", "2", "--max-batch", "8"], None),
     "ppd": (["--strategy", "ppd", "--ppd-layer", "2", "--ppd-k", "2", "--no-parallel",
              "--api-key", API_KEY], None),
+    # small request limits (tests/serve/test_serve_limits.py)
+    "limits": (["--max-batch", "2", "--max-queue", "8", "--max-prompts", "4",
+                "--max-request-bytes", "65536", "--max-prompt-tokens", "64",
+                "--max-completion-tokens", "8"], None),
     # one row, one queued request; decoding steps fail for prompts containing "FAIL"
     "faulty": (["--strategy", "faulty", "--max-batch", "1", "--max-queue", "1",
                 "--drain-timeout", "20"], HERE / "_faulty_serve.py"),

@@ -1,7 +1,7 @@
 """The server under failure and load, on one row and a queue of one: an engine failure is a
 500 (mid-stream: one error event, then ``[DONE]``) and the server goes on; a full queue is a
-503 at once; a client that disconnects frees its row; SIGINT drains requests in flight and
-exits with status 0."""
+503 with Retry-After at once (and only when the queue has no room); a client that disconnects
+frees its row; SIGINT drains requests in flight and exits with status 0."""
 
 from __future__ import annotations
 
@@ -60,9 +60,17 @@ def test_full_queue_is_a_503_at_once_and_disconnects_free_the_row(faulty: Server
     waiter.start()
     faulty.wait_for(lambda: faulty.health()["waiting"] == 1)
     t0 = time.monotonic()
-    status, body = faulty.call("POST", "/v1/completions", {"prompt": "one more"})
+    status, body, headers = faulty.exchange("POST", "/v1/completions", {"prompt": "one more"})
     assert status == 503 and body["error"]["code"] == "queue_full"
+    assert headers["retry-after"] == "1"
     assert time.monotonic() - t0 < 5
+    # even now, a request that can never be served is a 400, not a 503: too long a prompt,
+    # and more prompts than the whole queue holds (queued first, it would never fit)
+    for bad, option in (({"prompt": "x" * 300}, "context"), ({"prompt": ["a", "b"]},
+                                                             "--max-queue")):
+        status, body = faulty.call("POST", "/v1/completions", bad)
+        assert status == 400 and option in body["error"]["message"], body
+    assert faulty.health()["waiting"] == 1  # the refused requests left nothing queued
     conn.close()  # the streaming client goes away: its row goes to the queued request
     waiter.join(30)
     status, body = queued["answer"]  # type: ignore[misc]

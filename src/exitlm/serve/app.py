@@ -5,7 +5,7 @@ Routes (OpenAI's and vLLM's):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`exitlm.serve.generation`);
 * ``GET /v1/models``: the served model, with its strategy, depth, exits and the options a
-  request may set;
+  request may set; ``GET /v1/models/{id}``: that model object (a 404 naming any other id);
 * ``POST /tokenize`` (``prompt``, or chat ``messages``) and ``POST /detokenize``
   (``tokens``);
 * ``GET /health``: ``{"status": "ok", "running": ..., "waiting": ...}`` (no API key); 503
@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exitlm.serve import generation
 from exitlm.serve.errors import APIError, bad_request
+from exitlm.serve.prompts import trim_memory
 from exitlm.serve.protocol import DetokenizeRequest, TokenizeRequest, parse
 from exitlm.serve.state import ServerState, read_json
 
@@ -38,6 +39,8 @@ log = logging.getLogger("exitlm.serve")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
           "/health", "/metrics")
+"""The paths counted by name in ``exitlm_http_requests_total`` (others, ``/v1/models/{id}``
+included, as ``other``)."""
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -50,6 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             await state.runner.stop()
+            state.prompts.close()
 
     app = FastAPI(title="exitlm", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
@@ -77,33 +81,44 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: HTTPRequest) -> Response:
         return await generation.chat_completions(state, request)
 
+    def model_card() -> dict[str, Any]:
+        engine = state.engine
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "exitlm", "max_model_len": state.context,
+                "exitlm": {"strategy": state.strategy, "num_layers": state.num_layers,
+                           "exit_layers": list(engine.model.config.exit_layers),
+                           "options": engine.decoder.resolved_options(),
+                           "per_request_options": sorted(engine.strategy.per_request),
+                           "max_batch": engine.max_batch}}
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        engine = state.engine
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "exitlm", "max_model_len": state.context,
-            "exitlm": {"strategy": state.strategy, "num_layers": state.num_layers,
-                       "exit_layers": list(engine.model.config.exit_layers),
-                       "options": engine.decoder.resolved_options(),
-                       "per_request_options": sorted(engine.strategy.per_request),
-                       "max_batch": engine.max_batch}}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{state.model_name!r}", param="model", code="model_not_found")
+        return model_card()
 
     @api.post("/tokenize")
     async def tokenize(request: HTTPRequest) -> dict[str, Any]:
-        req = parse(TokenizeRequest, await read_json(request))
+        req = parse(TokenizeRequest, await read_json(request, state.limits))
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give either 'prompt' or 'messages'", "prompt")
-        text = req.prompt if req.prompt is not None else state.render_chat(
-            [{"role": m.role, "content": m.text()} for m in req.messages or []],
-            req.add_generation_prompt)
-        ids = state.encode(text)
+        if req.prompt is not None:
+            ids = (await state.prompts.encode([req.prompt], "prompt"))[0]
+        else:
+            ids = await state.prompts.encode_chat(
+                [{"role": m.role, "content": m.text()} for m in req.messages or []],
+                req.add_generation_prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
 
     @api.post("/detokenize")
     async def detokenize(request: HTTPRequest) -> dict[str, Any]:
-        req = parse(DetokenizeRequest, await read_json(request))
+        req = parse(DetokenizeRequest, await read_json(request, state.limits))
         state.check_model(req.model)
         vocab = state.engine.model.config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
@@ -181,3 +196,5 @@ class RequestLog:
             log.info('%s:%s "%s %s" %d %.3fs%s', client[0], client[1], scope.get("method"),
                      path, status, time.perf_counter() - t0, f" {extra}" if extra else "")
             self.state.metrics.http_request(path if path in ROUTES else "other", status)
+            if scope.pop("exitlm_large", False):  # its objects are freed by now
+                asyncio.get_running_loop().run_in_executor(None, trim_memory)

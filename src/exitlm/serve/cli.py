@@ -7,10 +7,12 @@
 
 The model loads the way ``exitlm generate`` loads it (a strategy other than ``ar`` on a model
 without exits gets LayerSkip-style exits at every layer; a model without a tokenizer gets one
-token per byte). Once the server listens it prints ``exitlm serve: listening on URL``
-(``--port 0`` picks a free port). SIGINT (Ctrl-C) or SIGTERM stops accepting connections,
-lets requests in flight finish for up to ``--drain-timeout`` seconds, then stops the engine
-and exits with status 0; a second Ctrl-C stops at once.
+token per byte). It prints a line as each start-up phase begins (loading, preparing the
+engine) and, once the server listens, ``exitlm serve: listening on URL`` (``--port 0`` picks
+a free port) and the request limits (:mod:`exitlm.serve.limits`). SIGINT (Ctrl-C) or
+SIGTERM stops accepting connections, lets requests in flight finish for up to
+``--drain-timeout`` seconds, then stops the engine and exits with status 0; a second Ctrl-C
+stops at once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from exitlm.args import finite_float, int_at_least
@@ -56,6 +59,17 @@ def register(subparsers: Any) -> None:
                    help="the most requests waiting for a slot; beyond it requests get 503")
     p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
                    help="the longest prompt + completion served (default: the model's context)")
+    p.add_argument("--max-prompts", type=int_at_least(1), default=256,
+                   help="the most prompts one /v1/completions request may hold (a 400 beyond)")
+    p.add_argument("--max-request-bytes", type=int_at_least(1), default=4 * 2**20,
+                   help="the largest request body read (a 400 beyond); parsing holds every "
+                        "other request for about 5-20 ms per MiB")
+    p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
+                   help="the most tokens one prompt may have, a 400 beyond (None: the "
+                        "context, --max-seq-len)")
+    p.add_argument("--max-completion-tokens", type=int_at_least(1), default=None,
+                   help="the largest max_tokens one choice may ask for, a 400 beyond (None: "
+                        "the context); it also caps the default max_tokens")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                         "/detokenize (default: $EXITLM_API_KEY, else no key)")
@@ -90,10 +104,16 @@ def run(args: argparse.Namespace) -> int:
         from exitlm.infer.threads import set_threads  # lazy: the parser imports no torch
 
         set_threads(args.threads)
+    t0 = time.perf_counter()
+    _phase(f"loading model {args.model!r} ({args.dtype})")
     loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
     tokenizer = tokenizer_for(loaded, args.model)
     options = get_strategy(args.strategy).options(None, **overrides)
+    if getattr(options, "draft_vocab", None):
+        _phase("ranking the draft vocabulary")
     rank_draft_vocab(loaded.model, tokenizer, options)
+    _phase(f"loaded in {time.perf_counter() - t0:.1f}s; preparing the {args.strategy} engine"
+           + (f" on {args.tp} tensor-parallel processes" if args.tp > 1 else ""))
     limits = {"max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
               "max_queue": args.max_queue}
     with contextlib.ExitStack() as stack:
@@ -105,7 +125,13 @@ def run(args: argparse.Namespace) -> int:
                 loaded.model, args.tp, threads=args.threads or 1, timeout_s=args.dist_timeout))
         engine = Engine(target, tokenizer, args.strategy, options, threads=args.threads,
                         **limits)
+        _phase(f"engine ready after {time.perf_counter() - t0:.1f}s; starting the HTTP server")
         return _serve(args, sock, engine, tokenizer)
+
+
+def _phase(what: str) -> None:
+    """One line per start-up phase, as it begins (on a terminal and on a pipe alike)."""
+    print(f"exitlm serve: {what}...", file=sys.stderr, flush=True)
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer: Any) -> int:
@@ -115,12 +141,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
     from exitlm.serve.app import create_app  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
+    from exitlm.serve.limits import Limits  # lazy: loaded when the command runs
     from exitlm.serve.server import Server, signals_end_quietly
     from exitlm.serve.state import ServerState  # lazy: loaded when the command runs
 
+    limits = Limits(max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes,
+                    max_prompt_tokens=args.max_prompt_tokens,
+                    max_completion_tokens=args.max_completion_tokens)
     state = ServerState(engine, tokenizer, args.served_model_name or args.model,
                         api_key=args.api_key or os.environ.get("EXITLM_API_KEY") or None,
-                        drain_timeout=args.drain_timeout)
+                        drain_timeout=args.drain_timeout, limits=limits)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     config = uvicorn.Config(
@@ -133,6 +163,14 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
         print(f"exitlm serve: listening on {url} (model {state.model_name!r}, strategy "
               f"{state.strategy}, max batch {engine.max_batch}, context {state.context}{tp})",
               file=sys.stderr, flush=True)
+        bound = state.prompts.bound
+        print(f"exitlm serve: limits per request: {limits.max_prompts} prompts "
+              f"(--max-prompts), {limits.max_request_bytes} bytes (--max-request-bytes), "
+              f"{limits.prompt_tokens(state.context)} prompt tokens (--max-prompt-tokens"
+              + (f", texts over {bound.bytes_per_token} bytes/token refused untokenized"
+                 if bound is not None else "") + "), "
+              f"{limits.max_completion_tokens or state.context} completion tokens "
+              "(--max-completion-tokens)", file=sys.stderr, flush=True)
 
     with signals_end_quietly():
         Server(config, ready, state).run(sockets=[sock])

@@ -46,7 +46,7 @@ from exitlm.serve.state import ServerState, config_error, read_json
 
 DEFAULT_COMPLETION_TOKENS = 16
 """``max_tokens`` of a completion that gives none (OpenAI's default); chat completions default
-to the rest of the context."""
+to the rest of the context (both at most ``--max-completion-tokens``)."""
 PING_S = 15.0
 """Seconds between SSE keep-alive comments."""
 
@@ -77,13 +77,18 @@ class Plan:
 # ----- the two endpoints ----------------------------------------------------------------------
 
 async def completions(state: ServerState, http: HTTPRequest) -> Response:
-    req = parse(CompletionRequest, await read_json(http))
+    req = parse(CompletionRequest, await read_json(http, state.limits))
     state.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     raw = req.prompts()
-    prompts = [state.encode(p) for p in raw]
-    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    state.limits.check_prompts(len(raw), req.n, state.engine.max_queue)
+    if req.max_tokens is None:
+        max_tokens = state.limits.default_completion(DEFAULT_COMPLETION_TOKENS)
+    else:
+        max_tokens = req.max_tokens
+        state.limits.check_completion(max_tokens)
+    prompts = await state.prompts.encode(raw, "prompt")
     for ids in prompts:
         state.check_context(len(ids), max_tokens, "prompt")
     echo = None
@@ -94,11 +99,16 @@ async def completions(state: ServerState, http: HTTPRequest) -> Response:
 
 
 async def chat_completions(state: ServerState, http: HTTPRequest) -> Response:
-    req = parse(ChatCompletionRequest, await read_json(http))
+    req = parse(ChatCompletionRequest, await read_json(http, state.limits))
     state.check_model(req.model)
-    ids = state.encode(state.render_chat(req.chat(), req.add_generation_prompt))
-    max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
-                      max(0, state.context - len(ids)))
+    state.limits.check_prompts(1, req.n, state.engine.max_queue)
+    asked = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
+                 None)
+    if asked is not None:
+        state.limits.check_completion(asked)
+    ids = await state.prompts.encode_chat(req.chat(), req.add_generation_prompt)
+    max_tokens = (asked if asked is not None
+                  else state.limits.default_completion(max(0, state.context - len(ids))))
     state.check_context(len(ids), max_tokens, "messages")
     return await _serve(state, http, Plan(True, req, [ids], max_tokens, req.token_logprobs))
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from exitlm.infer.engine import Engine
+from exitlm.infer.engine import Engine, EngineFull
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.request import Request, Update
 
@@ -115,7 +115,13 @@ class EngineRunner:
                options: dict[str, Any]) -> RequestGroup:
         """Queue one engine request per ``(prompt, sampling)`` pair as one group. The engine's
         :class:`~exitlm.config.ConfigError` / :class:`~exitlm.infer.engine.EngineFull`
-        propagate, after the group's earlier requests are cancelled."""
+        propagate, after the group's earlier requests are cancelled. A group the queue has
+        no room for as a whole raises :class:`EngineFull` before any of it is queued (so a
+        refused request leaves nothing behind for the next one)."""
+        queue, waiting = self.engine.max_queue, self.engine.num_waiting
+        if queue is not None and waiting + len(prompts) > queue:
+            raise EngineFull(f"the queue is full ({waiting} of {queue} places taken, this "
+                             f"request needs {len(prompts)})")
         group = RequestGroup(self)
         try:
             for index, (ids, samp) in enumerate(zip(prompts, sampling, strict=True)):

@@ -9,16 +9,18 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from exitlm.config import ConfigError
-from exitlm.errors import ExitlmError
 from exitlm.infer.engine import Engine
 from exitlm.serve.errors import APIError, bad_request
 from exitlm.serve.formats import TokenText
+from exitlm.serve.limits import Limits
 from exitlm.serve.metrics import Metrics
+from exitlm.serve.prompts import PromptWorker
 from exitlm.serve.runner import EngineRunner
 from exitlm.tokenizer import Tokenizer
 
-MAX_BODY_BYTES = 32 * 2**20
-"""The largest request body read (a 413 beyond)."""
+LARGE_BODY_BYTES = 2**18
+"""A request body from this size on is large: once answered, freed memory is given back to
+the system (:func:`exitlm.serve.prompts.trim_memory`)."""
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ServerState:
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
             ``Authorization: Bearer <api_key>``.
         drain_timeout: seconds a shutdown waits for requests in flight.
+        limits: what one request may ask for (:mod:`exitlm.serve.limits`).
     """
 
     engine: Engine
@@ -39,10 +42,12 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     drain_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
     created: int = field(default_factory=lambda: int(time.time()))
     runner: EngineRunner = field(init=False)
     metrics: Metrics = field(init=False)
     token_text: TokenText = field(init=False)
+    prompts: PromptWorker = field(init=False)
 
     def __post_init__(self) -> None:
         self.runner = EngineRunner(self.engine, on_update=lambda u: self.metrics.observe(u))
@@ -51,6 +56,8 @@ class ServerState:
                                running=lambda: self.runner.running,
                                failures=lambda: self.runner.failures)
         self.token_text = TokenText(self.tokenizer)
+        self.prompts = PromptWorker(self.tokenizer, self.limits, self.context,
+                                    max_pending=self.engine.max_queue or 256)
 
     @property
     def num_layers(self) -> int:
@@ -71,18 +78,6 @@ class ServerState:
             raise APIError(400, f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (token ids are checked by the engine when submitted)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat template applied to ``messages`` (a 400 when it fails)."""
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt)
-        except ExitlmError as err:
-            raise bad_request(str(err), "messages") from None
-
     def check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
         """A 400 when a prompt and its completion do not fit the context."""
         if prompt_len + max_tokens <= self.context:
@@ -97,22 +92,32 @@ class ServerState:
                        code="context_length_exceeded")
 
 
-async def read_json(request: HTTPRequest) -> Any:
-    """The request body as JSON (a 400 for anything else; NaN and Infinity are refused)."""
+async def read_json(request: HTTPRequest, limits: Limits) -> Any:
+    """The request body as JSON (a 400 for anything else, or for a body beyond
+    ``limits.max_request_bytes``, refused by its ``Content-Length`` before it is read;
+    NaN and Infinity are refused). A large body marks the request for a memory trim."""
     import json
 
+    limit = limits.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise limits.body_too_large(int(declared))
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise limits.body_too_large()
         chunks.append(chunk)
+    if size >= LARGE_BODY_BYTES:
+        request.scope["exitlm_large"] = True
 
     def refuse(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
 
+    body = b"".join(chunks)
+    del chunks
     try:
-        return json.loads(b"".join(chunks), parse_constant=refuse)
+        return json.loads(body, parse_constant=refuse)
     except (ValueError, RecursionError) as err:
         raise bad_request(f"the request body is not valid JSON ({err})") from None
 
