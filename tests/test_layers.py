@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "exitlm"
 
 LAYERS: list[list[str]] = [
     ["errors"],
-    ["args", "schema", "progress"],
+    ["args", "schema", "progress", "table"],
     ["config", "chat_template"],
     ["tokenizer"],
     ["model"],

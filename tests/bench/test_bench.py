@@ -61,6 +61,23 @@ def test_summarize_and_ppd_theory() -> None:
     assert t["measured_over_predicted_latency"] == pytest.approx(3.0 / pred)
 
 
+def _table_rows(text: str, first: str) -> dict[str, dict[str, str]]:
+    """The rows of the aligned table whose header starts with ``first``, by first cell
+    (columns are cut at the header's column starts; headers are separated by 2 spaces)."""
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith(first + " "))
+    widths = [len(d) for d in lines[head + 1].split("  ")]
+    starts = [sum(widths[:k]) + 2 * k for k in range(len(widths))]
+    names = [lines[head][a:a + w].strip() for a, w in zip(starts, widths, strict=True)]
+    out = {}
+    for ln in lines[head + 2:]:
+        if "  " not in ln:  # the lines below the table
+            break
+        cells = [ln[a:a + w].strip() for a, w in zip(starts, widths, strict=True)]
+        out[cells[0]] = dict(zip(names, cells, strict=True))
+    return out
+
+
 @pytest.fixture
 def _keep_threads():
     import torch
@@ -79,15 +96,34 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     rc = main([*args, "--strategies", "ar,early-exit,self-spec,ppd", "--exit-layer", "2",
                "--threshold", "0.0", "--ppd-layer", "2"])
     assert rc == 0
-    rep = json.loads(capsys.readouterr().out)
+    table = capsys.readouterr().out
+    rep = json.loads((tmp_path / "out" / "bench.json").read_text())
     res = rep["results"]
     assert res["self-spec"]["exact_match"] == res["ppd"]["exact_match"] == 1.0
     assert "acceptance_rate" in res["self-spec"] and res["early-exit"]["mean_exit_layer"] < 4
     assert rep["ratios"]["self_spec_over_ar"] > 0 and "ppd_theory" in rep
+    # the table: one row per strategy with the report's tokens/s and speed-up over ar
+    rows = _table_rows(table, "strategy")
+    assert set(rows) == set(res) == {"ar", "early-exit", "self-spec", "ppd"}
+    for name, r in res.items():
+        row = rows[name]
+        assert float(row["decode tok/s"].replace(",", "")) == pytest.approx(
+            r["decode_tokens_per_s"], rel=0.01)
+        assert row["vs ar"].endswith("x")
+        assert float(row["vs ar"][:-1]) == pytest.approx(r["decode_speedup_vs_ar"], abs=0.005)
+        assert row["same as ar"] == {1.0: "yes", 0.0: "no"}.get(r["exact_match"],
+                                                                 row["same as ar"])
+    assert rows["ar"]["vs ar"] == "1.00x" and rows["ar"]["acceptance"] == "-"
+    assert float(rows["self-spec"]["acceptance"]) == pytest.approx(
+        res["self-spec"]["acceptance_rate"], abs=0.005)
+    assert f"self-spec over ar {rows['self-spec']['vs ar']}" in table
+    assert "p_correct" in table and not table.lstrip().startswith("{")
     rc = main([*args, "--sweep", "speculation", "--sweep-exits", "1,2",
-               "--sweep-speculations", "1,3"])
+               "--sweep-speculations", "1,3", "--json"])
     assert rc == 0
-    sweep = json.loads(capsys.readouterr().out)["sweep"]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((tmp_path / "out" / "sweep_speculation.json").read_text())
+    sweep = printed["sweep"]
     rows = sweep["rows"]
     assert len(rows) == 4 and all(r["exact_match"] == 1.0 for r in rows)
     assert sweep["adaptive"]["exact_match"] == 1.0 and sweep["adaptive"]["over_best_static"] > 0
@@ -95,8 +131,14 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (tmp_path / "out" / "sweep_self_spec.png").is_file()
     rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])
     assert rc == 0
-    rows = json.loads(capsys.readouterr().out)["sweep"]["rows"]
+    table = capsys.readouterr().out
+    rows = json.loads((tmp_path / "out" / "sweep_threshold.json").read_text())["sweep"]["rows"]
     assert rows[0]["exact_match"] == 1.0
+    shown = _table_rows(table, "threshold")
+    assert list(shown) == ["1", "0.2"] and shown["1"]["same as ar"] == "yes"
+    for r in rows:
+        got = shown[f"{r['threshold']:g}"]["vs ar"]
+        assert float(got[:-1]) == pytest.approx(r["speedup"], abs=0.005)
     assert (tmp_path / "out" / "sweep_thresholds.png").is_file()
 
 
@@ -113,7 +155,7 @@ def test_bench_transformers_baselines_use_the_benchmarked_weights(
     rc = main(["bench", "--model", "debug", "--prompts", str(prompts), "--max-new-tokens", "8",
                "--strategies", "ar,self-spec,hf,hf-ee", "--exit-layer", "2",
                "--num-speculations", "2", "--draft-threshold", "0.5",
-               "--out-dir", str(tmp_path / "out")])
+               "--out-dir", str(tmp_path / "out"), "--json"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     res = rep["results"]
@@ -138,7 +180,7 @@ def test_bench_fits_prompts_to_a_short_context(
     save_model(tiny_text_model(), d, byte_tokenizer())  # 256 tokens of context
     args = ["bench", "--model", str(d), "--strategies", "ar", "--num-prompts", "3",
             "--out-dir", str(tmp_path / "out")]
-    assert main([*args, "--max-new-tokens", "200"]) == 0
+    assert main([*args, "--max-new-tokens", "200", "--json"]) == 0
     cap = capsys.readouterr()
     assert "keep their last 56 tokens" in cap.err
     assert json.loads(cap.out)["results"]["ar"]["new_tokens"] == 3 * 200

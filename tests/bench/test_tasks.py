@@ -40,11 +40,13 @@ def test_bench_task_table(task: str, tmp_path: Path, capsys: pytest.CaptureFixtu
         rc = main(["bench", "--model", str(model_dir), "--task", task, "--limit", "2",
                    "--strategies", "ar,early-exit,self-spec", "--threshold", "1.0",
                    "--exit-layer", "1", "--max-new-tokens", "24",
-                   "--out-dir", str(tmp_path / "out")])
+                   "--out-dir", str(tmp_path / "out"), "--json"])
     finally:
         torch.set_num_threads(before)
     assert rc == 0
-    rep = json.loads(capsys.readouterr().out)["task"]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((tmp_path / "out" / f"task_{task}_report.json").read_text())
+    rep = printed["task"]
     metric = rep["metric"]
     rows = rep["results"]
     assert set(rows) == {"ar", "early-exit", "self-spec"} and rep["items"] == 2
@@ -82,8 +84,16 @@ def test_task_table_on_a_small_context(tmp_path: Path, capsys: pytest.CaptureFix
     finally:
         torch.set_num_threads(before)
     assert rc == 0
-    rep = json.loads(capsys.readouterr().out)["task"]
+    table = capsys.readouterr().out
+    rep = json.loads((tmp_path / "out" / "task_docstrings_report.json").read_text())["task"]
     fits = sum(len(p.encode()) < context for p in prompts)
     assert rep["items"] == fits and rep["skipped_too_long"] == 6 - fits > 0
+    # the table: the item counts, then one row per strategy with its score and speed-up
+    assert f"task docstrings: {fits} items ({6 - fits} skipped" in table
+    for name, row in rep["results"].items():
+        line = next(ln for ln in table.splitlines() if ln.startswith(name + " "))
+        cells = line.split()
+        assert float(cells[1]) == pytest.approx(row["rouge_l"], abs=0.005)
+        assert float(cells[3].rstrip("x")) == pytest.approx(row["speedup_vs_ar"], abs=0.005)
     saved = json.loads((tmp_path / "out" / "task_docstrings.json").read_text())
     assert [len(c["prompt"].encode()) < context for c in saved["completions"]] == [True] * fits

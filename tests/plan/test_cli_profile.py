@@ -53,10 +53,19 @@ def test_plan_terapipe_profile_json(tmp_path, capsys) -> None:
 
 def test_plan_terapipe_model_profiles_real_layers(tmp_path, capsys) -> None:
     save = tmp_path / "prof.json"
-    rc, out = _run(capsys, ["plan", "terapipe", "--model", "debug", "--seq-len", "12",
-                            "--stages", "2", "--save-profile", str(save), "--json"])
-    assert rc == 0 and sum(out["slices"]) == 12
+    rc = main(["plan", "terapipe", "--model", "debug", "--seq-len", "12", "--stages", "2",
+               "--save-profile", str(save), "--repeats", "2", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    out = json.loads(cap.out)
+    assert sum(out["slices"]) == 12 and out["time_unit"] == "s"
     assert len(json.loads(save.read_text())["t_noctx"]) == 12
+    # progress on a pipe: a start and an end line per profiling phase, on stderr
+    err = [ln for ln in cap.err.splitlines() if ln.startswith("exitlm: profiling")]
+    assert err[0] == "exitlm: profiling t(i, 0) of one stage (2 layers) (12 lengths)..."
+    assert err[1].startswith("exitlm: profiling t(i, 0) of one stage (2 layers): done, "
+                             "12 lengths in ")
+    assert "t_ctx(i, j)" in err[2] and err[3].endswith(" s") and len(err) == 4
 
 
 def test_plan_pipeline_json_and_plot(tmp_path, capsys) -> None:

@@ -8,8 +8,10 @@
     exitlm bench --task humaneval --limit 40 --strategies ar,early-exit,self-spec
     exitlm bench --task docstrings --threshold 0.8
 
-Prints one JSON object (also written to ``--out-dir/bench.json``); sweeps also write a CSV and
-a PNG there. See :mod:`exitlm.bench.run` for what is measured.
+Prints a table of the results (``--json``: the full report as one JSON object instead); the
+report is always written to ``--out-dir`` (``bench.json``, ``sweep_*.json`` or
+``task_*_report.json``); sweeps also write a CSV and a PNG there. See :mod:`exitlm.bench.run`
+for what is measured.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def register(subparsers: Any) -> None:
                    help="items of --task (default: all 164 HumanEval problems / 40 docstrings)")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
                    help="where bench.json, CSVs and plots go")
+    p.add_argument("--json", action="store_true",
+                   help="print the full JSON report instead of the table")
     p.set_defaults(func=run)
 
 
@@ -151,5 +155,10 @@ def run(args: argparse.Namespace) -> int:
     name = (f"task_{args.task}_report.json" if args.task else "bench.json" if args.sweep is None
             else f"sweep_{args.sweep}.json")
     (out_dir / name).write_text(text + "\n", encoding="utf-8")
-    print(text)
+    if args.json:
+        print(text)
+    else:
+        from exitlm.bench.report import format_report  # lazy: the parser imports no torch
+
+        print(format_report(report, str(out_dir / name)))
     return 0

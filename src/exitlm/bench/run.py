@@ -527,7 +527,7 @@ def describe(b: Bench) -> dict[str, Any]:
     """Run metadata for the JSON report."""
     import platform
 
-    from exitlm.kernels import native
+    from exitlm.kernels import native  # lazy: only the report needs the kernel path
 
     cfg = dataclasses.asdict(b.cfg)
     return {"model": b.loaded.source, "exits": dataclasses.asdict(b.model.config.exits),

@@ -57,7 +57,9 @@ def register(subparsers: Any) -> None:
                        description="PROFILE.json: {\"seq_len\": L, \"stages\": K, \"t_noctx\": "
                        "[t(1),...,t(L)], \"ctx_coef\": [a0,a1,a2,a3]} (one stage); optional "
                        "\"t_noctx_bwd\"/\"ctx_coef_bwd\" (backward, used with --backward) and "
-                       "\"batch\": [profile for batch size 1, 2, ...] (joint plan with --batch).")
+                       "\"batch\": [profile for batch size 1, 2, ...] (joint plan with --batch); "
+                       "optional \"unit\": \"s\" or \"ms\" (times are shown in ms). A cost "
+                       "model that predicts slice times <= 0 or non-finite is refused.")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="profile JSON (see description)")
     src.add_argument("--model", help="preset name or model config JSON: profile real layers")
@@ -77,6 +79,9 @@ def register(subparsers: Any) -> None:
     t.add_argument("--save-profile", help="with --model: write the fitted profile JSON here")
     t.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch threads while profiling")
+    t.add_argument("--repeats", type=int_at_least(1), default=3,
+                   help="with --model: timed runs per measurement (the median is kept); more "
+                        "repeats give a steadier fit on a busy machine")
     t.add_argument("--plot", help="draw the sliced pipeline timeline (.png or .svg)")
     t.add_argument("--json", action="store_true", help="print JSON")
     t.set_defaults(func=_cmd_terapipe)
@@ -140,12 +145,23 @@ def _floats(text: str, n: int, flag: str, names: str) -> list[float]:
     return vals
 
 
+def _rounded(value: Any) -> Any:
+    """``value`` with every float cut to 4 significant digits (text output: no float noise)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def _emit(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(out, indent=2, default=float))
     else:
         for k, v in out.items():
-            print(f"{k}: {json.dumps(v, default=float)}")
+            print(f"{k}: {json.dumps(_rounded(v), default=float)}")
 
 
 MAX_MONTE_CARLO_RUNS = 100_000
@@ -157,7 +173,9 @@ def _run(fn: Any, args: argparse.Namespace) -> int:
     try:
         return fn(args)
     except (PlanError, OSError, json.JSONDecodeError, ValueError) as e:
-        print(f"exitlm plan: error: {e}", file=sys.stderr)
+        hint = getattr(e, "hint", None)
+        print(f"exitlm plan: error: {e}" + (f"\n  hint: {hint}" if hint else ""),
+              file=sys.stderr)
         return 2
 
 
@@ -202,20 +220,72 @@ def check_plan_size(seq_len: Any, what: str) -> None:
 
 # ----- terapipe ------------------------------------------------------------------------------
 
-def _perf(d: dict[str, Any], suffix: str, where: str) -> Any:
+def _perf(d: dict[str, Any], suffix: str, where: str, unit: str | None,
+          warnings: list[str]) -> Any:
+    """The Eq. 9 model of ``d``'s ``t_noctx<suffix>``/``ctx_coef<suffix>``, refused when it
+    cannot support a plan (:func:`exitlm.plan.fit_check.check_model`); its warnings are
+    added to ``warnings``."""
+    from exitlm.plan.fit_check import (  # lazy: loaded when the command runs
+        check_model,
+        parse_samples,
+    )
     from exitlm.plan.terapipe import PerfModel  # lazy: loaded when the command runs
 
     key = "t_noctx" + suffix
     if key not in d:
         raise PlanError(f"{where} has no {key!r}; add it (t(1)..t(L) of one stage)")
-    return PerfModel(tuple(d[key]), tuple(d.get("ctx_coef" + suffix, (0, 0, 0, 0))))
+    pm = PerfModel(tuple(d[key]), tuple(d.get("ctx_coef" + suffix, (0, 0, 0, 0))))
+    measured = d.get("measured")
+    samples = None
+    if not suffix and isinstance(measured, dict) and "ctx_samples" in measured:
+        samples = parse_samples(measured["ctx_samples"], where)
+    name = f"{where} ({key})" if suffix else where
+    warnings += [f"{name}: {w}" if suffix else w
+                 for w in check_model(pm, name, unit, samples)]
+    return pm
 
 
-def _cost(d: dict[str, Any], backward: bool, where: str) -> np.ndarray:
-    c = _perf(d, "", where).matrix()
+def _cost(d: dict[str, Any], backward: bool, where: str, unit: str | None,
+          warnings: list[str]) -> np.ndarray:
+    c = _perf(d, "", where, unit, warnings).matrix()
     if backward:
-        c = c + _perf(d, "_bwd", where).matrix()
+        c = c + _perf(d, "_bwd", where, unit, warnings).matrix()
     return c
+
+
+def _terapipe_text(out: dict[str, Any], unit: str | None) -> str:
+    """The readable form of a TeraPipe plan: a line of totals, a table of slices, the
+    latency against the best uniform slicing, and any warning about the cost model."""
+    from exitlm.plan.fit_check import (  # lazy: loaded when the command runs
+        format_time,
+        time_column,
+    )
+    from exitlm.table import number, render  # lazy: loaded when the command runs
+
+    header, scale = time_column(unit)
+    rows, ctx = [], 0
+    for k, (n, t) in enumerate(zip(out["slices"], out["slice_times"], strict=True)):
+        rows.append([str(k + 1), f"{n:,}", f"{ctx:,}", number(t * scale)])
+        ctx += n
+    if len(rows) > 24:
+        rows = [*rows[:20], ["...", "", "", ""], *rows[-3:]]
+    uni = out["best_uniform"]
+    lines = [
+        f"TeraPipe plan: {out['seq_len']:,} tokens in {out['num_slices']} slice(s) over "
+        f"{out['stages']} stage(s)",
+        render(["slice", "tokens", "context", header], rows),
+        f"latency (Eq. 5): {format_time(out['latency'], unit)}; slowest slice (t_max): "
+        f"{format_time(out['tmax'], unit)}",
+        f"best uniform slicing: {uni['num_slices']} slice(s), "
+        f"{format_time(uni['latency'], unit)}; this plan is "
+        f"{out['uniform_over_dp']:.2f}x faster",
+        f"planner: {out['dp_evaluations']} DP evaluations in "
+        f"{number(out['dp_seconds'] * 1e3)} ms",
+    ]
+    if out.get("plot"):
+        lines.append(f"timeline: {out['plot']}")
+    lines += [f"warning: {w}" for w in out.get("warnings", [])]
+    return "\n".join(lines)
 
 
 def _cmd_terapipe(args: argparse.Namespace) -> int:
@@ -235,11 +305,16 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
             from exitlm.plan.profile import profile_terapipe  # lazy: loaded when the command runs
 
             pm, raw = profile_terapipe(_load_config(a.model), a.seq_len, a.stages,
-                                       threads=a.threads)
-            prof = {"seq_len": a.seq_len, "stages": a.stages, "t_noctx": list(pm.t_noctx),
-                    "ctx_coef": list(pm.ctx_coef), "measured": raw}
+                                       repeats=a.repeats, threads=a.threads)
+            prof = {"seq_len": a.seq_len, "stages": a.stages, "unit": "s",
+                    "t_noctx": list(pm.t_noctx), "ctx_coef": list(pm.ctx_coef),
+                    "measured": raw}
             if a.save_profile:
                 _write_json(a.save_profile, prof)
+        unit = prof.get("unit")
+        if unit not in (None, "s", "ms"):
+            raise PlanError(f"{a.profile}: \"unit\" must be \"s\" or \"ms\", got {unit!r}")
+        warnings: list[str] = []
         stages = a.stages or prof.get("stages")
         check_plan_size(prof.get("seq_len", len(prof.get("t_noctx", []))),
                         "the profile's seq_len")
@@ -255,21 +330,31 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
             if not isinstance(batch, list) or len(batch) < a.batch:
                 raise PlanError(f"--batch {a.batch} needs a \"batch\" list with profiles for "
                                 f"batch sizes 1..{a.batch} in the profile")
-            costs = [_cost(batch[b], a.backward, f"batch[{b}]") for b in range(a.batch)]
+            costs = [_cost(batch[b], a.backward, f"batch[{b}]", unit, warnings)
+                     for b in range(a.batch)]
             out = plan_batch(costs, a.batch, int(stages), a.epsilon, a.method)
+            if not all(math.isfinite(float(x)) and x > 0
+                       for x in (out["latency"], out["pipelined_latency"])):
+                raise PlanError("the joint batch plan has a non-finite or non-positive "
+                                "latency; the cost model cannot support a plan")
             out["dp_seconds"] = time.perf_counter() - t0
+            out["warnings"] = warnings
             _emit(a, out)
             return 0
-        cost = _cost(prof, a.backward, a.profile or "the profile")
+        cost = _cost(prof, a.backward, a.profile or "the profile of --model", unit, warnings)
         res = plan_slices(cost, int(stages), a.epsilon, a.method)
         dp_s = time.perf_counter() - t0
+        from exitlm.plan.fit_check import check_plan  # lazy: loaded when the command runs
+
+        check_plan(res, unit)
         uni = best_uniform(cost, int(stages))
         out = {"slices": res["slices"], "latency": res["latency"], "stages": int(stages),
                "seq_len": seq_len, "num_slices": res["num_slices"],
                "slice_times": res["slice_times"], "tmax": res["tmax"],
                "dp_seconds": dp_s, "dp_evaluations": res["dp_evaluations"],
                "best_uniform": {"latency": uni["latency"], "num_slices": uni["num_slices"]},
-               "uniform_over_dp": uni["latency"] / res["latency"]}
+               "uniform_over_dp": uni["latency"] / res["latency"],
+               "time_unit": unit or "profile units", "warnings": warnings}
         if a.plot:
             # lazy: loaded when the command runs
             from exitlm.plan.simulate import simulate, terapipe_schedule
@@ -281,7 +366,10 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
             sim = simulate(terapipe_schedule(res["slices"], int(stages), tf))
             out["plot"] = draw_timeline(sim, a.plot, f"TeraPipe slices, latency "
                                         f"{sim.makespan:.4g}")
-        _emit(a, out)
+        if a.json:
+            _emit(a, out)
+        else:
+            print(_terapipe_text(out, unit))
         return 0
     return _run(body, args)
 

@@ -26,6 +26,7 @@ from exitlm.config import ExitConfig, ModelConfig
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.plan.cost_model import OpCost, PlanError
 from exitlm.plan.terapipe import PerfModel, fit_ctx_coef
+from exitlm.progress import progress
 
 
 def _per_stage(cfg: ModelConfig, stages: int) -> int:
@@ -258,15 +259,24 @@ def profile_terapipe(cfg: ModelConfig, seq_len: int, stages: int,
         return max(_median_time(step, repeats) - (_median_time(ctx_only, repeats) if j else 0),
                    0.0)
 
+    ii = sorted({max(1, big // q) for q in (16, 8, 4, 2)})
+    pairs = {i: [j for j in sorted({max(1, (big - i) // q) for q in (8, 4, 2, 1)})
+                 if i + j <= big] for i in ii}
     with torch.no_grad(), _threads(threads):
-        t_meas = [run(i, 0) for i in lengths]
-        ii = sorted({max(1, big // q) for q in (16, 8, 4, 2)})
+        t_meas = []
+        with progress(f"profiling t(i, 0) of one stage ({per} layers)",
+                      total=len(lengths), unit="length") as bar:
+            for i in lengths:
+                t_meas.append(run(i, 0))
+                bar.update(1)
         samples = []
-        for i in ii:
-            t0 = run(i, 0)
-            for j in sorted({max(1, (big - i) // q) for q in (8, 4, 2, 1)}):
-                if i + j <= big:
+        with progress("profiling the context cost t_ctx(i, j)",
+                      total=sum(len(js) for js in pairs.values()), unit="pair") as bar:
+            for i, js in pairs.items():
+                t0 = run(i, 0)
+                for j in js:
                     samples.append((i, j, run(i, j) - t0))
+                    bar.update(1)
     t_all = np.interp(np.arange(1, big + 1), lengths, t_meas)
     coef = fit_ctx_coef(samples) if len(samples) >= 4 else (0.0, 0.0, 0.0, 0.0)
     return PerfModel(tuple(float(x) for x in t_all), coef), {

@@ -263,8 +263,11 @@ def plan_slices(cost: np.ndarray, stages: int, epsilon: float = 0.0,
     else:
         raise PlanError(f"unknown method {method!r}; use 'enumerate' or 'bisect'")
     sl = state["slices"]
-    return {"slices": sl, "latency": state["best"], "tmax": state["tmax"],
-            "slice_times": slice_times(cost, sl), "num_slices": len(sl),
+    times = slice_times(cost, sl)
+    # t_max of the result is its slowest slice (the t_max searched for it may be inf: the
+    # unconstrained DP's answer)
+    return {"slices": sl, "latency": state["best"], "tmax": max(times, default=math.nan),
+            "slice_times": times, "num_slices": len(sl),
             "dp_evaluations": state["evals"], "candidates": len(cand)}
 
 
