@@ -179,10 +179,10 @@ def installation() -> dict[str, Any]:
     (:func:`exitlm.kernels.loader.kernel_path`)."""
     import platform
 
-    import torch
+    import torch  # lazy: loaded when the command runs
 
-    from exitlm import __version__
-    from exitlm.kernels import native
+    from exitlm import __version__  # lazy: loaded when the command runs
+    from exitlm.kernels import native  # lazy: loaded when the command runs
 
     return {"exitlm": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
@@ -191,7 +191,7 @@ def installation() -> dict[str, Any]:
 
 def _info(args: argparse.Namespace) -> int:
     from exitlm.io import load_model  # lazy: loaded when the command runs
-    from exitlm.kernels.loader import KernelPath
+    from exitlm.kernels.loader import KernelPath  # lazy: loaded when the command runs
 
     system = installation()
     if args.model is None:
