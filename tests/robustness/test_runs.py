@@ -78,7 +78,7 @@ def test_two_runs_at_once_the_second_fails(tmp_path: Path,
     finally:
         first.kill()
         first.wait()
-    resumed = Trainer(run_config(tmp_path, train={"steps": 3, "checkpoint_every": 2}),
+    resumed = Trainer(run_config(tmp_path, train={"steps": 100000, "checkpoint_every": 2}),
                       resume=True, allow_changes=True)
     assert resumed.step >= 2
     assert cli(["train", "--config", file, "--overwrite", "train.steps=2"], capsys).rc == 0

@@ -83,6 +83,11 @@ __all__ = ["PipelineDecoder", "PipelineExecutor", "PipelineGroup", "serve_stage"
            "stage_bounds"]
 
 
+
+STOP_GRACE_S = 30.0
+"""How long an orderly stop waits for the stage processes to exit (at least; never less than
+the transfer timeout) before killing them."""
+
 class PipelineGroup:
     """Stage 0's handle on a running pipeline of ``stages`` processes (:func:`pipeline`)."""
 
@@ -147,7 +152,9 @@ class PipelineGroup:
                 self.links.send_stop()
                 self.links.p2p.flush()
                 if self.workers is not None:
-                    self.workers.join(self.links.p2p.timeout.total_seconds())
+                    # stages that got the stop message are exiting; on a loaded machine that
+                    # can outlast a short transfer timeout, so give them at least STOP_GRACE_S
+                    self.workers.join(max(self.links.p2p.timeout.total_seconds(), STOP_GRACE_S))
         except ParallelError:
             if error is None:
                 raise  # else the error that brought us here is the one to report
