@@ -11,7 +11,9 @@ whole-prefix forwards of the model's own modules, no cache, no runner.
 Runners: ``eager`` (the model's modules), ``native`` (the CPU kernels of ``block.c``), and
 ``static`` (the CUDA-graph runner's static code, run eagerly). Models: LayerSkip-style shared
 exits (Llama family), own MLP heads (GPT-2 family: learned positions, LayerNorm), own
-transformer-block heads (their own cache slot). Prompts are decoded as one padded batch where
+transformer-block heads (their own cache slot); and a few cases on float models whose heads
+alone are int8 (``quantize_heads``: the reference, plain decoding and every strategy use the
+same int8 head). Prompts are decoded as one padded batch where
 the strategy takes batches (PPD holds one sequence at a time).
 """
 
@@ -27,6 +29,8 @@ from _ee_models import ee_model, random_prompts
 from _reference import early_exit_reference, greedy_reference
 from exitlm.infer import generate
 from exitlm.kernels import native
+from exitlm.kernels.quant import quantize
+from exitlm.kernels.quantized import quantize_heads, set_tied_head
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.runtime.runner import Runner
@@ -66,8 +70,18 @@ _MODELS: dict[str, EarlyExitLM] = {}
 
 
 def _model(name: str) -> EarlyExitLM:
+    """Model ``name`` of :data:`MODELS`; ``name+int8-head``: that model with its heads alone
+    int8 - an int8 output copy of its tied embedding (``quantize_heads``), then made unlike
+    the embedding, so that a path reading the float embedding as its head emits other tokens."""
     if name not in _MODELS:
-        _MODELS[name] = ee_model(**MODELS[name])  # type: ignore[arg-type]
+        base, _, heads = name.partition("+")
+        model = ee_model(**MODELS[base])  # type: ignore[arg-type]
+        if heads == "int8-head":
+            quantize_heads(model)
+            other = torch.randn(model.embed_tokens.weight.shape,
+                                generator=torch.Generator().manual_seed(5)) * 0.4
+            set_tied_head(model, quantize(other, "int8"))
+        _MODELS[name] = model
     return _MODELS[name]
 
 
@@ -150,3 +164,43 @@ def test_a_fixed_exit_is_the_truncated_model(runner_name: str, model_name: str) 
                    max_new_tokens=NEW)
     assert got.token_ids == [greedy_reference(model, p, NEW, depth=2) for p in prompts]
     assert all(set(s.exit_layers) == {2} for s in got.sequences)
+
+
+INT8_HEAD_MODELS = ("layerskip+int8-head", "block+int8-head")
+INT8_HEAD_CASES = [LOSSLESS[i] for i in (0, 1, 3, 4, 9, 10)]
+
+
+@pytest.mark.parametrize("model_name", INT8_HEAD_MODELS)
+@pytest.mark.parametrize("runner_name", RUNNERS)
+@pytest.mark.parametrize("case", INT8_HEAD_CASES, ids=[_case_id(c) for c in INT8_HEAD_CASES])
+def test_lossless_strategies_with_an_int8_head(
+        case: tuple[str, dict[str, Any]], runner_name: str, model_name: str) -> None:
+    """Int8 heads on a float model (issue 34): every lossless strategy emits the reference's
+    tokens with the same int8 head (drafts, PPD's top-k and the native chain's head included)."""
+    strategy, opts = case
+    model = _model(model_name)
+    assert model.tied_head is not None  # the float embedding's int8 output copy
+    runner = _runner(runner_name, model)
+    prompts = _prompts()[:2]
+    want = [greedy_reference(model, p, NEW) for p in prompts]
+    for batch in ([[p] for p in prompts] if strategy == "ppd" else [prompts]):
+        got = generate(runner, None, batch, strategy=strategy, max_new_tokens=NEW, **opts)
+        assert got.token_ids == [want[prompts.index(p)] for p in batch]
+
+
+@pytest.mark.parametrize("model_name", INT8_HEAD_MODELS)
+@pytest.mark.parametrize("runner_name", RUNNERS)
+def test_kv_recomputation_with_an_int8_head(runner_name: str, model_name: str) -> None:
+    """Confidence early exit with KV recomputation probes the int8 head (one sequence at a
+    time: the native segments' own product on the int8 weight): the reference's tokens and
+    exits."""
+    model = _model(model_name)
+    runner = _runner(runner_name, model)
+    early = 0
+    for prompt in _prompts():
+        seq = generate(runner, None, [prompt], strategy="early-exit", threshold=0.3,
+                       max_pending=3, exit_layers=(1, 2, 3), max_new_tokens=NEW).sequences[0]
+        ref, layers = early_exit_reference(model, prompt, NEW, (1, 2, 3), 0.3, 3)
+        assert (seq.token_ids, seq.exit_layers) == (ref, layers)
+        early += sum(x < model.num_layers for x in layers)
+    assert early > 0

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from exitlm.args import int_at_least, int_list
 from exitlm.bench.names import OURS, THEIRS
 from exitlm.config import ConfigError
-from exitlm.infer.flags import add_strategy_flags, strategies_taking
+from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategies_taking
 from exitlm.infer.strategies import STRATEGIES
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def register(subparsers: Any) -> None:
                    default="float32",
                    help="weights of the benchmarked model; int8/int4 are weight-only quantized "
                         "(the transformers baseline then runs the fp32 weights)")
+    add_head_dtype_flag(p)
     p.add_argument("--strategies", default=",".join(OURS + THEIRS),
                    help=f"comma-separated subset of {list(OURS + THEIRS)} (hf = transformers "
                         "generate, hf-ee = transformers assistant_early_exit)")
@@ -115,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         for t in routes(name):
             options.setdefault(t, {})[name] = value
     return BenchConfig(
-        model=args.model, dtype=args.dtype, strategies=strategies, prompts_file=args.prompts,
+        model=args.model, dtype=args.dtype, head_dtype=args.head_dtype, strategies=strategies,
+        prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens or 64,
         repeats=max(1, args.repeats), threads=args.threads,
         layerskip_exits=args.layerskip_exits, options=options,

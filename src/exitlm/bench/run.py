@@ -56,6 +56,7 @@ class BenchConfig:
 
     model: str = "default-ee"
     dtype: str = "float32"
+    head_dtype: str | None = None
     strategies: tuple[str, ...] = ("ar", "early-exit", "self-spec", "ppd", "hf", "hf-ee")
     prompts_file: str | None = None
     num_prompts: int = 8
@@ -167,18 +168,20 @@ class Bench:
         # transformers runs quantized models' weights in fp32 (it has no CPU int8/int4 path)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         name = cfg.model
+        heads = cfg.head_dtype
         try:
-            loaded = load_model(name, dtype=dtype)
+            loaded = load_model(name, dtype=dtype, head_dtype=heads)
         except Exception as err:  # default-ee may not be installed yet
             if name != "default-ee":
                 raise
             _note(f"bench: 'default-ee' is unavailable ({err}); using the untuned 'default'")
             name = "default"
-            loaded = load_model(name, dtype=dtype)
+            loaded = load_model(name, dtype=dtype, head_dtype=heads)
         if cfg.layerskip_exits or not loaded.model.config.exit_layers:
             # LayerSkip-style exits at every layer through the final norm + head (the exits
             # transformers' assistant_early_exit uses)
-            loaded = load_model(name, dtype=dtype, exits=ExitConfig(every_layer=True, norm="final"))
+            loaded = load_model(name, dtype=dtype, head_dtype=heads,
+                                exits=ExitConfig(every_layer=True, norm="final"))
         self.model_name = name
         self.loaded = loaded
         self.model = loaded.model
@@ -239,7 +242,7 @@ class Bench:
                     str(gguf.parent), gguf_file=gguf.name, dtype=self.dtype).eval()
             else:
                 model = self.model
-                if isinstance(self.cfg.dtype, str) and self.cfg.dtype.startswith("int"):
+                if self.cfg.dtype.startswith("int") or self.cfg.head_dtype is not None:
                     model = load_model(self.model_name).model  # the unquantized weights
                 with tempfile.TemporaryDirectory() as tmp:
                     _note("bench: exporting the model for transformers ...")

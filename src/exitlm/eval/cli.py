@@ -31,7 +31,7 @@ from typing import Any
 
 from exitlm.args import finite_float, int_at_least
 from exitlm.config import ConfigError
-from exitlm.infer.flags import add_strategy_flags, strategy_overrides
+from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
 
 
@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layer", type=int_at_least(1), default=None,
                    help="score log-likelihood tasks at this exit (default: the final layer)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_head_dtype_flag(p)
     p.add_argument("--batch-size", "--batch_size", type=int_at_least(1), default=8)
     p.add_argument("--threads", type=int_at_least(1), default=None)
     p.add_argument("--tasks", required=True, help="comma-separated task names")
@@ -71,6 +72,7 @@ def register(subparsers: Any) -> None:
     h.add_argument("--model", default="default", help="model name or path")
     h.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES))
     h.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_head_dtype_flag(h)
     h.add_argument("--limit", type=int_at_least(1), default=None,
                    help="the first N problems (default: all 164)")
     h.add_argument("--max-new-tokens", type=int_at_least(1), default=384)
@@ -97,6 +99,8 @@ def lm_eval_argv(args: argparse.Namespace) -> list[str]:
     model_args: dict[str, Any] = {
         "pretrained": args.model, "strategy": args.strategy, "dtype": args.dtype,
         **strategy_overrides(args, args.strategy)}
+    if args.head_dtype is not None:
+        model_args["head_dtype"] = args.head_dtype
     if args.layer is not None:
         model_args["layer"] = args.layer
     if args.threads is not None:
@@ -170,7 +174,8 @@ def run_humaneval(args: argparse.Namespace) -> int:
     items = humaneval.problems(args.limit)
     options = get_strategy(args.strategy).options(**strategy_overrides(args, args.strategy))
     with phase(f"loading {args.model}"):
-        loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+        loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy,
+                                   args.head_dtype)
     tok = tokenizer_for(loaded, args.model)
     rank_draft_vocab(loaded.model, tok, options)
     texts, timing = humaneval.generate(loaded.model, tok, args.strategy, options, items,

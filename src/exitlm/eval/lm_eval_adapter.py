@@ -54,6 +54,8 @@ class ExitlmLM(TemplateLM):
         strategy: the decoding strategy of ``generate_until``.
         layer: the exit that scores ``loglikelihood*`` (default: the final layer).
         dtype: ``float32`` / ``float16`` / ``bfloat16`` when loading by name.
+        head_dtype: ``int8``: quantize only the output embeddings when loading by name
+            (``--head-dtype``).
         batch_size: sequences per scoring forward and per engine step.
         max_length: the longest scored window (default: the model's context).
         max_gen_toks: the default generation budget.
@@ -70,6 +72,7 @@ class ExitlmLM(TemplateLM):
         strategy: str = "ar",
         layer: int | None = None,
         dtype: str = "float32",
+        head_dtype: str | None = None,
         batch_size: int | str = 8,
         max_length: int | None = None,
         max_gen_toks: int = 256,
@@ -82,7 +85,7 @@ class ExitlmLM(TemplateLM):
         if isinstance(pretrained, str):
             if dtype not in _DTYPES:
                 raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-            loaded = load_for_strategy(pretrained, _DTYPES[dtype], strategy)
+            loaded = load_for_strategy(pretrained, _DTYPES[dtype], strategy, head_dtype)
             model, tokenizer = loaded.model, tokenizer or tokenizer_for(loaded, pretrained)
             rank_draft_vocab(model, tokenizer, options)
         else:

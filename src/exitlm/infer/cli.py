@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from exitlm.args import int_at_least
 from exitlm.config import ConfigError, ExitConfig
-from exitlm.infer.flags import add_strategy_flags, strategy_overrides
+from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
 
 if TYPE_CHECKING:
@@ -109,6 +109,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
                    help="with --tp or --kv pipeline: seconds a process waits for another "
                         "before giving up")
+    add_head_dtype_flag(p)
     add_strategy_flags(p)
     p.add_argument("--show-exits", action="store_true",
                    help="colour each token by the layer it exited at (ANSI colours on a "
@@ -136,16 +137,18 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(n|t|r|0|\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4})", one, text)
 
 
-def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str) -> Any:
+def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str,
+                      head_dtype: str | None = None) -> Any:
     """Load a model for decoding; strategies other than ``ar`` need exits, so a model without
-    any gets LayerSkip-style exits at every layer (through the final norm and head)."""
+    any gets LayerSkip-style exits at every layer (through the final norm and head).
+    ``head_dtype``: quantize only its output embeddings (``--head-dtype``)."""
     from exitlm.io import load_model  # lazy: the commands' parsers import no torch
 
-    loaded = load_model(source, dtype=dtype)
+    loaded = load_model(source, dtype=dtype, head_dtype=head_dtype)
     if strategy != "ar" and not loaded.model.config.exit_layers:
         print(f"exitlm: {source!r} has no exit heads; exiting through the final norm + head "
               "at every layer (LayerSkip style, untrained exits)", file=sys.stderr)
-        loaded = load_model(source, dtype=dtype,
+        loaded = load_model(source, dtype=dtype, head_dtype=head_dtype,
                             exits=ExitConfig(every_layer=True, norm="final"))
     return loaded
 
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         args.threads = 1  # one thread per process: the processes share the cores
     if args.threads is not None:
         set_threads(args.threads)  # loading and prefill use them too
-    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy, args.head_dtype)
     tokenizer = tokenizer_for(loaded, args.model)
     if args.chat or args.chat_template is not None:
         use_chat_template(tokenizer, args.model, args.chat_template, args.chat)
@@ -278,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from exitlm.kernels import native  # lazy: loaded when the command runs
 
-        out = {"model": loaded.source, "dtype": args.dtype, "prompts": prompts,
+        out = {"model": loaded.source, "dtype": args.dtype, "head_dtype": args.head_dtype,
+               "prompts": prompts,
                **result.to_dict(), "kernels": native.kernel_path().describe()}
         if theory is not None:
             out["ppd_theorem_4_1"] = theory

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from exitlm.config import PRESETS, ExitConfig, preset
+from exitlm.config import PRESETS, ConfigError, ExitConfig, preset
 from exitlm.io.bundle import NAMED_BUNDLES, attach_heads, find_bundle, read_bundle
 from exitlm.io.default_model import (
     DEFAULT_NAME,
@@ -58,7 +58,7 @@ from exitlm.io.native import (
     save_native,
 )
 from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle, tensor_shapes
-from exitlm.kernels.quantized import check_kind, quantize_model
+from exitlm.kernels.quantized import check_kind, quantize_heads, quantize_model
 from exitlm.model.transformer import EarlyExitLM
 
 
@@ -68,6 +68,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     exits: ExitConfig | None = None,
+    head_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a model by name or path (see the module docstring for what is accepted).
 
@@ -77,12 +78,20 @@ def load_model(
         device: where the parameters end up.
         exits: replaces the checkpoint's exit configuration; heads the checkpoint lacks are
             freshly initialised, heads it has for layers/structures not requested are dropped.
+        head_dtype: ``"int8"`` (or ``"int4"``) quantizes only the output embeddings of a float
+            model (:func:`~exitlm.kernels.quantized.quantize_heads`: the LM head, the exits'
+            own matrices, an output copy of a tied embedding); ``None``: as ``dtype``.
     """
     src = str(name_or_path)
     path = Path(src).expanduser()
     quant = None
     if isinstance(dtype, str):
         quant, dtype = check_kind(dtype), torch.float32
+    if head_dtype is not None:
+        check_kind(head_dtype)
+        if quant is not None:
+            raise ConfigError(f"head dtype {head_dtype!r} applies to float models; dtype "
+                              f"{quant!r} quantizes the heads already (drop one of them)")
     bundle = find_bundle(src)  # exit-head bundles ("default-ee", OUT/exits of exit tuning)
     if bundle is not None:
         base, bundle_exits = read_bundle(bundle)
@@ -119,6 +128,8 @@ def load_model(
         )
     if quant is not None:
         quantize_model(loaded.model, quant)
+    if head_dtype is not None:
+        quantize_heads(loaded.model, head_dtype)
     if torch.device(device) != torch.device("cpu"):
         loaded.model.to(device)
     return loaded

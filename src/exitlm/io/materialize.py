@@ -18,7 +18,7 @@ from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import all_finite
 from exitlm.kernels.quant import QuantizedWeight
-from exitlm.kernels.quantized import install
+from exitlm.kernels.quantized import TIED_HEAD, install, set_tied_head
 from exitlm.model.layers import rope_inv_freq
 from exitlm.model.transformer import EarlyExitLM
 
@@ -51,13 +51,16 @@ def model_from_tensors(
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         owner, _, leaf = name.rpartition(".")
-        if leaf in _QUANT_BUFFERS and f"{owner}.weight" in params:
+        if leaf in _QUANT_BUFFERS and (f"{owner}.weight" in params or owner == TIED_HEAD):
             got = parts.setdefault(owner, {})
             got[leaf] = tensor
             qw = _assembled(got, f"{source}: {owner}")
             if qw is None:
                 continue
             del parts[owner]
+            if owner == TIED_HEAD:  # an int8 head's copy of the input embedding
+                _set_tied_head(model, qw, source)
+                continue
             name, tensor = f"{owner}.weight", qw
         if name not in params:
             raise CheckpointError(
@@ -171,6 +174,13 @@ def _install_quantized(model: nn.Module, name: str, weight: QuantizedWeight) -> 
     bias = getattr(module, "bias", None)
     keep = None if bias is None or bias.device.type == "meta" else bias
     install(model, owner, weight, keep)
+
+
+def _set_tied_head(model: EarlyExitLM, weight: QuantizedWeight, source: str) -> None:
+    try:
+        set_tied_head(model, weight)
+    except ValueError as err:
+        raise CheckpointError(f"{source}: {err}") from None
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -15,6 +15,13 @@ and ``<module>.mins``, so ``state_dict()`` / :func:`~exitlm.io.native.save_nativ
 quantized checkpoint as it is and :func:`~exitlm.io.materialize.model_from_tensors` reads it
 back (``exitlm convert --quantize``).
 
+Heads only (:func:`quantize_heads`, ``--head-dtype int8``): on a small model the LM head is a
+large part of every step (SmolLM2-135M's tied 49152 x 576 head reads as much as ~8 of its 30
+layers), so the output embeddings alone may be quantized: the LM head and the exits' own output
+matrices become :class:`QuantizedLinear`; a tied input embedding stays float for its lookups
+and gets an int8 output copy (:attr:`~exitlm.model.transformer.EarlyExitLM.tied_head`, 1.125
+bytes a weight: +28% of the fp32 embedding's memory, +56% of an fp16 one's).
+
 Exactness: :func:`~exitlm.kernels.quant.qlinear` computes every output row with the same
 arithmetic whatever the number of rows multiplied together, so decoders that verify several
 tokens at once (self-speculative decoding, PPD, KV recomputation) emit exactly the tokens
@@ -37,6 +44,10 @@ from exitlm.kernels.quant import (
     qlinear,
     quantize,
 )
+
+TIED_HEAD = "tied_head"
+"""The module name of a tied input embedding's quantized output copy (its buffers are
+``tied_head.q`` / ``tied_head.scales`` in a state dict)."""
 
 SUFFIXES = ("q", "scales", "mins")
 """Buffer names of a quantized module in a state dict (``mins`` for int4 only)."""
@@ -200,4 +211,62 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
         p.requires_grad_(False)
         if p.dtype != torch.float32 and p.is_floating_point():
             p.data = p.data.float()
+    return model.eval()
+
+
+def head_projections(model: nn.Module) -> list[str]:
+    """Names of ``model``'s output-embedding linear layers: the untied LM head and the exit
+    heads' own output matrices (not their MLPs or blocks)."""
+    names = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear | QuantizedLinear) and (
+                name == "lm_head" or (name.startswith("exits.") and name.endswith(".proj"))):
+            names.append(name)
+    return names
+
+
+def embedding_is_output(model: nn.Module) -> bool:
+    """Whether ``model``'s input embedding also serves as an output embedding: a tied LM head,
+    or exits configured with ``output="tied_embedding"``."""
+    cfg = model.config  # an EarlyExitLM's
+    return model.lm_head is None or (cfg.exits.output == "tied_embedding"  # type: ignore[union-attr]
+                                     and len(model.exits) > 0)  # type: ignore[arg-type]
+
+
+def set_tied_head(model: nn.Module, weight: QuantizedWeight) -> None:
+    """Give ``model`` the quantized output copy ``weight`` ``(V, D)`` of its input embedding
+    (:attr:`~exitlm.model.transformer.EarlyExitLM.tied_head`), shape-checked."""
+    cfg = model.config  # an EarlyExitLM's
+    expect = (cfg.vocab_size, cfg.dim)  # type: ignore[union-attr]
+    if tuple(weight.shape) != expect:
+        raise ValueError(f"{TIED_HEAD}: quantized weight of shape {tuple(weight.shape)}, the "
+                         f"model expects {expect}")
+    setattr(model, TIED_HEAD, QuantizedLinear(weight))
+
+
+@torch.no_grad()
+def quantize_heads(model: nn.Module, kind: str = "int8") -> nn.Module:
+    """Quantize only the output embeddings of ``model`` (an
+    :class:`~exitlm.model.transformer.EarlyExitLM`) to ``kind``, in place: the untied LM head
+    and the exits' own output matrices become :class:`QuantizedLinear`; a float input embedding
+    that is also an output embedding keeps its lookups and gets a quantized output copy
+    (:func:`set_tied_head`). Blocks, norms and exit MLPs stay as they are; heads already
+    quantized (an int8/int4 model's) are kept. Every head's logits then come from the same
+    quantized product in every runner, so lossless strategies stay token-identical to plain
+    decoding with these heads. Returns ``model`` in eval mode (for inference)."""
+    check_kind(kind)
+    dim = model.config.dim  # type: ignore[union-attr]
+    if dim % GROUP:
+        raise ConfigError(f"quantized heads: the model width {dim} is not a multiple of "
+                          f"{GROUP} (the quantization group); keep the heads float")
+    for name in head_projections(model):
+        mod = model.get_submodule(name)
+        if isinstance(mod, nn.Linear):
+            bias = mod.bias
+            install(model, name, quantize(mod.weight.detach().float(), kind),
+                    None if bias is None else bias.detach())
+    embed = model.embed_tokens  # type: ignore[union-attr]
+    if (embedding_is_output(model) and getattr(model, TIED_HEAD) is None
+            and isinstance(embed, nn.Embedding)):
+        set_tied_head(model, quantize(embed.weight.detach().float(), kind))
     return model.eval()

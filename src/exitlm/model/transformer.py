@@ -124,6 +124,12 @@ class EarlyExitLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
+        self.register_module("tied_head", None)
+        """An output copy of the input embedding (a module whose ``weight`` is ``(V, D)``): where
+        the input embedding serves as an output embedding (the tied LM head, exits with
+        ``output="tied_embedding"``), products read this copy instead and lookups keep the
+        embedding (an int8 head, :func:`exitlm.kernels.quantized.quantize_heads`); ``None``:
+        the embedding itself."""
         self.exits = nn.ModuleDict({str(layer): ExitHead(cfg, layer) for layer in cfg.exits.layers})
         self._block_exit_slots = {
             layer: cfg.num_layers + i
@@ -190,8 +196,15 @@ class EarlyExitLM(nn.Module):
         )
 
     def output_embedding(self) -> torch.Tensor:
-        """The final LM head's weight ``(V, D)`` (the input embedding when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """The final LM head's weight ``(V, D)`` (the input embedding when tied, or its output
+        copy :attr:`tied_head`)."""
+        return self.tied_embedding() if self.lm_head is None else self.lm_head.weight
+
+    def tied_embedding(self) -> torch.Tensor:
+        """The input embedding as an output embedding ``(V, D)``: :attr:`tied_head`'s weight
+        when the model has that copy, else the embedding's own."""
+        copy = self.tied_head
+        return self.embed_tokens.weight if copy is None else copy.weight
 
     # ----- composable pieces ---------------------------------------------------------------
     def context(self, positions: torch.Tensor, cache: KVCache | None = None,
@@ -453,7 +466,7 @@ class EarlyExitLM(nn.Module):
             assert head is not None
             return h, head.proj.weight
         if route.output == "tied_embedding":
-            return h, self.embed_tokens.weight
+            return h, self.tied_embedding()
         return h, self.output_embedding()
 
     def write_kv(

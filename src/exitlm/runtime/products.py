@@ -88,10 +88,13 @@ class Products:
 
 def head_modules(model: EarlyExitLM) -> list[nn.Module]:
     """The modules holding ``model``'s output embeddings: its LM head and own exit matrices
-    and, when tied or used by the exits, the input embedding."""
+    and, when tied or used by the exits, the input embedding (or its output copy,
+    :attr:`~exitlm.model.transformer.EarlyExitLM.tied_head`)."""
     mods: list[nn.Module] = [m for m in (model.lm_head, *(e.proj for e in model.exits.values()))
                              if m is not None]
-    if isinstance(model.embed_tokens.weight, torch.Tensor) and (
-            model.lm_head is None or model.config.exits.output == "tied_embedding"):
-        mods.append(model.embed_tokens)
+    if model.lm_head is None or model.config.exits.output == "tied_embedding":
+        if model.tied_head is not None:  # the embedding's output copy (an int8 head)
+            mods.append(model.tied_head)
+        elif isinstance(model.embed_tokens.weight, torch.Tensor):
+            mods.append(model.embed_tokens)
     return mods

@@ -29,7 +29,7 @@ from typing import Any
 from exitlm.args import finite_float, int_at_least
 from exitlm.config import ConfigError
 from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
-from exitlm.infer.flags import add_strategy_flags, strategy_overrides
+from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES, get_strategy
 
 log = logging.getLogger("exitlm.serve")
@@ -77,6 +77,7 @@ def register(subparsers: Any) -> None:
                    help="the model id clients send (default: MODEL as given)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights: float32/float16/bfloat16, or int8/int4 weight-only quantized")
+    add_head_dtype_flag(p)
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads per decoding step (default: measured while decoding)")
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         set_threads(args.threads)
     t0 = time.perf_counter()
     _phase(f"loading model {args.model!r} ({args.dtype})")
-    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy)
+    loaded = load_for_strategy(args.model, DTYPES[args.dtype], args.strategy, args.head_dtype)
     tokenizer = tokenizer_for(loaded, args.model)
     options = get_strategy(args.strategy).options(None, **overrides)
     if getattr(options, "draft_vocab", None):
