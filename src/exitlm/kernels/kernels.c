@@ -60,6 +60,11 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+/* Builds with AVX-512 (F, VL, VNNI: the avx512 build, a developer build on such a CPU) run
+ * products of several x rows through 512-bit tiles (see "Multi-row tiles" below). */
+#if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define EXITLM_ZMM 1
+#endif
 
 #define AI static inline __attribute__((always_inline))
 /* Software prefetch distance along each weight row, bytes (0 = none).  Measured on the AVX2
@@ -89,6 +94,8 @@ typedef struct {
     int64_t M, N, K;
     const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
     const float *xd;     /* their scales: (M, K/32) */
+    const float *xdt;    /* EXITLM_ZMM: the same scales transposed, (K/32, ldt) */
+    int64_t ldt;
 } job_t;
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -447,6 +454,142 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
         for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
 }
 
+#ifdef EXITLM_ZMM
+/* ------------------------------------------------------------------ Multi-row tiles (AVX-512)
+ *
+ * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI: the same operations per pair as
+ * above, in wider registers, with each weight vector loaded (and converted) once per tile.
+ *
+ * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
+ * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
+ * block, whose chains are c and c + 1, so each 512-bit FMA performs two of the 8-lane FMAs of
+ * the header, lane for lane.  The chunks of K % 32 and the final sums run on the 8-lane halves,
+ * as in dense_tile.  32 registers hold nb * mb * 2 accumulators.
+ *
+ * Int8 activations (q8a8 / q4a8): isum_l comes from one VNNI dot product (vpdpbusd: unsigned
+ * bytes times signed bytes, four products summed into an int32 lane, exact).  q4: the nibbles
+ * are the unsigned operand, xq the signed one.  q8: the unsigned operand is xq + 128 (xq is in
+ * [-127, 127]) and the int32 lanes start from -128 * (the four weights' sum), computed once per
+ * weight group and shared by the tile's x rows, so sum (xq + 128) w - 128 sum w = sum xq w
+ * exactly.  d = scale_g * d_g is one float product, as in qa_tile, made for mb x rows at once
+ * from their scales transposed per call (xdt). */
+
+AI __m512 load_wz(int kind, const void *w, int64_t off) {
+    if (kind == K_F32) return _mm512_loadu_ps((const float *)w + off);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
+}
+
+AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
+                    float *y, int64_t K, int64_t ldy) {
+    __m512 a01[NBMAX][MBMAX], a23[NBMAX][MBMAX];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
+    int64_t k = 0;
+    for (; k + 32 <= K8; k += 32) {
+        __m512 w01[NBMAX], w23[NBMAX];
+        for (int i = 0; i < nb; i++) {
+            w01[i] = load_wz(kind, w, i * K + k);
+            w23[i] = load_wz(kind, w, i * K + k + 16);
+        }
+        for (int j = 0; j < mb; j++) {
+            __m512 x01 = _mm512_loadu_ps(x + j * K + k), x23 = _mm512_loadu_ps(x + j * K + k + 16);
+            for (int i = 0; i < nb; i++) {
+                a01[i][j] = _mm512_fmadd_ps(w01[i], x01, a01[i][j]);
+                a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            __m256 acc[4] = {_mm512_castps512_ps256(a01[i][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[i][j]), 1)),
+                             _mm512_castps512_ps256(a23[i][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[i][j]), 1))};
+            for (int64_t kk = k, c = 0; kk < K8; kk += 8, c++)
+                acc[c] = _mm256_fmadd_ps(load_w(kind, w, i * K + kk),
+                                         _mm256_loadu_ps(x + j * K + kk), acc[c]);
+            __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            float s = hsum8(a);
+            for (int64_t t = K8; t < K; t++)
+                s = fmaf(x[j * K + t], scalar_w(kind, w, i * K + t), s);
+            y[j * ldy + i] = s;
+        }
+}
+
+AI void qa_ztile(const int kind, const int nb, const int mb, const int8_t *xq, const float *xdt,
+                 int64_t ldt, const float *xs, const void *q, const float *sc, const float *mn,
+                 float *y, int64_t K, int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    const __m256i b80 = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    const __mmask8 mmask = (__mmask8)((1u << mb) - 1u);
+    __m256 acc[NBMAX][MBMAX];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_group(kind, nb, q, rowlen, g);
+        __m256i wv[NBMAX], base[NBMAX];
+        __m256 dv[NBMAX];
+        const __m256 dx = _mm256_maskz_loadu_ps(mmask, xdt + g * ldt);
+        for (int i = 0; i < nb; i++) {
+            wv[i] = load_wq(kind, q, i * rowlen, g);
+            base[i] = kind == K_Q8 ? _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, b80, wv[i]))
+                                   : zero;
+            dv[i] = _mm256_mul_ps(_mm256_set1_ps(sc[i * G + g]), dx);
+        }
+        for (int j = 0; j < mb; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * K + 32 * g));
+            if (kind == K_Q8) xv = _mm256_xor_si256(xv, b80);
+            const __m256i lane = _mm256_set1_epi32(j);
+            for (int i = 0; i < nb; i++) {
+                __m256i p = kind == K_Q8 ? _mm256_dpbusd_epi32(base[i], xv, wv[i])
+                                         : _mm256_dpbusd_epi32(zero, wv[i], xv);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                            _mm256_permutexvar_ps(lane, dv[i]), acc[i][j]);
+            }
+        }
+        if (kind == K_Q4)
+            for (int i = 0; i < nb; i++) {
+                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
+                for (int j = 0; j < mb; j++)
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
+                                                acc[i][j]);
+            }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
+}
+
+#define DZ_FN(KIND, NB, MB)                                                                     \
+    static void dz_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K,    \
+                                        int64_t ldy) {                                          \
+        dense_ztile(KIND, NB, MB, x, w, y, K, ldy);                                             \
+    }
+#define QZ_FN(KIND, NB, MB)                                                                     \
+    static void qz_##KIND##_##NB##_##MB(const int8_t *xq, const float *xdt, int64_t ldt,        \
+                                        const float *xs, const void *q, const float *sc,        \
+                                        const float *mn, float *y, int64_t K, int64_t ldy) {    \
+        qa_ztile(KIND, NB, MB, xq, xdt, ldt, xs, q, sc, mn, y, K, ldy);                         \
+    }
+#define MB8Z(FN, KIND, NB)                                                                  \
+    FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
+        FN(KIND, NB, 6) FN(KIND, NB, 7) FN(KIND, NB, 8)
+#define ALL_ZTILES(FN, KIND) MB8Z(FN, KIND, 1) MB8Z(FN, KIND, 2) MB8Z(FN, KIND, 4)
+ALL_ZTILES(DZ_FN, 0)
+ALL_ZTILES(DZ_FN, 1)
+ALL_ZTILES(QZ_FN, 2)
+ALL_ZTILES(QZ_FN, 3)
+typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
+typedef void (*qz_fn)(const int8_t *, const float *, int64_t, const float *, const void *,
+                      const float *, const float *, float *, int64_t, int64_t);
+#define ROW8Z(P, KIND, NB)                                                                  \
+    {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
+     P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
+#define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
+static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
+static const qz_fn QZ_TABLE[2][3][MBMAX] = {TABLEZ(qz_, 2), TABLEZ(qz_, 3)};
+#endif /* EXITLM_ZMM */
+
 #define DENSE_FN(KIND, NB, MB)                                                                  \
     static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
                                            int64_t ldy) {                                       \
@@ -514,9 +657,59 @@ static int tile_rows(int64_t M) { return M == 1 ? 0 : (M <= 4 ? 1 : 2); }
 static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]; }
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
+#ifdef EXITLM_ZMM
+/* The 512-bit tiles of M > 1 (kinds f32, f16, q8a8, q4a8): nb W rows in {1, 2, 4} x mb <= 8
+ * x rows, per tile_rows (row 0, M == 1, unused).  Measured with benchmarks/gemv_kernels.py on
+ * a Sapphire Rapids core (docs/measurements/multirow_2026-11-26.md). */
+static int ztile_cfg[6][3][2] = {
+    /*                  M == 1    M 2-4     M > 4 */
+    /* f32 */ {{1, 1}, {2, 4}, {1, 8}},
+    /* f16 */ {{1, 1}, {2, 4}, {1, 8}},
+    /* q8 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
+    /* q4 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
+    /* q8 with int8 activations */ {{1, 1}, {4, 4}, {2, 8}},
+    /* q4 with int8 activations */ {{1, 1}, {4, 4}, {2, 8}},
+};
+static int ztile_kind(int tk) { return tk == 0 || tk == 1 || tk == 4 || tk == 5; }
+
+static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
+    const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
+    const int kind = j->kind, r = tile_rows(M);
+    const int nbt = ztile_cfg[tk][r][0], mbt = ztile_cfg[tk][r][1];
+    for (int64_t n = n0; n < n1;) {
+        int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
+        int nbi = nb == 4 ? 2 : nb - 1;
+        for (int64_t m = 0; m < M;) {
+            int mb = M - m >= mbt ? mbt : (int)(M - m);
+            float *y = j->y + m * N + n;
+            if (j->xq != NULL) {
+                int64_t rowlen = kind == K_Q8 ? K : K / 2;
+                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
+                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+                QZ_TABLE[kind - 2][nbi][mb - 1](j->xq + m * K, j->xdt + m, j->ldt, xs,
+                                                (const char *)j->w + n * rowlen,
+                                                j->scales + n * G, mn, y, K, N);
+            } else {
+                int64_t esz = kind == K_F32 ? 4 : 2;
+                DZ_TABLE[kind][nbi][mb - 1](j->x + m * K, (const char *)j->w + n * K * esz, y,
+                                            K, N);
+            }
+            m += mb;
+        }
+        n += nb;
+    }
+}
+#endif
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, tk = tile_kind(j);
+#ifdef EXITLM_ZMM
+    if (M > 1 && ztile_kind(tk)) {
+        zrun_range(j, n0, n1, tk);
+        return;
+    }
+#endif
     const int nbt = tile_nb(tk, M), mbt = tile_mb(tk, M);
     int64_t n = n0;
     while (n < n1) {
@@ -724,12 +917,22 @@ int exitlm_cpu_features(void) {
 int exitlm_pool_workers(void) { return n_workers; }
 
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
- * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4). */
+ * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
+ * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (kinds 0, 1,
+ * 4, 5 with rows 1, 2), which take any mb <= 8. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
-        mb < 1 || mb > MBMAX || (nb > 1 && mb > 3))
+        mb < 1 || mb > MBMAX)
         return -1;
+#ifdef EXITLM_ZMM
+    if (rows > 0 && ztile_kind(kind)) {
+        ztile_cfg[kind][rows][0] = nb;
+        ztile_cfg[kind][rows][1] = mb;
+        return 0;
+    }
+#endif
+    if (nb > 1 && mb > 3) return -1;
     tile_cfg[kind][rows][0] = nb;
     tile_cfg[kind][rows][1] = mb;
     return 0;
@@ -744,7 +947,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
     run_job(&j, nthreads);
     return 0;
 }
@@ -752,7 +955,7 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
     run_job(&j, nthreads);
     return 0;
 }
@@ -765,27 +968,44 @@ int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int6
 typedef struct {
     int8_t *xq; /* (M, K) */
     float *xd;  /* (M, K/32) */
+    float *xdt; /* EXITLM_ZMM: xd transposed, (K/32, M); else NULL */
     int8_t stack_q[STACK_BYTES_X];
     float stack_d[STACK_FLOATS];
+#ifdef EXITLM_ZMM
+    float stack_dt[STACK_FLOATS];
+#endif
 } act8_t;
+
+static void act8_free(act8_t *a) {
+    if (a->xq != NULL && a->xq != a->stack_q) free(a->xq);
+    if (a->xd != NULL && a->xd != a->stack_d) free(a->xd);
+#ifdef EXITLM_ZMM
+    if (a->xdt != NULL && a->xdt != a->stack_dt) free(a->xdt);
+#endif
+}
 
 /* Round the M rows of x into a; returns 0, or -1 (nothing held) when memory is short. */
 static int act8_init(act8_t *a, const float *x, int64_t M, int64_t K) {
     size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
     a->xq = nq <= STACK_BYTES_X ? a->stack_q : (int8_t *)malloc(nq);
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
-    if (a->xq == NULL || a->xd == NULL) {
-        if (a->xq != a->stack_q) free(a->xq);
-        if (a->xd != a->stack_d) free(a->xd);
+    a->xdt = NULL;
+#ifdef EXITLM_ZMM
+    if (M > 1) a->xdt = nd <= STACK_FLOATS ? a->stack_dt : (float *)malloc(nd * sizeof(float));
+    int short_dt = M > 1 && a->xdt == NULL;
+#else
+    int short_dt = 0;
+#endif
+    if (a->xq == NULL || a->xd == NULL || short_dt) {
+        act8_free(a);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * (K / 32));
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * G);
+    if (a->xdt != NULL)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < G; g++) a->xdt[g * M + m] = a->xd[m * G + g];
     return 0;
-}
-
-static void act8_free(act8_t *a) {
-    if (a->xq != a->stack_q) free(a->xq);
-    if (a->xd != a->stack_d) free(a->xd);
 }
 
 /* Run j with x's int8 activations (act8) or its float32 rows. */
@@ -798,6 +1018,8 @@ static int run_grouped(job_t *j, int nthreads, int act8) {
     if (act8_init(&a, j->x, j->M, j->K) != 0) return -1;
     j->xq = a.xq;
     j->xd = a.xd;
+    j->xdt = a.xdt;
+    j->ldt = j->M;
     run_job(j, nthreads);
     act8_free(&a);
     return 0;
@@ -807,7 +1029,7 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
     return run_grouped(&j, nthreads, act8);
 }
 
@@ -820,7 +1042,7 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
     float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
     if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL};
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, 0};
     int rc = run_grouped(&j, nthreads, act8);
     if (xs != stack_xs) free(xs);
     return rc;
