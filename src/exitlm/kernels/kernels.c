@@ -94,8 +94,12 @@ typedef struct {
     int64_t M, N, K;
     const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
     const float *xd;     /* their scales: (M, K/32) */
-    const float *xdt;    /* EXITLM_ZMM: the same scales transposed, (K/32, ldt) */
-    int64_t ldt;
+    /* EXITLM_ZMM, int8 activations, M > 1: the x rows in pairs p (rows 2p, 2p + 1; a missing
+     * last row is zeros), per group g: xq2 (P, K/32, 64 bytes) the two rows' 32 bytes (q8:
+     * xq + 128 as unsigned bytes), dx2 (P, K/32, 2) their scales, xs2 (q4; P, K/32, 16) their
+     * lane sums. */
+    const int8_t *xq2;
+    const float *dx2, *xs2;
 } job_t;
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -466,13 +470,15 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
  * the header, lane for lane.  The chunks of K % 32 and the final sums run on the 8-lane halves,
  * as in dense_tile.  32 registers hold nb * mb * 2 accumulators.
  *
- * Int8 activations (q8a8 / q4a8): isum_l comes from one VNNI dot product (vpdpbusd: unsigned
- * bytes times signed bytes, four products summed into an int32 lane, exact).  q4: the nibbles
- * are the unsigned operand, xq the signed one.  q8: the unsigned operand is xq + 128 (xq is in
- * [-127, 127]) and the int32 lanes start from -128 * (the four weights' sum), computed once per
- * weight group and shared by the tile's x rows, so sum (xq + 128) w - 128 sum w = sum xq w
- * exactly.  d = scale_g * d_g is one float product, as in qa_tile, made for mb x rows at once
- * from their scales transposed per call (xdt). */
+ * Int8 activations (q8a8 / q4a8): a 16-lane register holds the 8 lanes of two pairs, (W row i,
+ * x row 2p) and (W row i, x row 2p + 1), from the x rows interleaved per call (job_t.xq2).  isum_l
+ * comes from one VNNI dot product (vpdpbusd: unsigned bytes times signed bytes, four products
+ * summed into an int32 lane, exact) of the group's 32 weight bytes, repeated in both halves,
+ * with the two rows' 32 bytes.  q4: the nibbles are the unsigned operand, xq the signed one.
+ * q8: the unsigned operand is xq + 128 (xq is in [-127, 127]) and the int32 lanes start from
+ * -128 * (the four weights' sum), computed once per weight group and shared by the tile's x
+ * rows, so sum (xq + 128) w - 128 sum w = sum xq w exactly.  d = scale_g * d_g is one float
+ * product per lane, as in qa_tile; then acc = fma((float) isum, d, acc) lane by lane. */
 
 AI __m512 load_wz(int kind, const void *w, int64_t off) {
     if (kind == K_F32) return _mm512_loadu_ps((const float *)w + off);
@@ -482,26 +488,26 @@ AI __m512 load_wz(int kind, const void *w, int64_t off) {
 AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
                     float *y, int64_t K, int64_t ldy) {
     __m512 a01[NBMAX][MBMAX], a23[NBMAX][MBMAX];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
     int64_t k = 0;
     for (; k + 32 <= K8; k += 32) {
         __m512 w01[NBMAX], w23[NBMAX];
-        for (int i = 0; i < nb; i++) {
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
             w01[i] = load_wz(kind, w, i * K + k);
             w23[i] = load_wz(kind, w, i * K + k + 16);
         }
-        for (int j = 0; j < mb; j++) {
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
             __m512 x01 = _mm512_loadu_ps(x + j * K + k), x23 = _mm512_loadu_ps(x + j * K + k + 16);
-            for (int i = 0; i < nb; i++) {
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
                 a01[i][j] = _mm512_fmadd_ps(w01[i], x01, a01[i][j]);
                 a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
             }
         }
     }
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
             __m256 acc[4] = {_mm512_castps512_ps256(a01[i][j]),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[i][j]), 1)),
                              _mm512_castps512_ps256(a23[i][j]),
@@ -517,47 +523,51 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
         }
 }
 
-AI void qa_ztile(const int kind, const int nb, const int mb, const int8_t *xq, const float *xdt,
-                 int64_t ldt, const float *xs, const void *q, const float *sc, const float *mn,
-                 float *y, int64_t K, int64_t ldy) {
+AI void qa_ztile(const int kind, const int nb, const int mp, const int rows, const int8_t *xq2,
+                 const float *dx2, const float *xs2, const void *q, const float *sc,
+                 const float *mn, float *y, int64_t K, int64_t ldy) {
     const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
-    const __m256i b80 = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
-    const __mmask8 mmask = (__mmask8)((1u << mb) - 1u);
-    __m256 acc[NBMAX][MBMAX];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    const __m512i b80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[NBMAX][MBMAX / 2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         prefetch_group(kind, nb, q, rowlen, g);
-        __m256i wv[NBMAX], base[NBMAX];
-        __m256 dv[NBMAX];
-        const __m256 dx = _mm256_maskz_loadu_ps(mmask, xdt + g * ldt);
-        for (int i = 0; i < nb; i++) {
-            wv[i] = load_wq(kind, q, i * rowlen, g);
-            base[i] = kind == K_Q8 ? _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, b80, wv[i]))
+        __m512i wv[NBMAX], base[NBMAX];
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            wv[i] = _mm512_broadcast_i64x4(load_wq(kind, q, i * rowlen, g));
+            base[i] = kind == K_Q8 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, b80, wv[i]))
                                    : zero;
-            dv[i] = _mm256_mul_ps(_mm256_set1_ps(sc[i * G + g]), dx);
         }
-        for (int j = 0; j < mb; j++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * K + 32 * g));
-            if (kind == K_Q8) xv = _mm256_xor_si256(xv, b80);
-            const __m256i lane = _mm256_set1_epi32(j);
-            for (int i = 0; i < nb; i++) {
-                __m256i p = kind == K_Q8 ? _mm256_dpbusd_epi32(base[i], xv, wv[i])
-                                         : _mm256_dpbusd_epi32(zero, wv[i], xv);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                            _mm256_permutexvar_ps(lane, dv[i]), acc[i][j]);
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq2 + (p * G + g) * 64));
+            /* lanes 0-7: row 2p's scale, 8-15: row 2p + 1's */
+            double dd;
+            memcpy(&dd, dx2 + (p * G + g) * 2, sizeof dd);
+            const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(dd)));
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                __m512i s = kind == K_Q8 ? _mm512_dpbusd_epi32(base[i], xv, wv[i])
+                                         : _mm512_dpbusd_epi32(zero, wv[i], xv);
+                __m512 d = _mm512_mul_ps(_mm512_set1_ps(sc[i * G + g]), dx);
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i][p]);
             }
         }
         if (kind == K_Q4)
-            for (int i = 0; i < nb; i++) {
-                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
-                for (int j = 0; j < mb; j++)
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
-                                                acc[i][j]);
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
+                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
+                                                acc[i][p]);
             }
     }
     for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
+        for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows)
+                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
+        }
 }
 
 #define DZ_FN(KIND, NB, MB)                                                                     \
@@ -565,29 +575,33 @@ AI void qa_ztile(const int kind, const int nb, const int mb, const int8_t *xq, c
                                         int64_t ldy) {                                          \
         dense_ztile(KIND, NB, MB, x, w, y, K, ldy);                                             \
     }
-#define QZ_FN(KIND, NB, MB)                                                                     \
-    static void qz_##KIND##_##NB##_##MB(const int8_t *xq, const float *xdt, int64_t ldt,        \
-                                        const float *xs, const void *q, const float *sc,        \
+#define QZ_FN(KIND, NB, MP)                                                                     \
+    static void qz_##KIND##_##NB##_##MP(int rows, const int8_t *xq2, const float *dx2,          \
+                                        const float *xs2, const void *q, const float *sc,       \
                                         const float *mn, float *y, int64_t K, int64_t ldy) {    \
-        qa_ztile(KIND, NB, MB, xq, xdt, ldt, xs, q, sc, mn, y, K, ldy);                         \
+        qa_ztile(KIND, NB, MP, rows, xq2, dx2, xs2, q, sc, mn, y, K, ldy);                      \
     }
 #define MB8Z(FN, KIND, NB)                                                                  \
     FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
         FN(KIND, NB, 6) FN(KIND, NB, 7) FN(KIND, NB, 8)
+#define MP4Z(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4)
 #define ALL_ZTILES(FN, KIND) MB8Z(FN, KIND, 1) MB8Z(FN, KIND, 2) MB8Z(FN, KIND, 4)
 ALL_ZTILES(DZ_FN, 0)
 ALL_ZTILES(DZ_FN, 1)
-ALL_ZTILES(QZ_FN, 2)
-ALL_ZTILES(QZ_FN, 3)
+#define ALL_QZTILES(FN, KIND) MP4Z(FN, KIND, 1) MP4Z(FN, KIND, 2) MP4Z(FN, KIND, 4)
+ALL_QZTILES(QZ_FN, 2)
+ALL_QZTILES(QZ_FN, 3)
 typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
-typedef void (*qz_fn)(const int8_t *, const float *, int64_t, const float *, const void *,
+typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const void *,
                       const float *, const float *, float *, int64_t, int64_t);
+#define ROW4Z(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4}
+#define TABLEQZ(P, KIND) {ROW4Z(P, KIND, 1), ROW4Z(P, KIND, 2), ROW4Z(P, KIND, 4)}
 #define ROW8Z(P, KIND, NB)                                                                  \
     {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
-static const qz_fn QZ_TABLE[2][3][MBMAX] = {TABLEZ(qz_, 2), TABLEZ(qz_, 3)};
+static const qz_fn QZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qz_, 2), TABLEQZ(qz_, 3)};
 #endif /* EXITLM_ZMM */
 
 #define DENSE_FN(KIND, NB, MB)                                                                  \
@@ -659,16 +673,19 @@ static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]
 
 #ifdef EXITLM_ZMM
 /* The 512-bit tiles of M > 1 (kinds f32, f16, q8a8, q4a8): nb W rows in {1, 2, 4} x mb <= 8
- * x rows, per tile_rows (row 0, M == 1, unused).  Measured with benchmarks/gemv_kernels.py on
- * a Sapphire Rapids core (docs/measurements/multirow_2026-11-26.md). */
+ * x rows (int8 activations: x rows in pairs, mb rounded up to even), per tile_rows (row 0,
+ * M == 1, unused: one row runs the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
+ * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
+ * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
+ * memory-level parallelism); f16 one, its conversion shared by all x rows. */
 static int ztile_cfg[6][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
-    /* f32 */ {{1, 1}, {2, 4}, {1, 8}},
-    /* f16 */ {{1, 1}, {2, 4}, {1, 8}},
+    /* f32 */ {{1, 1}, {4, 2}, {4, 2}},
+    /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
     /* q8 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
     /* q4 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
-    /* q8 with int8 activations */ {{1, 1}, {4, 4}, {2, 8}},
-    /* q4 with int8 activations */ {{1, 1}, {4, 4}, {2, 8}},
+    /* q8 with int8 activations */ {{1, 1}, {2, 4}, {2, 8}},
+    /* q4 with int8 activations */ {{1, 1}, {4, 4}, {4, 8}},
 };
 static int ztile_kind(int tk) { return tk == 0 || tk == 1 || tk == 4 || tk == 5; }
 
@@ -676,25 +693,30 @@ static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, r = tile_rows(M);
     const int nbt = ztile_cfg[tk][r][0], mbt = ztile_cfg[tk][r][1];
+    const int mpt = (mbt + 1) / 2; /* int8 activations: x rows in pairs */
     for (int64_t n = n0; n < n1;) {
         int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
         int nbi = nb == 4 ? 2 : nb - 1;
-        for (int64_t m = 0; m < M;) {
-            int mb = M - m >= mbt ? mbt : (int)(M - m);
-            float *y = j->y + m * N + n;
-            if (j->xq != NULL) {
-                int64_t rowlen = kind == K_Q8 ? K : K / 2;
-                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
-                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
-                QZ_TABLE[kind - 2][nbi][mb - 1](j->xq + m * K, j->xdt + m, j->ldt, xs,
-                                                (const char *)j->w + n * rowlen,
-                                                j->scales + n * G, mn, y, K, N);
-            } else {
-                int64_t esz = kind == K_F32 ? 4 : 2;
-                DZ_TABLE[kind][nbi][mb - 1](j->x + m * K, (const char *)j->w + n * K * esz, y,
-                                            K, N);
+        if (j->xq2 != NULL) {
+            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
+            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+            for (int64_t p = 0; 2 * p < M;) {
+                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
+                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
+                QZ_TABLE[kind - 2][nbi][mp - 1](
+                    rows, j->xq2 + p * G * 64, j->dx2 + p * G * 2,
+                    kind == K_Q4 ? j->xs2 + p * G * 16 : NULL, (const char *)j->w + n * rowlen,
+                    j->scales + n * G, mn, j->y + 2 * p * N + n, K, N);
+                p += mp;
             }
-            m += mb;
+        } else {
+            const int64_t esz = kind == K_F32 ? 4 : 2;
+            for (int64_t m = 0; m < M;) {
+                int mb = M - m >= mbt ? mbt : (int)(M - m);
+                DZ_TABLE[kind][nbi][mb - 1](j->x + m * K, (const char *)j->w + n * K * esz,
+                                            j->y + m * N + n, K, N);
+                m += mb;
+            }
         }
         n += nb;
     }
@@ -705,7 +727,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, tk = tile_kind(j);
 #ifdef EXITLM_ZMM
-    if (M > 1 && ztile_kind(tk)) {
+    if (M > 1 && ztile_kind(tk) && (j->xq == NULL || j->xq2 != NULL)) {
         zrun_range(j, n0, n1, tk);
         return;
     }
@@ -947,7 +969,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -955,7 +977,7 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -968,20 +990,15 @@ int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int6
 typedef struct {
     int8_t *xq; /* (M, K) */
     float *xd;  /* (M, K/32) */
-    float *xdt; /* EXITLM_ZMM: xd transposed, (K/32, M); else NULL */
     int8_t stack_q[STACK_BYTES_X];
     float stack_d[STACK_FLOATS];
-#ifdef EXITLM_ZMM
-    float stack_dt[STACK_FLOATS];
-#endif
+    void *pairs; /* EXITLM_ZMM, M > 1: job_t's xq2, dx2 and xs2, one allocation; else NULL */
 } act8_t;
 
 static void act8_free(act8_t *a) {
     if (a->xq != NULL && a->xq != a->stack_q) free(a->xq);
     if (a->xd != NULL && a->xd != a->stack_d) free(a->xd);
-#ifdef EXITLM_ZMM
-    if (a->xdt != NULL && a->xdt != a->stack_dt) free(a->xdt);
-#endif
+    free(a->pairs);
 }
 
 /* Round the M rows of x into a; returns 0, or -1 (nothing held) when memory is short. */
@@ -989,24 +1006,45 @@ static int act8_init(act8_t *a, const float *x, int64_t M, int64_t K) {
     size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
     a->xq = nq <= STACK_BYTES_X ? a->stack_q : (int8_t *)malloc(nq);
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
-    a->xdt = NULL;
-#ifdef EXITLM_ZMM
-    if (M > 1) a->xdt = nd <= STACK_FLOATS ? a->stack_dt : (float *)malloc(nd * sizeof(float));
-    int short_dt = M > 1 && a->xdt == NULL;
-#else
-    int short_dt = 0;
-#endif
-    if (a->xq == NULL || a->xd == NULL || short_dt) {
+    a->pairs = NULL;
+    if (a->xq == NULL || a->xd == NULL) {
         act8_free(a);
         return -1;
     }
-    const int64_t G = K / 32;
-    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * G);
-    if (a->xdt != NULL)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < G; g++) a->xdt[g * M + m] = a->xd[m * G + g];
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * (K / 32));
     return 0;
 }
+
+#ifdef EXITLM_ZMM
+/* Fill j's row-pair layouts (job_t.xq2, dx2, xs2) from its int8 activations; 0, or -1 when
+ * memory is short (then j runs on the 256-bit tiles). */
+static int act8_pairs(act8_t *a, job_t *j) {
+    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
+    const int q4 = j->kind == K_Q4;
+    const size_t nq = (size_t)P * (size_t)G * 64, nd = (size_t)P * (size_t)G * 2;
+    const size_t nf = q4 ? (size_t)P * (size_t)G * 16 : 0;
+    char *buf = (char *)malloc(nq + (nd + nf) * sizeof(float));
+    if (buf == NULL) return -1;
+    a->pairs = buf;
+    int8_t *xq2 = (int8_t *)buf;
+    float *dx2 = (float *)(buf + nq), *xs2 = q4 ? dx2 + nd : NULL;
+    const int8_t flip = j->kind == K_Q8 ? (int8_t)-128 : 0; /* q8: xq + 128 as a byte */
+    for (int64_t m = 0; m < 2 * P; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t p = m / 2, h = m % 2, at = p * G + g;
+            for (int e = 0; e < 32; e++)
+                xq2[at * 64 + h * 32 + e] = m < M ? (int8_t)(a->xq[m * K + 32 * g + e] ^ flip) : 0;
+            dx2[at * 2 + h] = m < M ? a->xd[m * G + g] : 0.0f;
+            if (q4)
+                for (int l = 0; l < 8; l++)
+                    xs2[at * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
+        }
+    j->xq2 = xq2;
+    j->dx2 = dx2;
+    j->xs2 = xs2;
+    return 0;
+}
+#endif
 
 /* Run j with x's int8 activations (act8) or its float32 rows. */
 static int run_grouped(job_t *j, int nthreads, int act8) {
@@ -1018,8 +1056,9 @@ static int run_grouped(job_t *j, int nthreads, int act8) {
     if (act8_init(&a, j->x, j->M, j->K) != 0) return -1;
     j->xq = a.xq;
     j->xd = a.xd;
-    j->xdt = a.xdt;
-    j->ldt = j->M;
+#ifdef EXITLM_ZMM
+    if (j->M > 1) (void)act8_pairs(&a, j);
+#endif
     run_job(j, nthreads);
     act8_free(&a);
     return 0;
@@ -1029,7 +1068,7 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, 0};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
     return run_grouped(&j, nthreads, act8);
 }
 
@@ -1042,7 +1081,7 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
     float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
     if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, 0};
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
     int rc = run_grouped(&j, nthreads, act8);
     if (xs != stack_xs) free(xs);
     return rc;
