@@ -41,6 +41,10 @@
  * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
  * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
+ * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows through 512-bit tiles that hold
+ * two 8-lane accumulators per register (a dense pair's chains 0|1 and 2|3, or the same W row
+ * with two x rows for the grouped kinds) and form q8a8 / q4a8's exact int32 sums with VNNI:
+ * again the same operations per pair, lane by lane ("Multi-row tiles" below).
  *
  * Threads: N is split into contiguous chunks; each output element is computed by exactly one
  * thread with the arithmetic above, so results do not depend on the thread count.  A small
@@ -100,6 +104,9 @@ typedef struct {
      * lane sums. */
     const int8_t *xq2;
     const float *dx2, *xs2;
+    /* EXITLM_ZMM, q8 / q4 with float32 activations, M > 1: the x rows in pairs, per 8-float
+     * chunk c of K: x2 (P, K/8, 16) the two rows' chunks; xs2 as above. */
+    const float *x2;
 } job_t;
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -570,6 +577,64 @@ AI void qa_ztile(const int kind, const int nb, const int mp, const int rows, con
         }
 }
 
+/* q8 / q4 with float32 activations, M > 1: two x rows per 16-lane register, as above (the x
+ * rows interleaved per call, job_t.x2); chunk c of a weight group, converted once, fills both
+ * halves; per pair the group sum gs and acc follow the header's operations lane by lane. */
+AI __m512 load_qz(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
+    int64_t b8;
+    if (kind == K_Q8) {
+        memcpy(&b8, (const int8_t *)q + rowoff + 32 * g + 8 * c, 8);
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set1_epi64x(b8)));
+    }
+    memcpy(&b8, (const uint8_t *)q + rowoff + 16 * g + 8 * (c & 1), 8);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(b8));
+    b = c < 2 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+    return _mm512_cvtepi32_ps(b);
+}
+
+AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, const float *x2,
+                 const float *xs2, const void *q, const float *sc, const float *mn, float *y,
+                 int64_t K, int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    __m512 acc[NBMAX][MBMAX / 2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_group(kind, nb, q, rowlen, g);
+        __m512 gs[NBMAX][MBMAX / 2];
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) gs[i][p] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            __m512 wv[NBMAX];
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+                wv[i] = load_qz(kind, q, i * rowlen, g, c);
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
+                const __m512 xv = _mm512_loadu_ps(x2 + p * 2 * K + (4 * g + c) * 16);
+                _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+                    gs[i][p] = _mm512_fmadd_ps(wv[i], xv, gs[i][p]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            const __m512 sv = _mm512_set1_ps(sc[i * G + g]);
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                acc[i][p] = _mm512_fmadd_ps(gs[i][p], sv, acc[i][p]);
+            if (kind == K_Q4) {
+                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
+                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
+                                                acc[i][p]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows)
+                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
+        }
+}
+
 #define DZ_FN(KIND, NB, MB)                                                                     \
     static void dz_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K,    \
                                         int64_t ldy) {                                          \
@@ -591,6 +656,16 @@ ALL_ZTILES(DZ_FN, 1)
 #define ALL_QZTILES(FN, KIND) MP4Z(FN, KIND, 1) MP4Z(FN, KIND, 2) MP4Z(FN, KIND, 4)
 ALL_QZTILES(QZ_FN, 2)
 ALL_QZTILES(QZ_FN, 3)
+#define QFZ_FN(KIND, NB, MP)                                                                    \
+    static void qfz_##KIND##_##NB##_##MP(int rows, const float *x2, const float *xs2,           \
+                                         const void *q, const float *sc, const float *mn,       \
+                                         float *y, int64_t K, int64_t ldy) {                    \
+        qf_ztile(KIND, NB, MP, rows, x2, xs2, q, sc, mn, y, K, ldy);                            \
+    }
+ALL_QZTILES(QFZ_FN, 2)
+ALL_QZTILES(QFZ_FN, 3)
+typedef void (*qfz_fn)(int, const float *, const float *, const void *, const float *,
+                       const float *, float *, int64_t, int64_t);
 typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
 typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const void *,
                       const float *, const float *, float *, int64_t, int64_t);
@@ -602,6 +677,7 @@ typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const v
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
 static const qz_fn QZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qz_, 2), TABLEQZ(qz_, 3)};
+static const qfz_fn QFZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qfz_, 2), TABLEQZ(qfz_, 3)};
 #endif /* EXITLM_ZMM */
 
 #define DENSE_FN(KIND, NB, MB)                                                                  \
@@ -672,8 +748,8 @@ static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
 #ifdef EXITLM_ZMM
-/* The 512-bit tiles of M > 1 (kinds f32, f16, q8a8, q4a8): nb W rows in {1, 2, 4} x mb <= 8
- * x rows (int8 activations: x rows in pairs, mb rounded up to even), per tile_rows (row 0,
+/* The 512-bit tiles of M > 1 (every kind): nb W rows in {1, 2, 4} x mb <= 8 x rows (q8, q4:
+ * x rows in pairs, mb rounded up to even), per tile_rows (row 0,
  * M == 1, unused: one row runs the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
  * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
  * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
@@ -682,12 +758,12 @@ static int ztile_cfg[6][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {4, 2}, {4, 2}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
-    /* q8 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
-    /* q4 (unused) */ {{1, 1}, {1, 1}, {1, 1}},
+    /* q8 */ {{1, 1}, {1, 4}, {2, 8}},
+    /* q4 */ {{1, 1}, {4, 4}, {2, 8}},
     /* q8 with int8 activations */ {{1, 1}, {2, 4}, {2, 8}},
     /* q4 with int8 activations */ {{1, 1}, {4, 4}, {4, 8}},
 };
-static int ztile_kind(int tk) { return tk == 0 || tk == 1 || tk == 4 || tk == 5; }
+static int ztile_kind(int tk) { return tk >= 0 && tk <= 5; }
 
 static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
@@ -697,7 +773,19 @@ static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
     for (int64_t n = n0; n < n1;) {
         int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
         int nbi = nb == 4 ? 2 : nb - 1;
-        if (j->xq2 != NULL) {
+        if (j->x2 != NULL) {
+            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
+            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+            for (int64_t p = 0; 2 * p < M;) {
+                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
+                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
+                QFZ_TABLE[kind - 2][nbi][mp - 1](
+                    rows, j->x2 + p * 2 * K, kind == K_Q4 ? j->xs2 + p * G * 16 : NULL,
+                    (const char *)j->w + n * rowlen, j->scales + n * G, mn,
+                    j->y + 2 * p * N + n, K, N);
+                p += mp;
+            }
+        } else if (j->xq2 != NULL) {
             const int64_t rowlen = kind == K_Q8 ? K : K / 2;
             const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
             for (int64_t p = 0; 2 * p < M;) {
@@ -727,7 +815,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, tk = tile_kind(j);
 #ifdef EXITLM_ZMM
-    if (M > 1 && ztile_kind(tk) && (j->xq == NULL || j->xq2 != NULL)) {
+    if (M > 1 && (j->xq != NULL ? j->xq2 != NULL : (kind <= K_F16 || j->x2 != NULL))) {
         zrun_range(j, n0, n1, tk);
         return;
     }
@@ -940,8 +1028,8 @@ int exitlm_pool_workers(void) { return n_workers; }
 
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
  * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
- * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (kinds 0, 1,
- * 4, 5 with rows 1, 2), which take any mb <= 8. */
+ * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2),
+ * which take any mb <= 8. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
@@ -969,7 +1057,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -977,7 +1065,7 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -1046,10 +1134,42 @@ static int act8_pairs(act8_t *a, job_t *j) {
 }
 #endif
 
+#ifdef EXITLM_ZMM
+/* x's rows in pairs for the float32-activation tiles of q8 / q4 (job_t.x2, xs2), set in j;
+ * returns the allocation to free, or NULL (memory short: j runs on the 256-bit tiles). */
+static float *float_pairs(job_t *j) {
+    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
+    const int q4 = j->kind == K_Q4;
+    float *buf = (float *)malloc(((size_t)P * (size_t)K * 2 + (q4 ? (size_t)P * G * 16 : 0)) *
+                                 sizeof(float));
+    if (buf == NULL) return NULL;
+    float *xs2 = q4 ? buf + P * K * 2 : NULL;
+    for (int64_t m = 0; m < 2 * P; m++) {
+        const int64_t p = m / 2, h = m % 2;
+        for (int64_t c = 0; c < K / 8; c++)
+            for (int l = 0; l < 8; l++)
+                buf[p * 2 * K + c * 16 + h * 8 + l] = m < M ? j->x[m * K + 8 * c + l] : 0.0f;
+        if (q4)
+            for (int64_t g = 0; g < G; g++)
+                for (int l = 0; l < 8; l++)
+                    xs2[(p * G + g) * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
+    }
+    j->x2 = buf;
+    j->xs2 = xs2;
+    return buf;
+}
+#endif
+
 /* Run j with x's int8 activations (act8) or its float32 rows. */
 static int run_grouped(job_t *j, int nthreads, int act8) {
     if (!act8) {
+#ifdef EXITLM_ZMM
+        float *pairs = j->M > 1 ? float_pairs(j) : NULL; /* NULL: the 256-bit tiles */
         run_job(j, nthreads);
+        free(pairs);
+#else
+        run_job(j, nthreads);
+#endif
         return 0;
     }
     act8_t a;
@@ -1068,7 +1188,7 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     return run_grouped(&j, nthreads, act8);
 }
 
@@ -1081,7 +1201,7 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
     float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
     if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     int rc = run_grouped(&j, nthreads, act8);
     if (xs != stack_xs) free(xs);
     return rc;
