@@ -10,9 +10,13 @@ streams its weight from memory, as in real decoding; methods are interleaved, me
 ``--repeats`` passes (and the best pass, which on a shared machine says more about the kernel
 than about the neighbours). Also: ctypes call overhead (a 1 x 32 product), the effect of
 ``threads=2``, and the crossover between the exact per-row kernels and dequantize + matmul for
-many rows. Prints JSON on stdout.
+many rows. The rows x cost table (per shape, in the JSON as ``rows_x_cost`` and on stderr):
+``time(M rows) / time(1 row)`` per precision, the median of that ratio within each pass (the
+M's of a pass run interleaved, so the ratio is robust to a shared machine's load) and the
+ratio of the best passes. Prints JSON on stdout.
 
-    python benchmarks/gemv_kernels.py [--repeats 7] [--quick]
+    python benchmarks/gemv_kernels.py [--repeats 7] [--quick] [--rows 1,2,4,8]
+        [--methods f32,q8a8] [--shapes qkv,o] [--no-threads] [--no-crossover]
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def _time_pass(fn: Callable[[int], object], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict:
+def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool,
+                rows: tuple[int, ...] = ROWS, only: set[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     f32_bytes = n * k * 4
     c32 = _copies(f32_bytes)
@@ -76,7 +81,10 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
               "q8a8": base8.nbytes(), "q4a8": base4.nbytes()}
     out: dict = {"N": n, "K": k, "weight_bytes": nbytes, "copies": {"f32": c32, "f16": c16,
                                                                     "q8": c8, "q4": c4}}
-    for m in ROWS:
+    # every (M, method) cell timed once per pass, cells of one pass interleaved, so that the
+    # rows x cost ratios time(M) / time(1) compare passes taken under the same load
+    cells: dict[tuple[int, str], tuple[Callable[[int], object], int]] = {}
+    for m in rows:
         x = torch.randn(m, k, generator=gen)
         xnp = x.numpy()
         methods: dict[str, tuple[Callable[[int], object], int]] = {
@@ -100,14 +108,20 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
                 "q4_t2": (lambda i, x=x: native.gemm_q4(x, q4[i].q, q4[i].scales, q4[i].mins,
                                                    threads=2), c4),
             })
-        times: dict[str, list[float]] = {key: [] for key in methods}
-        for fn, c in methods.values():  # warm-up
-            _time_pass(fn, min(c, 2))
-        for _ in range(repeats):
-            for key, (fn, c) in methods.items():
-                times[key].append(_time_pass(fn, c))
+        for key, cell in methods.items():
+            if only is None or key.removesuffix("_t2") in only:
+                cells[(m, key)] = cell
+    times: dict[tuple[int, str], list[float]] = {key: [] for key in cells}
+    for fn, c in cells.values():  # warm-up
+        _time_pass(fn, min(c, 2))
+    for _ in range(repeats):
+        for key, (fn, c) in cells.items():
+            times[key].append(_time_pass(fn, c))
+    for m in rows:
         row = {}
-        for key, ts in times.items():
+        for (m_, key), ts in times.items():
+            if m_ != m:
+                continue
             sec, best = statistics.median(ts), min(ts)
             size = nbytes[key.removesuffix("_t2")]
             row[key] = {"us": round(sec * 1e6, 1), "GBps": round(size / sec / 1e9, 2),
@@ -115,7 +129,36 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool) -> dict
         out[f"M={m}"] = row
         note(f"{name} M={m} GB/s median(best): "
              + ", ".join(f"{k_} {v['GBps']}({v['best_GBps']})" for k_, v in row.items()))
+    out["rows_x_cost"] = rows_x_cost(times, rows)
     return out
+
+
+def rows_x_cost(times: dict[tuple[int, str], list[float]], rows: tuple[int, ...]) -> dict:
+    """``method -> "M=m" -> {"median", "best"}``: the cost of an M-row product in one-row
+    products, ``time(M) / time(1)``: the median over passes of that ratio within a pass, and
+    the ratio of the best passes."""
+    table: dict = {}
+    for (m, key), ts in times.items():
+        one = times.get((1, key))
+        if m == 1 or one is None or key.endswith("_t2"):
+            continue
+        ratios = [t / t1 for t, t1 in zip(ts, one, strict=True)]
+        table.setdefault(key, {})[f"M={m}"] = {"median": round(statistics.median(ratios), 2),
+                                               "best": round(min(ts) / min(one), 2)}
+    return table
+
+
+def cost_table(shapes: dict[str, dict]) -> str:
+    """The rows x cost table as text: one line per precision and shape, median (best)."""
+    lines = ["rows x cost = time(M rows) / time(1 row), median over passes (best passes):"]
+    kinds = ("f32", "f16", "q8", "q8a8", "q4", "q4a8", "numpy_f32", "torch_f32")
+    for kind in kinds:
+        for shape, res in shapes.items():
+            cost = res["rows_x_cost"].get(kind)
+            if cost:
+                lines.append(f"  {kind:9s} {shape:8s} " + "  ".join(
+                    f"{m}: {v['median']:.2f} ({v['best']:.2f})" for m, v in cost.items()))
+    return "\n".join(lines)
 
 
 def ctypes_overhead(calls: int = 20000) -> dict:
@@ -182,6 +225,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="skip the head and the crossover")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
+                    help="comma-separated row counts, 1 first (default %(default)s)")
+    ap.add_argument("--methods", default="",
+                    help="comma-separated subset of f32,f16,q8,q4,q8a8,q4a8,numpy_f32,torch_f32")
+    ap.add_argument("--no-threads", action="store_true", help="skip the two-thread cells")
+    ap.add_argument("--no-crossover", action="store_true", help="skip the crossover")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not native.available():
@@ -191,8 +240,14 @@ def main() -> None:
                     "kernels": native.kernel_path().describe(), "ctypes": ctypes_overhead()}
     note(f"ctypes: {result['ctypes']}")
     shapes = [s for s in args.shapes.split(",") if not (args.quick and s == "head")]
-    result["shapes"] = {s: bench_shape(s, *SHAPES[s], args.repeats, True) for s in shapes}
-    if not args.quick:
+    rows = tuple(int(m) for m in args.rows.split(","))
+    if rows[0] != 1:
+        sys.exit(f"--rows: the first value must be 1 (the reference of the cost), got {args.rows}")
+    only = set(args.methods.split(",")) if args.methods else None
+    result["shapes"] = {s: bench_shape(s, *SHAPES[s], args.repeats, not args.no_threads,
+                                       rows, only) for s in shapes}
+    note(cost_table(result["shapes"]))
+    if not (args.quick or args.no_crossover):
         result["crossover_us"] = crossover(args.repeats)
     print(json.dumps(result, indent=1))
 

@@ -296,3 +296,50 @@ def test_int8_activation_setting_from_the_environment(tmp_path: Path) -> None:
                              text=True, check=True, cwd=tmp_path)
         assert out.stdout.split() == [first, "0"], (value, out.stdout)
         assert ("EXITLM_INT8_ACTIVATIONS='maybe'" in out.stderr) == (value == "maybe")
+
+
+_TILES_SCRIPT = """
+import torch
+from exitlm.kernels import native
+lib = native.library()
+gen = torch.Generator().manual_seed(5)
+kinds = {"f32": 0, "f16": 1, "q8": 2, "q4": 3, "q8a8": 4, "q4a8": 5}
+checked = 0
+for name, tk in kinds.items():
+    for k in ((61, 120) if tk < 2 else (96,)):
+        n = 11  # tiles of 4 W rows, then 2, then 1
+        if tk == 0:
+            args, fn = (torch.randn(n, k, generator=gen),), native.gemm_f32
+        elif tk == 1:
+            args, fn = (torch.randn(n, k, generator=gen).half(),), native.gemm_f16
+        elif name.startswith("q8"):
+            q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+            q[0, :32] = -128  # the int8 minimum too
+            args, fn = (q, torch.rand(n, k // 32, generator=gen)), native.gemm_q8
+        else:
+            args = (torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+                    torch.rand(n, k // 32, generator=gen), torch.randn(n, k // 32, generator=gen))
+            fn = native.gemm_q4
+        kw = {"int8_activations": True} if name.endswith("a8") else {}
+        x = torch.randn(9, k, generator=gen) * 3
+        rows = torch.cat([fn(x[i:i + 1], *args, **kw) for i in range(9)])
+        for nb in (1, 2, 4):
+            for mb in range(1, 9):
+                if any(lib.exitlm_set_tile(tk, r, nb, mb) != 0 for r in (1, 2)):
+                    continue
+                for m in (2, 3, 4, 5, 8, 9):
+                    y = fn(x[:m], *args, **kw)
+                    assert torch.equal(y, rows[:m]), (name, k, nb, mb, m)
+                    checked += 1
+print(checked)
+"""
+
+
+def test_every_tile_gives_each_row_its_own_bits() -> None:
+    """Every tile the build offers (``exitlm_set_tile``: the 256-bit tiles, and the 512-bit
+    multi-row tiles of AVX-512 builds), for every kind, with K tails and the int8 minimum:
+    each row of a multi-row product has the bits of that row alone. (A subprocess: the tile
+    settings are process-wide.)"""
+    out = subprocess.run([sys.executable, "-c", _TILES_SCRIPT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 6 * 2 * 3 * 6  # at least nb x 3 rows per kind

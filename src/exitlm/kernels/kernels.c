@@ -41,6 +41,10 @@
  * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
  * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
+ * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows through 512-bit tiles that hold
+ * two 8-lane accumulators per register (a dense pair's chains 0|1 and 2|3, or the same W row
+ * with two x rows for the grouped kinds) and form q8a8 / q4a8's exact int32 sums with VNNI:
+ * again the same operations per pair, lane by lane ("Multi-row tiles" below).
  *
  * Threads: N is split into contiguous chunks; each output element is computed by exactly one
  * thread with the arithmetic above, so results do not depend on the thread count.  A small
@@ -59,6 +63,11 @@
 #include "exitlm_native.h"
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+/* Builds with AVX-512 (F, VL, VNNI: the avx512 build, a developer build on such a CPU) run
+ * products of several x rows through 512-bit tiles (see "Multi-row tiles" below). */
+#if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define EXITLM_ZMM 1
 #endif
 
 #define AI static inline __attribute__((always_inline))
@@ -89,6 +98,15 @@ typedef struct {
     int64_t M, N, K;
     const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
     const float *xd;     /* their scales: (M, K/32) */
+    /* EXITLM_ZMM, int8 activations, M > 1: the x rows in pairs p (rows 2p, 2p + 1; a missing
+     * last row is zeros), per group g: xq2 (P, K/32, 64 bytes) the two rows' 32 bytes (q8:
+     * xq + 128 as unsigned bytes), dx2 (P, K/32, 2) their scales, xs2 (q4; P, K/32, 16) their
+     * lane sums. */
+    const int8_t *xq2;
+    const float *dx2, *xs2;
+    /* EXITLM_ZMM, q8 / q4 with float32 activations, M > 1: the x rows in pairs, per 8-float
+     * chunk c of K: x2 (P, K/8, 16) the two rows' chunks; xs2 as above. */
+    const float *x2;
 } job_t;
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -447,6 +465,221 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
         for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
 }
 
+#ifdef EXITLM_ZMM
+/* ------------------------------------------------------------------ Multi-row tiles (AVX-512)
+ *
+ * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI: the same operations per pair as
+ * above, in wider registers, with each weight vector loaded (and converted) once per tile.
+ *
+ * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
+ * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
+ * block, whose chains are c and c + 1, so each 512-bit FMA performs two of the 8-lane FMAs of
+ * the header, lane for lane.  The chunks of K % 32 and the final sums run on the 8-lane halves,
+ * as in dense_tile.  32 registers hold nb * mb * 2 accumulators.
+ *
+ * Int8 activations (q8a8 / q4a8): a 16-lane register holds the 8 lanes of two pairs, (W row i,
+ * x row 2p) and (W row i, x row 2p + 1), from the x rows interleaved per call (job_t.xq2).  isum_l
+ * comes from one VNNI dot product (vpdpbusd: unsigned bytes times signed bytes, four products
+ * summed into an int32 lane, exact) of the group's 32 weight bytes, repeated in both halves,
+ * with the two rows' 32 bytes.  q4: the nibbles are the unsigned operand, xq the signed one.
+ * q8: the unsigned operand is xq + 128 (xq is in [-127, 127]) and the int32 lanes start from
+ * -128 * (the four weights' sum), computed once per weight group and shared by the tile's x
+ * rows, so sum (xq + 128) w - 128 sum w = sum xq w exactly.  d = scale_g * d_g is one float
+ * product per lane, as in qa_tile; then acc = fma((float) isum, d, acc) lane by lane. */
+
+AI __m512 load_wz(int kind, const void *w, int64_t off) {
+    if (kind == K_F32) return _mm512_loadu_ps((const float *)w + off);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
+}
+
+AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
+                    float *y, int64_t K, int64_t ldy) {
+    __m512 a01[NBMAX][MBMAX], a23[NBMAX][MBMAX];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
+    const int64_t K8 = K & ~(int64_t)7;
+    int64_t k = 0;
+    for (; k + 32 <= K8; k += 32) {
+        __m512 w01[NBMAX], w23[NBMAX];
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            w01[i] = load_wz(kind, w, i * K + k);
+            w23[i] = load_wz(kind, w, i * K + k + 16);
+        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
+            __m512 x01 = _mm512_loadu_ps(x + j * K + k), x23 = _mm512_loadu_ps(x + j * K + k + 16);
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                a01[i][j] = _mm512_fmadd_ps(w01[i], x01, a01[i][j]);
+                a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
+            __m256 acc[4] = {_mm512_castps512_ps256(a01[i][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[i][j]), 1)),
+                             _mm512_castps512_ps256(a23[i][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[i][j]), 1))};
+            for (int64_t kk = k, c = 0; kk < K8; kk += 8, c++)
+                acc[c] = _mm256_fmadd_ps(load_w(kind, w, i * K + kk),
+                                         _mm256_loadu_ps(x + j * K + kk), acc[c]);
+            __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            float s = hsum8(a);
+            for (int64_t t = K8; t < K; t++)
+                s = fmaf(x[j * K + t], scalar_w(kind, w, i * K + t), s);
+            y[j * ldy + i] = s;
+        }
+}
+
+AI void qa_ztile(const int kind, const int nb, const int mp, const int rows, const int8_t *xq2,
+                 const float *dx2, const float *xs2, const void *q, const float *sc,
+                 const float *mn, float *y, int64_t K, int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    const __m512i b80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[NBMAX][MBMAX / 2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_group(kind, nb, q, rowlen, g);
+        __m512i wv[NBMAX], base[NBMAX];
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            wv[i] = _mm512_broadcast_i64x4(load_wq(kind, q, i * rowlen, g));
+            base[i] = kind == K_Q8 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, b80, wv[i]))
+                                   : zero;
+        }
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq2 + (p * G + g) * 64));
+            /* lanes 0-7: row 2p's scale, 8-15: row 2p + 1's */
+            double dd;
+            memcpy(&dd, dx2 + (p * G + g) * 2, sizeof dd);
+            const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(dd)));
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                __m512i s = kind == K_Q8 ? _mm512_dpbusd_epi32(base[i], xv, wv[i])
+                                         : _mm512_dpbusd_epi32(zero, wv[i], xv);
+                __m512 d = _mm512_mul_ps(_mm512_set1_ps(sc[i * G + g]), dx);
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i][p]);
+            }
+        }
+        if (kind == K_Q4)
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
+                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
+                                                acc[i][p]);
+            }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows)
+                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
+        }
+}
+
+/* q8 / q4 with float32 activations, M > 1: two x rows per 16-lane register, as above (the x
+ * rows interleaved per call, job_t.x2); chunk c of a weight group, converted once, fills both
+ * halves; per pair the group sum gs and acc follow the header's operations lane by lane. */
+AI __m512 load_qz(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
+    int64_t b8;
+    if (kind == K_Q8) {
+        memcpy(&b8, (const int8_t *)q + rowoff + 32 * g + 8 * c, 8);
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set1_epi64x(b8)));
+    }
+    memcpy(&b8, (const uint8_t *)q + rowoff + 16 * g + 8 * (c & 1), 8);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(b8));
+    b = c < 2 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+    return _mm512_cvtepi32_ps(b);
+}
+
+AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, const float *x2,
+                 const float *xs2, const void *q, const float *sc, const float *mn, float *y,
+                 int64_t K, int64_t ldy) {
+    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+    __m512 acc[NBMAX][MBMAX / 2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_group(kind, nb, q, rowlen, g);
+        __m512 gs[NBMAX][MBMAX / 2];
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) gs[i][p] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            __m512 wv[NBMAX];
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+                wv[i] = load_qz(kind, q, i * rowlen, g, c);
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
+                const __m512 xv = _mm512_loadu_ps(x2 + p * 2 * K + (4 * g + c) * 16);
+                _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+                    gs[i][p] = _mm512_fmadd_ps(wv[i], xv, gs[i][p]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            const __m512 sv = _mm512_set1_ps(sc[i * G + g]);
+            _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                acc[i][p] = _mm512_fmadd_ps(gs[i][p], sv, acc[i][p]);
+            if (kind == K_Q4) {
+                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
+                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
+                                                acc[i][p]);
+            }
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows)
+                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
+        }
+}
+
+#define DZ_FN(KIND, NB, MB)                                                                     \
+    static void dz_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K,    \
+                                        int64_t ldy) {                                          \
+        dense_ztile(KIND, NB, MB, x, w, y, K, ldy);                                             \
+    }
+#define QZ_FN(KIND, NB, MP)                                                                     \
+    static void qz_##KIND##_##NB##_##MP(int rows, const int8_t *xq2, const float *dx2,          \
+                                        const float *xs2, const void *q, const float *sc,       \
+                                        const float *mn, float *y, int64_t K, int64_t ldy) {    \
+        qa_ztile(KIND, NB, MP, rows, xq2, dx2, xs2, q, sc, mn, y, K, ldy);                      \
+    }
+#define MB8Z(FN, KIND, NB)                                                                  \
+    FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
+        FN(KIND, NB, 6) FN(KIND, NB, 7) FN(KIND, NB, 8)
+#define MP4Z(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4)
+#define ALL_ZTILES(FN, KIND) MB8Z(FN, KIND, 1) MB8Z(FN, KIND, 2) MB8Z(FN, KIND, 4)
+ALL_ZTILES(DZ_FN, 0)
+ALL_ZTILES(DZ_FN, 1)
+#define ALL_QZTILES(FN, KIND) MP4Z(FN, KIND, 1) MP4Z(FN, KIND, 2) MP4Z(FN, KIND, 4)
+ALL_QZTILES(QZ_FN, 2)
+ALL_QZTILES(QZ_FN, 3)
+#define QFZ_FN(KIND, NB, MP)                                                                    \
+    static void qfz_##KIND##_##NB##_##MP(int rows, const float *x2, const float *xs2,           \
+                                         const void *q, const float *sc, const float *mn,       \
+                                         float *y, int64_t K, int64_t ldy) {                    \
+        qf_ztile(KIND, NB, MP, rows, x2, xs2, q, sc, mn, y, K, ldy);                            \
+    }
+ALL_QZTILES(QFZ_FN, 2)
+ALL_QZTILES(QFZ_FN, 3)
+typedef void (*qfz_fn)(int, const float *, const float *, const void *, const float *,
+                       const float *, float *, int64_t, int64_t);
+typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
+typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const void *,
+                      const float *, const float *, float *, int64_t, int64_t);
+#define ROW4Z(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4}
+#define TABLEQZ(P, KIND) {ROW4Z(P, KIND, 1), ROW4Z(P, KIND, 2), ROW4Z(P, KIND, 4)}
+#define ROW8Z(P, KIND, NB)                                                                  \
+    {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
+     P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
+#define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
+static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
+static const qz_fn QZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qz_, 2), TABLEQZ(qz_, 3)};
+static const qfz_fn QFZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qfz_, 2), TABLEQZ(qfz_, 3)};
+#endif /* EXITLM_ZMM */
+
 #define DENSE_FN(KIND, NB, MB)                                                                  \
     static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
                                            int64_t ldy) {                                       \
@@ -514,9 +747,79 @@ static int tile_rows(int64_t M) { return M == 1 ? 0 : (M <= 4 ? 1 : 2); }
 static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]; }
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
+#ifdef EXITLM_ZMM
+/* The 512-bit tiles of M > 1 (every kind): nb W rows in {1, 2, 4} x mb <= 8 x rows (q8, q4:
+ * x rows in pairs, mb rounded up to even), per tile_rows (row 0,
+ * M == 1, unused: one row runs the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
+ * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
+ * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
+ * memory-level parallelism); f16 one, its conversion shared by all x rows. */
+static int ztile_cfg[6][3][2] = {
+    /*                  M == 1    M 2-4     M > 4 */
+    /* f32 */ {{1, 1}, {4, 2}, {4, 2}},
+    /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
+    /* q8 */ {{1, 1}, {1, 4}, {2, 8}},
+    /* q4 */ {{1, 1}, {4, 4}, {2, 8}},
+    /* q8 with int8 activations */ {{1, 1}, {2, 4}, {2, 8}},
+    /* q4 with int8 activations */ {{1, 1}, {4, 4}, {4, 8}},
+};
+static int ztile_kind(int tk) { return tk >= 0 && tk <= 5; }
+
+static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
+    const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
+    const int kind = j->kind, r = tile_rows(M);
+    const int nbt = ztile_cfg[tk][r][0], mbt = ztile_cfg[tk][r][1];
+    const int mpt = (mbt + 1) / 2; /* int8 activations: x rows in pairs */
+    for (int64_t n = n0; n < n1;) {
+        int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
+        int nbi = nb == 4 ? 2 : nb - 1;
+        if (j->x2 != NULL) {
+            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
+            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+            for (int64_t p = 0; 2 * p < M;) {
+                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
+                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
+                QFZ_TABLE[kind - 2][nbi][mp - 1](
+                    rows, j->x2 + p * 2 * K, kind == K_Q4 ? j->xs2 + p * G * 16 : NULL,
+                    (const char *)j->w + n * rowlen, j->scales + n * G, mn,
+                    j->y + 2 * p * N + n, K, N);
+                p += mp;
+            }
+        } else if (j->xq2 != NULL) {
+            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
+            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
+            for (int64_t p = 0; 2 * p < M;) {
+                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
+                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
+                QZ_TABLE[kind - 2][nbi][mp - 1](
+                    rows, j->xq2 + p * G * 64, j->dx2 + p * G * 2,
+                    kind == K_Q4 ? j->xs2 + p * G * 16 : NULL, (const char *)j->w + n * rowlen,
+                    j->scales + n * G, mn, j->y + 2 * p * N + n, K, N);
+                p += mp;
+            }
+        } else {
+            const int64_t esz = kind == K_F32 ? 4 : 2;
+            for (int64_t m = 0; m < M;) {
+                int mb = M - m >= mbt ? mbt : (int)(M - m);
+                DZ_TABLE[kind][nbi][mb - 1](j->x + m * K, (const char *)j->w + n * K * esz,
+                                            j->y + m * N + n, K, N);
+                m += mb;
+            }
+        }
+        n += nb;
+    }
+}
+#endif
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, tk = tile_kind(j);
+#ifdef EXITLM_ZMM
+    if (M > 1 && (j->xq != NULL ? j->xq2 != NULL : (kind <= K_F16 || j->x2 != NULL))) {
+        zrun_range(j, n0, n1, tk);
+        return;
+    }
+#endif
     const int nbt = tile_nb(tk, M), mbt = tile_mb(tk, M);
     int64_t n = n0;
     while (n < n1) {
@@ -724,12 +1027,22 @@ int exitlm_cpu_features(void) {
 int exitlm_pool_workers(void) { return n_workers; }
 
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
- * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4). */
+ * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
+ * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2),
+ * which take any mb <= 8. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
-        mb < 1 || mb > MBMAX || (nb > 1 && mb > 3))
+        mb < 1 || mb > MBMAX)
         return -1;
+#ifdef EXITLM_ZMM
+    if (rows > 0 && ztile_kind(kind)) {
+        ztile_cfg[kind][rows][0] = nb;
+        ztile_cfg[kind][rows][1] = mb;
+        return 0;
+    }
+#endif
+    if (nb > 1 && mb > 3) return -1;
     tile_cfg[kind][rows][0] = nb;
     tile_cfg[kind][rows][1] = mb;
     return 0;
@@ -744,7 +1057,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -752,7 +1065,7 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -767,37 +1080,105 @@ typedef struct {
     float *xd;  /* (M, K/32) */
     int8_t stack_q[STACK_BYTES_X];
     float stack_d[STACK_FLOATS];
+    void *pairs; /* EXITLM_ZMM, M > 1: job_t's xq2, dx2 and xs2, one allocation; else NULL */
 } act8_t;
+
+static void act8_free(act8_t *a) {
+    if (a->xq != NULL && a->xq != a->stack_q) free(a->xq);
+    if (a->xd != NULL && a->xd != a->stack_d) free(a->xd);
+    free(a->pairs);
+}
 
 /* Round the M rows of x into a; returns 0, or -1 (nothing held) when memory is short. */
 static int act8_init(act8_t *a, const float *x, int64_t M, int64_t K) {
     size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
     a->xq = nq <= STACK_BYTES_X ? a->stack_q : (int8_t *)malloc(nq);
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
+    a->pairs = NULL;
     if (a->xq == NULL || a->xd == NULL) {
-        if (a->xq != a->stack_q) free(a->xq);
-        if (a->xd != a->stack_d) free(a->xd);
+        act8_free(a);
         return -1;
     }
     for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * (K / 32));
     return 0;
 }
 
-static void act8_free(act8_t *a) {
-    if (a->xq != a->stack_q) free(a->xq);
-    if (a->xd != a->stack_d) free(a->xd);
+#ifdef EXITLM_ZMM
+/* Fill j's row-pair layouts (job_t.xq2, dx2, xs2) from its int8 activations; 0, or -1 when
+ * memory is short (then j runs on the 256-bit tiles). */
+static int act8_pairs(act8_t *a, job_t *j) {
+    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
+    const int q4 = j->kind == K_Q4;
+    const size_t nq = (size_t)P * (size_t)G * 64, nd = (size_t)P * (size_t)G * 2;
+    const size_t nf = q4 ? (size_t)P * (size_t)G * 16 : 0;
+    char *buf = (char *)malloc(nq + (nd + nf) * sizeof(float));
+    if (buf == NULL) return -1;
+    a->pairs = buf;
+    int8_t *xq2 = (int8_t *)buf;
+    float *dx2 = (float *)(buf + nq), *xs2 = q4 ? dx2 + nd : NULL;
+    const int8_t flip = j->kind == K_Q8 ? (int8_t)-128 : 0; /* q8: xq + 128 as a byte */
+    for (int64_t m = 0; m < 2 * P; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t p = m / 2, h = m % 2, at = p * G + g;
+            for (int e = 0; e < 32; e++)
+                xq2[at * 64 + h * 32 + e] = m < M ? (int8_t)(a->xq[m * K + 32 * g + e] ^ flip) : 0;
+            dx2[at * 2 + h] = m < M ? a->xd[m * G + g] : 0.0f;
+            if (q4)
+                for (int l = 0; l < 8; l++)
+                    xs2[at * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
+        }
+    j->xq2 = xq2;
+    j->dx2 = dx2;
+    j->xs2 = xs2;
+    return 0;
 }
+#endif
+
+#ifdef EXITLM_ZMM
+/* x's rows in pairs for the float32-activation tiles of q8 / q4 (job_t.x2, xs2), set in j;
+ * returns the allocation to free, or NULL (memory short: j runs on the 256-bit tiles). */
+static float *float_pairs(job_t *j) {
+    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
+    const int q4 = j->kind == K_Q4;
+    float *buf = (float *)malloc(((size_t)P * (size_t)K * 2 + (q4 ? (size_t)P * G * 16 : 0)) *
+                                 sizeof(float));
+    if (buf == NULL) return NULL;
+    float *xs2 = q4 ? buf + P * K * 2 : NULL;
+    for (int64_t m = 0; m < 2 * P; m++) {
+        const int64_t p = m / 2, h = m % 2;
+        for (int64_t c = 0; c < K / 8; c++)
+            for (int l = 0; l < 8; l++)
+                buf[p * 2 * K + c * 16 + h * 8 + l] = m < M ? j->x[m * K + 8 * c + l] : 0.0f;
+        if (q4)
+            for (int64_t g = 0; g < G; g++)
+                for (int l = 0; l < 8; l++)
+                    xs2[(p * G + g) * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
+    }
+    j->x2 = buf;
+    j->xs2 = xs2;
+    return buf;
+}
+#endif
 
 /* Run j with x's int8 activations (act8) or its float32 rows. */
 static int run_grouped(job_t *j, int nthreads, int act8) {
     if (!act8) {
+#ifdef EXITLM_ZMM
+        float *pairs = j->M > 1 ? float_pairs(j) : NULL; /* NULL: the 256-bit tiles */
         run_job(j, nthreads);
+        free(pairs);
+#else
+        run_job(j, nthreads);
+#endif
         return 0;
     }
     act8_t a;
     if (act8_init(&a, j->x, j->M, j->K) != 0) return -1;
     j->xq = a.xq;
     j->xd = a.xd;
+#ifdef EXITLM_ZMM
+    if (j->M > 1) (void)act8_pairs(&a, j);
+#endif
     run_job(j, nthreads);
     act8_free(&a);
     return 0;
@@ -807,7 +1188,7 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     return run_grouped(&j, nthreads, act8);
 }
 
@@ -820,7 +1201,7 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
     float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
     if (xs == NULL) return -1;
     for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL};
+    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
     int rc = run_grouped(&j, nthreads, act8);
     if (xs != stack_xs) free(xs);
     return rc;
