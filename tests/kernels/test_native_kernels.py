@@ -331,6 +331,15 @@ for name, tk in kinds.items():
                     y = fn(x[:m], *args, **kw)
                     assert torch.equal(y, rows[:m]), (name, k, nb, mb, m)
                     checked += 1
+        # one x row: dense kinds take nb W rows at a time (the 512-bit tiles on AVX-512)
+        for nb in (1, 2, 4) if tk < 2 else ():
+            if lib.exitlm_set_tile(tk, 0, nb, 1) != 0:
+                continue
+            for i in range(9):
+                assert torch.equal(fn(x[i:i + 1], *args, **kw), rows[i:i + 1]), (name, k, nb)
+            checked += 1
+        if tk < 2:
+            lib.exitlm_set_tile(tk, 0, 1, 1)
 print(checked)
 """
 
@@ -338,7 +347,8 @@ print(checked)
 def test_every_tile_gives_each_row_its_own_bits() -> None:
     """Every tile the build offers (``exitlm_set_tile``: the 256-bit tiles, and the 512-bit
     multi-row tiles of AVX-512 builds), for every kind, with K tails and the int8 minimum:
-    each row of a multi-row product has the bits of that row alone. (A subprocess: the tile
+    each row of a multi-row product has the bits of that row alone, and every one-row tile of
+    the dense kinds the bits of the default one. (A subprocess: the tile
     settings are process-wide.)"""
     out = subprocess.run([sys.executable, "-c", _TILES_SCRIPT], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

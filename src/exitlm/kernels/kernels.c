@@ -41,8 +41,8 @@
  * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
  * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
- * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows through 512-bit tiles that hold
- * two 8-lane accumulators per register (a dense pair's chains 0|1 and 2|3, or the same W row
+ * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows (and dense products of one row)
+ * through 512-bit tiles that hold two 8-lane accumulators per register (a dense pair's chains 0|1 and 2|3, or the same W row
  * with two x rows for the grouped kinds) and form q8a8 / q4a8's exact int32 sums with VNNI:
  * again the same operations per pair, lane by lane ("Multi-row tiles" below).
  *
@@ -81,6 +81,15 @@
 #endif
 #ifndef PF_Q_BYTES
 #define PF_Q_BYTES 2048
+#endif
+/* AVX-512 builds run one-row dense products through the 512-bit tiles (dense_ztile) and
+ * prefetch PF_Z_F32_BYTES / PF_Z_F16_BYTES ahead along each weight row there (0 = none); the
+ * Zen-tuned 256-bit kernels above keep PF_DENSE_BYTES. */
+#ifndef PF_Z_F32_BYTES
+#define PF_Z_F32_BYTES 4096
+#endif
+#ifndef PF_Z_F16_BYTES
+#define PF_Z_F16_BYTES 4096
 #endif
 #define NBMAX 4
 #define MBMAX 8
@@ -468,8 +477,13 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
 #ifdef EXITLM_ZMM
 /* ------------------------------------------------------------------ Multi-row tiles (AVX-512)
  *
- * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI: the same operations per pair as
- * above, in wider registers, with each weight vector loaded (and converted) once per tile.
+ * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI, and dense products of one x row:
+ * the same operations per pair as above, in wider registers, with each weight vector loaded (and
+ * converted) once per tile.  The dense tiles prefetch PF_Z_F32_BYTES / PF_Z_F16_BYTES ahead
+ * along each weight row: on a Sapphire Rapids VM core (one thread, SmolLM2's products, weights
+ * streaming from memory) 4096 bytes made the one-row fp32 products ~1.35x and fp16 ~1.5x
+ * faster than the 256-bit kernels, 1024-16384 about the same, none slower for fp16 (the
+ * hardware prefetcher alone falls behind); docs/measurements/dense_prefetch_2026-11-26.md.
  *
  * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
  * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
@@ -501,6 +515,18 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
     int64_t k = 0;
     for (; k + 32 <= K8; k += 32) {
         __m512 w01[NBMAX], w23[NBMAX];
+        if (kind == K_F32 ? PF_Z_F32_BYTES : PF_Z_F16_BYTES)
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+                /* one 32-float block: two cache lines of f32, one of f16 */
+                if (kind == K_F32) {
+                    const char *p = (const char *)((const float *)w + i * K + k) + PF_Z_F32_BYTES;
+                    _mm_prefetch(p, _MM_HINT_T0);
+                    _mm_prefetch(p + 64, _MM_HINT_T0);
+                } else {
+                    _mm_prefetch((const char *)((const uint16_t *)w + i * K + k) + PF_Z_F16_BYTES,
+                                 _MM_HINT_T0);
+                }
+            }
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
             w01[i] = load_wz(kind, w, i * K + k);
             w23[i] = load_wz(kind, w, i * K + k + 16);
@@ -748,9 +774,9 @@ static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
 #ifdef EXITLM_ZMM
-/* The 512-bit tiles of M > 1 (every kind): nb W rows in {1, 2, 4} x mb <= 8 x rows (q8, q4:
- * x rows in pairs, mb rounded up to even), per tile_rows (row 0,
- * M == 1, unused: one row runs the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
+/* The 512-bit tiles of M > 1 (every kind) and of dense M == 1: nb W rows in {1, 2, 4} x mb <= 8
+ * x rows (q8, q4: x rows in pairs, mb rounded up to even), per tile_rows (row 0, M == 1: dense
+ * kinds only, nb 1, 2 and 4 measured the same; the grouped kinds run the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
  * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
  * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
  * memory-level parallelism); f16 one, its conversion shared by all x rows. */
@@ -815,7 +841,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, tk = tile_kind(j);
 #ifdef EXITLM_ZMM
-    if (M > 1 && (j->xq != NULL ? j->xq2 != NULL : (kind <= K_F16 || j->x2 != NULL))) {
+    if (kind <= K_F16 || (M > 1 && (j->xq != NULL ? j->xq2 != NULL : j->x2 != NULL))) {
         zrun_range(j, n0, n1, tk);
         return;
     }
@@ -1028,15 +1054,15 @@ int exitlm_pool_workers(void) { return n_workers; }
 
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
  * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
- * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2),
- * which take any mb <= 8. */
+ * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2;
+ * and row 0 of the dense kinds), which take any mb <= 8. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
         mb < 1 || mb > MBMAX)
         return -1;
 #ifdef EXITLM_ZMM
-    if (rows > 0 && ztile_kind(kind)) {
+    if ((rows > 0 || kind <= K_F16) && ztile_kind(kind)) {
         ztile_cfg[kind][rows][0] = nb;
         ztile_cfg[kind][rows][1] = mb;
         return 0;
