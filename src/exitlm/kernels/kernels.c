@@ -501,6 +501,22 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
  * rows, so sum (xq + 128) w - 128 sum w = sum xq w exactly.  d = scale_g * d_g is one float
  * product per lane, as in qa_tile; then acc = fma((float) isum, d, acc) lane by lane. */
 
+/* The upper 8 lanes of a 16-lane register (the lower ones: _mm512_castps512_ps256). */
+AI __m256 hi256(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* y of the row pairs' tiles: acc[i][p] holds weight row i against x rows 2p (lanes 0-7) and
+ * 2p + 1 (lanes 8-15, present when 2p + 1 < rows); each half is summed by hsum8. */
+AI void store_pairs(__m512 acc[NBMAX][MBMAX / 2], int nb, int mp, int rows, float *y,
+                    int64_t ldy) {
+    for (int i = 0; i < nb; i++)
+        for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows) y[(2 * p + 1) * ldy + i] = hsum8(hi256(acc[i][p]));
+        }
+}
+
 AI __m512 load_wz(int kind, const void *w, int64_t off) {
     if (kind == K_F32) return _mm512_loadu_ps((const float *)w + off);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
@@ -515,7 +531,7 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
     int64_t k = 0;
     for (; k + 32 <= K8; k += 32) {
         __m512 w01[NBMAX], w23[NBMAX];
-        if (kind == K_F32 ? PF_Z_F32_BYTES : PF_Z_F16_BYTES)
+        if ((kind == K_F32 ? PF_Z_F32_BYTES : PF_Z_F16_BYTES) > 0)
             _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
                 /* one 32-float block: two cache lines of f32, one of f16 */
                 if (kind == K_F32) {
@@ -542,9 +558,9 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
             __m256 acc[4] = {_mm512_castps512_ps256(a01[i][j]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a01[i][j]), 1)),
+                             hi256(a01[i][j]),
                              _mm512_castps512_ps256(a23[i][j]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a23[i][j]), 1))};
+                             hi256(a23[i][j])};
             for (int64_t kk = k, c = 0; kk < K8; kk += 8, c++)
                 acc[c] = _mm256_fmadd_ps(load_w(kind, w, i * K + kk),
                                          _mm256_loadu_ps(x + j * K + kk), acc[c]);
@@ -594,13 +610,7 @@ AI void qa_ztile(const int kind, const int nb, const int mp, const int rows, con
                                                 acc[i][p]);
             }
     }
-    for (int i = 0; i < nb; i++)
-        for (int p = 0; p < mp; p++) {
-            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
-            if (2 * p + 1 < rows)
-                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
-                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
-        }
+    store_pairs(acc, nb, mp, rows, y, ldy);
 }
 
 /* q8 / q4 with float32 activations, M > 1: two x rows per 16-lane register, as above (the x
@@ -652,13 +662,7 @@ AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, con
             }
         }
     }
-    for (int i = 0; i < nb; i++)
-        for (int p = 0; p < mp; p++) {
-            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
-            if (2 * p + 1 < rows)
-                y[(2 * p + 1) * ldy + i] = hsum8(_mm256_castpd_ps(
-                    _mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
-        }
+    store_pairs(acc, nb, mp, rows, y, ldy);
 }
 
 #define DZ_FN(KIND, NB, MB)                                                                     \
