@@ -7,11 +7,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from urllib.parse import urlsplit
 
 import exitlm
 from _byte_models import sharp_byte_model
+from _server_output import ServerOutput
 from exitlm.infer import SamplingOptions, generate
 from exitlm.infer.cli import byte_level_tokenizer
 from exitlm.io import load_model
@@ -68,30 +67,25 @@ class Server:
                     "--threads", "1"]
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.output = ServerOutput(self.proc)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                self._ready.set()
-        self._ready.set()
+    @property
+    def lines(self) -> list[str]:
+        return self.output.lines
+
+    @property
+    def url(self) -> str:
+        return self.output.url
 
     def wait_ready(self) -> Server:
-        if not self._ready.wait(START_TIMEOUT) or not self.url:
+        if not self.output.wait_url(START_TIMEOUT):
             self.proc.kill()
-            raise RuntimeError(f"{self.cmd} did not start:\n" + "\n".join(self.lines))
+            raise RuntimeError(f"{self.cmd} did not start:\n{self.output.text}")
         return self
 
     @property
     def log(self) -> str:
-        return "\n".join(self.lines)
+        return self.output.text
 
     def client(self, **kwargs: Any) -> Any:
         """An ``openai.OpenAI`` client of this server (no retries: every answer is seen)."""
