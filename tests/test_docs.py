@@ -20,7 +20,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from pathlib import Path
 import pytest
 
 from _default_model import has_default_model
+from _server_output import ServerOutput
+from _steady_profile import steady_median_time
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -304,9 +305,11 @@ DOC_FILES = sorted({c.path for c in COMMANDS if not_run_reason(c) is None
 
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
-def test_commands_run(path: Path, workdir: Path) -> None:
+def test_commands_run(path: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every runnable command of one page runs in order (later ones may use earlier ones'
-    outputs) with the tiny settings and exits 0."""
+    outputs) with the tiny settings and exits 0. ``plan terapipe --model`` profiles on a steady
+    clock (tests/_steady_profile.py): its outcome must not depend on this machine's load."""
+    monkeypatch.setattr("exitlm.plan.profile._median_time", steady_median_time)
     ran = 0
     runs: dict[str, str] = {}  # --config -> out_dir of its last run
     for cmd in (c for c in COMMANDS if c.path == path and not_run_reason(c) is None):
@@ -357,7 +360,7 @@ def test_serve_commands(workdir: Path) -> None:
         argv += ["--threads", "1"]
         proc = subprocess.Popen([sys.executable, "-m", "exitlm", *argv], cwd=workdir, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        procs.append((cmd, argv, proc, _Reader(proc)))
+        procs.append((cmd, argv, proc, ServerOutput(proc)))
     try:
         for cmd, argv, proc, reader in procs:
             url = reader.wait_url(120)
@@ -380,35 +383,6 @@ def test_serve_commands(workdir: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-class _Reader:
-    """Collects a server's output and the address of its ``listening on`` line."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: list[str] = []
-        self.url = ""
-        self._ready = threading.Event()
-        self._proc = proc
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def wait_url(self, timeout: float) -> str:
-        self._ready.wait(timeout)
-        return self.url
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
 
 
 def test_not_run_commands_are_few_and_explained() -> None:

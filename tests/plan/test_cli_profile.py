@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _steady_profile import steady_median_time
 from exitlm.cli import main
 from exitlm.config import preset
 from exitlm.plan.profile import analytic_costs, profile_costs, profile_terapipe
@@ -51,7 +52,8 @@ def test_plan_terapipe_profile_json(tmp_path, capsys) -> None:
     assert rc == 2 and "t_noctx" in out["err"]
 
 
-def test_plan_terapipe_model_profiles_real_layers(tmp_path, capsys) -> None:
+def test_plan_terapipe_model_profiles_real_layers(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("exitlm.plan.profile._median_time", steady_median_time)
     save = tmp_path / "prof.json"
     rc = main(["plan", "terapipe", "--model", "debug", "--seq-len", "12", "--stages", "2",
                "--save-profile", str(save), "--repeats", "2", "--json"])
