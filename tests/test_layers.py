@@ -13,7 +13,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "exitlm"
 
 LAYERS: list[list[str]] = [
-    ["errors"],
+    ["errors", "lazy"],
     ["args", "schema", "progress", "table"],
     ["config", "chat_template"],
     ["tokenizer"],

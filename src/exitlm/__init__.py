@@ -4,12 +4,14 @@ Implements EE-LLM, LayerSkip, TeraPipe and Predictive Pipelined Decoding in one 
 see the README and docs/architecture.md.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from exitlm.config import ConfigError, ExitConfig, ModelConfig, RopeScaling, preset
     from exitlm.model.kv_cache import KVCache
     from exitlm.model.transformer import EarlyExitLM, ModelOutput
+
+from exitlm.lazy import lazy_exports
 
 # The public names, loaded on first use (PEP 562): ``import exitlm.cli`` - the command's
 # help and argument errors - must not import torch.
@@ -21,15 +23,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'exitlm' has no attribute {name!r}")
-    import importlib  # lazy: the public names load on first use
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES, globals())
 
 
 __all__ = [

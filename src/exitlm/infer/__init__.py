@@ -6,7 +6,7 @@ and one result type.
 join and leave a running batch (:mod:`exitlm.infer.engine`).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from exitlm.infer.api import encode_prompts, generate
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
         PPDOptions,
         SelfSpecOptions,
     )
+
+from exitlm.lazy import lazy_exports
 
 # The public names, loaded on first use (PEP 562): the strategy registry and the
 # command-line flags must load without torch.
@@ -56,15 +58,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'exitlm.infer' has no attribute {name!r}")
-    import importlib  # lazy: the public names load on first use
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES, globals())
 
 
 __all__ = [

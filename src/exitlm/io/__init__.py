@@ -4,12 +4,14 @@ format, and the embedded default model.
 Everybody else calls :func:`load_model`; :func:`save_model` and :func:`export_hf` write.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from exitlm.io.hf_map import CheckpointError
     from exitlm.io.loader import LoadedModel, load_model
     from exitlm.io.save import export_hf, save_model
+
+from exitlm.lazy import lazy_exports
 
 # Loaded on first use (PEP 562): ``exitlm convert --help`` imports no torch.
 _HOMES = {"CheckpointError": "exitlm.io.hf_map", "LoadedModel": "exitlm.io.loader",
@@ -17,15 +19,7 @@ _HOMES = {"CheckpointError": "exitlm.io.hf_map", "LoadedModel": "exitlm.io.loade
           "save_model": "exitlm.io.save"}
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'exitlm.io' has no attribute {name!r}")
-    import importlib  # lazy: the public names load on first use
-
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES, globals())
 
 
 __all__ = ["CheckpointError", "LoadedModel", "export_hf", "load_model", "save_model"]
