@@ -99,7 +99,7 @@ def test_kernel_values_and_row_invariance(kind: str, k: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("kind", list(A8))
-@pytest.mark.parametrize("k", [32, 576, 1536])
+@pytest.mark.parametrize("k", [32, 576, 1536, 2080])  # 2080: 65 groups, past a block of 64
 @pytest.mark.parametrize("n", [1, 33, 1000])
 def test_int8_activation_kernels(kind: str, k: int, n: int) -> None:
     """Their definition (integer dot products of the rounded rows, scaled by scale * d), the

@@ -5,6 +5,7 @@ lossless (the conformance tests re-run with ``EXITLM_NATIVE=0``)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -73,9 +74,9 @@ def test_every_installed_build_the_cpu_runs_gives_the_same_bits() -> None:
     builds = {isa: loader.load_variant(isa) for isa in _supported_builds()}
     assert "baseline" in builds, "the baseline build always runs"
     gen = torch.Generator().manual_seed(11)
-    n, k = 37, 160
-    for kind in ("f32", "f16", "q8", "q4", "q8a8", "q4a8"):
-        args = _weights(kind, n, k, gen)
+    for (n, k), kind in itertools.product(((37, 160), (70, 2080)),
+                                          ("f32", "f16", "q8", "q4", "q8a8", "q4a8")):
+        args = _weights(kind, n, k, gen)  # 2080: 65 groups, past the int8 tiles' block of 64
         for m in (1, 3, 8):
             x = torch.randn(m, k, generator=gen)
             ref = _product(builds["baseline"], kind, x, args, 1)

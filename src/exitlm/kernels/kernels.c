@@ -30,11 +30,13 @@
  * of 32 (quantize_x: d = absmax / 127, xq = nearbyint(x * (1 / d)), computed once per call by
  * the calling thread with the same scalar code in both builds), and a group's product is an
  * exact integer dot product:
- *   q8a8 / q4a8 : acc (8 lanes) = 0;  for each group g: lane l gets
- *                 isum_l = sum_{e = 4l .. 4l+3} w_e * xq_e  (exact int32: maddubs + madd),
- *                 acc_l = fma((float) isum_l, scale_g * d_g, acc_l)  (scale_g * d_g rounded once);
- *                 q4 also acc = fma(xs_g, min_g, acc) with the fp32 lane sums xs_g of x as above;
- *                 y = hsum8(acc).
+ *   q8a8 / q4a8 : y = 0;  for each group g:
+ *                 isum_g = sum_{e = 0 .. 31} w_e * xq_e  (exact int32, in any order),
+ *                 y = fma((float) isum_g, scale_g * d_g, y)  (scale_g * d_g rounded once);
+ *                 q4 then y = fma(X_g, min_g, y), X_g = hsum8(xs_g) the fp32 sum of the
+ *                 group's x (xs_g as above, once per x row).
+ *                 One float chain per pair, so a tile can put the pairs of different W rows in
+ *                 the lanes of one register ("int8 activations: W rows in lanes" below).
  * x's rounding depends on its own row only, so the fixed-arithmetic property above still holds.
  *
  * Tiles (several W rows x several x rows sharing loads and conversions) only change which
@@ -42,9 +44,10 @@
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
  * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
  * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows (and dense products of one row)
- * through 512-bit tiles that hold two 8-lane accumulators per register (a dense pair's chains 0|1 and 2|3, or the same W row
- * with two x rows for the grouped kinds) and form q8a8 / q4a8's exact int32 sums with VNNI:
- * again the same operations per pair, lane by lane ("Multi-row tiles" below).
+ * through 512-bit tiles that hold two 8-lane accumulators per register (a dense pair's chains
+ * 0|1 and 2|3, or the same W row with two x rows for q8 / q4 with fp32 activations), and form
+ * q8a8 / q4a8's exact int32 sums with VNNI: again the same operations per pair, lane by lane
+ * ("Multi-row tiles" below).
  *
  * Threads: N is split into contiguous chunks; each output element is computed by exactly one
  * thread with the arithmetic above, so results do not depend on the thread count.  A small
@@ -107,12 +110,9 @@ typedef struct {
     int64_t M, N, K;
     const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
     const float *xd;     /* their scales: (M, K/32) */
-    /* EXITLM_ZMM, int8 activations, M > 1: the x rows in pairs p (rows 2p, 2p + 1; a missing
-     * last row is zeros), per group g: xq2 (P, K/32, 64 bytes) the two rows' 32 bytes (q8:
-     * xq + 128 as unsigned bytes), dx2 (P, K/32, 2) their scales, xs2 (q4; P, K/32, 16) their
-     * lane sums. */
-    const int8_t *xq2;
-    const float *dx2, *xs2;
+    const float *xg;     /* q4 with act8: (M, K/32) group sums of x, hsum8 of xs */
+    const uint8_t *xu;   /* q8 with act8, EXITLM_ZMM: (M, K) xq + 128 as unsigned bytes */
+    const float *xs2;    /* EXITLM_ZMM, q4 with float32 activations, M > 1: see x2 */
     /* EXITLM_ZMM, q8 / q4 with float32 activations, M > 1: the x rows in pairs, per 8-float
      * chunk c of K: x2 (P, K/8, 16) the two rows' chunks; xs2 as above. */
     const float *x2;
@@ -264,30 +264,28 @@ static float pair_q(int kind, const float *x, const float *xs, const void *qrow,
     return hsum8_scalar(acc);
 }
 
-static float pair_qa(int kind, const int8_t *xq, const float *xd, const float *xs,
+/* One (x row, W row) pair with int8 activations: the header's "rows in lanes" arithmetic. */
+static float pair_a8(int kind, const int8_t *xq, const float *xd, const float *xg,
                      const void *qrow, const float *sc, const float *mn, int64_t K) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float y = 0.0f;
     int64_t G = K / 32;
     for (int64_t g = 0; g < G; g++) {
-        float d = sc[g] * xd[g];
-        for (int l = 0; l < 8; l++) {
-            int32_t isum = 0;
-            for (int e = 4 * l; e < 4 * l + 4; e++) {
-                int32_t w;
-                if (kind == K_Q8) {
-                    w = ((const int8_t *)qrow)[32 * g + e];
-                } else {
-                    uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
-                    w = e < 16 ? (b & 15) : (b >> 4);
-                }
-                isum += w * (int32_t)xq[32 * g + e];
+        int32_t isum = 0;
+        for (int e = 0; e < 32; e++) {
+            int32_t w;
+            if (kind == K_Q8) {
+                w = ((const int8_t *)qrow)[32 * g + e];
+            } else {
+                uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
+                w = e < 16 ? (b & 15) : (b >> 4);
             }
-            acc[l] = fmaf((float)isum, d, acc[l]);
+            isum += w * (int32_t)xq[32 * g + e];
         }
-        if (kind == K_Q4)
-            for (int l = 0; l < 8; l++) acc[l] = fmaf(xs[8 * g + l], mn[g], acc[l]);
+        float d = sc[g] * xd[g];
+        y = fmaf((float)isum, d, y);
+        if (kind == K_Q4) y = fmaf(xg[g], mn[g], y);
     }
-    return hsum8_scalar(acc);
+    return y;
 }
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
@@ -297,8 +295,8 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
             const float *x = j->x + m * K;
             float v;
             if (j->xq != NULL)
-                v = pair_qa(j->kind, j->xq + m * K, j->xd + m * G,
-                            j->kind == K_Q4 ? j->xs + m * G * 8 : NULL,
+                v = pair_a8(j->kind, j->xq + m * K, j->xd + m * G,
+                            j->kind == K_Q4 ? j->xg + m * G : NULL,
                             (const char *)j->w + n * (j->kind == K_Q8 ? K : K / 2),
                             j->scales + n * G, j->kind == K_Q4 ? j->mins + n * G : NULL, K);
             else if (j->kind == K_F32)
@@ -426,54 +424,6 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
         for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
 }
 
-/* The 32 weights of group g as bytes in element order (q8 signed, q4 nibbles 0..15). */
-AI __m256i load_wq(int kind, const void *q, int64_t rowoff, int64_t g) {
-    if (kind == K_Q8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)q + rowoff + 32 * g));
-    __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + rowoff + 16 * g));
-    const __m128i m4 = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-}
-
-/* nb W rows x mb x rows, grouped weights with int8 activations (q8a8 / q4a8). */
-AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, const float *xd,
-                const float *xs, const void *q, const float *sc, const float *mn, float *y,
-                int64_t K, int64_t ldy) {
-    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NBMAX][MBMAX];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        prefetch_group(kind, nb, q, rowlen, g);
-        __m256i wv[NBMAX], wa[NBMAX];
-        for (int i = 0; i < nb; i++) {
-            wv[i] = load_wq(kind, q, i * rowlen, g);
-            /* maddubs takes its first operand unsigned: |w| there, w's sign moved onto x */
-            wa[i] = kind == K_Q8 ? _mm256_sign_epi8(wv[i], wv[i]) : wv[i];
-        }
-        for (int j = 0; j < mb; j++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * K + 32 * g));
-            float dx = xd[j * G + g];
-            for (int i = 0; i < nb; i++) {
-                __m256i sx = kind == K_Q8 ? _mm256_sign_epi8(xv, wv[i]) : xv;
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[i], sx), ones);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                            _mm256_set1_ps(sc[i * G + g] * dx), acc[i][j]);
-            }
-        }
-        if (kind == K_Q4)
-            for (int i = 0; i < nb; i++) {
-                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
-                for (int j = 0; j < mb; j++)
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
-                                                acc[i][j]);
-            }
-    }
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) y[j * ldy + i] = hsum8(acc[i][j]);
-}
-
 #ifdef EXITLM_ZMM
 /* ------------------------------------------------------------------ Multi-row tiles (AVX-512)
  *
@@ -491,15 +441,8 @@ AI void qa_tile(const int kind, const int nb, const int mb, const int8_t *xq, co
  * the header, lane for lane.  The chunks of K % 32 and the final sums run on the 8-lane halves,
  * as in dense_tile.  32 registers hold nb * mb * 2 accumulators.
  *
- * Int8 activations (q8a8 / q4a8): a 16-lane register holds the 8 lanes of two pairs, (W row i,
- * x row 2p) and (W row i, x row 2p + 1), from the x rows interleaved per call (job_t.xq2).  isum_l
- * comes from one VNNI dot product (vpdpbusd: unsigned bytes times signed bytes, four products
- * summed into an int32 lane, exact) of the group's 32 weight bytes, repeated in both halves,
- * with the two rows' 32 bytes.  q4: the nibbles are the unsigned operand, xq the signed one.
- * q8: the unsigned operand is xq + 128 (xq is in [-127, 127]) and the int32 lanes start from
- * -128 * (the four weights' sum), computed once per weight group and shared by the tile's x
- * rows, so sum (xq + 128) w - 128 sum w = sum xq w exactly.  d = scale_g * d_g is one float
- * product per lane, as in qa_tile; then acc = fma((float) isum, d, acc) lane by lane. */
+ * Int8 activations (q8a8 / q4a8) have their own tiles, for every M ("int8 activations: W rows
+ * in lanes" below). */
 
 /* The upper 8 lanes of a 16-lane register (the lower ones: _mm512_castps512_ps256). */
 AI __m256 hi256(__m512 v) {
@@ -572,47 +515,6 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
         }
 }
 
-AI void qa_ztile(const int kind, const int nb, const int mp, const int rows, const int8_t *xq2,
-                 const float *dx2, const float *xs2, const void *q, const float *sc,
-                 const float *mn, float *y, int64_t K, int64_t ldy) {
-    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
-    const __m512i b80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
-    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[NBMAX][MBMAX / 2];
-    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
-        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        prefetch_group(kind, nb, q, rowlen, g);
-        __m512i wv[NBMAX], base[NBMAX];
-        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
-            wv[i] = _mm512_broadcast_i64x4(load_wq(kind, q, i * rowlen, g));
-            base[i] = kind == K_Q8 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, b80, wv[i]))
-                                   : zero;
-        }
-        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq2 + (p * G + g) * 64));
-            /* lanes 0-7: row 2p's scale, 8-15: row 2p + 1's */
-            double dd;
-            memcpy(&dd, dx2 + (p * G + g) * 2, sizeof dd);
-            const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(dd)));
-            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
-                __m512i s = kind == K_Q8 ? _mm512_dpbusd_epi32(base[i], xv, wv[i])
-                                         : _mm512_dpbusd_epi32(zero, wv[i], xv);
-                __m512 d = _mm512_mul_ps(_mm512_set1_ps(sc[i * G + g]), dx);
-                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[i][p]);
-            }
-        }
-        if (kind == K_Q4)
-            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
-                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
-                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
-                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
-                                                acc[i][p]);
-            }
-    }
-    store_pairs(acc, nb, mp, rows, y, ldy);
-}
-
 /* q8 / q4 with float32 activations, M > 1: two x rows per 16-lane register, as above (the x
  * rows interleaved per call, job_t.x2); chunk c of a weight group, converted once, fills both
  * halves; per pair the group sum gs and acc follow the header's operations lane by lane. */
@@ -670,12 +572,6 @@ AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, con
                                         int64_t ldy) {                                          \
         dense_ztile(KIND, NB, MB, x, w, y, K, ldy);                                             \
     }
-#define QZ_FN(KIND, NB, MP)                                                                     \
-    static void qz_##KIND##_##NB##_##MP(int rows, const int8_t *xq2, const float *dx2,          \
-                                        const float *xs2, const void *q, const float *sc,       \
-                                        const float *mn, float *y, int64_t K, int64_t ldy) {    \
-        qa_ztile(KIND, NB, MP, rows, xq2, dx2, xs2, q, sc, mn, y, K, ldy);                      \
-    }
 #define MB8Z(FN, KIND, NB)                                                                  \
     FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
         FN(KIND, NB, 6) FN(KIND, NB, 7) FN(KIND, NB, 8)
@@ -684,8 +580,6 @@ AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, con
 ALL_ZTILES(DZ_FN, 0)
 ALL_ZTILES(DZ_FN, 1)
 #define ALL_QZTILES(FN, KIND) MP4Z(FN, KIND, 1) MP4Z(FN, KIND, 2) MP4Z(FN, KIND, 4)
-ALL_QZTILES(QZ_FN, 2)
-ALL_QZTILES(QZ_FN, 3)
 #define QFZ_FN(KIND, NB, MP)                                                                    \
     static void qfz_##KIND##_##NB##_##MP(int rows, const float *x2, const float *xs2,           \
                                          const void *q, const float *sc, const float *mn,       \
@@ -697,8 +591,6 @@ ALL_QZTILES(QFZ_FN, 3)
 typedef void (*qfz_fn)(int, const float *, const float *, const void *, const float *,
                        const float *, float *, int64_t, int64_t);
 typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
-typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const void *,
-                      const float *, const float *, float *, int64_t, int64_t);
 #define ROW4Z(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4}
 #define TABLEQZ(P, KIND) {ROW4Z(P, KIND, 1), ROW4Z(P, KIND, 2), ROW4Z(P, KIND, 4)}
 #define ROW8Z(P, KIND, NB)                                                                  \
@@ -706,7 +598,6 @@ typedef void (*qz_fn)(int, const int8_t *, const float *, const float *, const v
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
-static const qz_fn QZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qz_, 2), TABLEQZ(qz_, 3)};
 static const qfz_fn QFZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qfz_, 2), TABLEQZ(qfz_, 3)};
 #endif /* EXITLM_ZMM */
 
@@ -731,15 +622,6 @@ ALL_TILES(DENSE_FN, 0)
 ALL_TILES(DENSE_FN, 1)
 ALL_TILES(Q_FN, 2)
 ALL_TILES(Q_FN, 3)
-#define QA_FN(KIND, NB, MB)                                                                     \
-    static void qa_##KIND##_##NB##_##MB(const int8_t *xq, const float *xd, const float *xs,     \
-                                        const void *q, const float *sc, const float *mn,        \
-                                        float *y, int64_t K, int64_t ldy) {                     \
-        qa_tile(KIND, NB, MB, xq, xd, xs, q, sc, mn, y, K, ldy);                                \
-    }
-ALL_TILES(QA_FN, 2)
-ALL_TILES(QA_FN, 3)
-
 typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
 typedef void (*q_fn)(const float *, const float *, const void *, const float *, const float *,
                      float *, int64_t, int64_t);
@@ -750,9 +632,377 @@ typedef void (*q_fn)(const float *, const float *, const void *, const float *, 
 #define TABLE(P, KIND) {ROW8(P, KIND, 1), ROW3(P, KIND, 2), ROW3(P, KIND, 4)}
 static const dense_fn DENSE_TABLE[2][3][MBMAX] = {TABLE(dense_, 0), TABLE(dense_, 1)};
 static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
-typedef void (*qa_fn)(const int8_t *, const float *, const float *, const void *, const float *,
-                      const float *, float *, int64_t, int64_t);
-static const qa_fn QA_TABLE[2][3][MBMAX] = {TABLE(qa_, 2), TABLE(qa_, 3)};
+
+/* ------------------------------------------------------------------ int8 activations: W rows in lanes
+ *
+ * q8a8 / q4a8 (the header's "rows in lanes" arithmetic).  A tile holds A8_LANES consecutive W
+ * rows (16 with EXITLM_ZMM, else 8; past N the last row repeats and its results are dropped)
+ * and mb <= 8 x rows.  Per group g, the tile's weight bytes are transposed so that register c
+ * (c = 0..7) holds, in lane r, the four weights 4c..4c+3 of W row r; q4's nibbles come out of
+ * the transposed bytes (low nibbles: elements 4c..4c+3, high: 16+4c..16+4c+3).  The four x
+ * bytes 4c..4c+3 of an x row, broadcast to every lane, meet them in one four-product dot per
+ * lane (AVX-512 VNNI vpdpbusd, unsigned times signed bytes; AVX2 maddubs + madd), and the eight
+ * c's add up to the group's exact int32 isum_g of each W row, lane by lane.  Then per lane, for
+ * the lane's (x row, W row) pair: d = scale_g * d_g (one float product; the tile's scales are
+ * transposed once per block of A8_GB groups), y = fma((float) isum_g, d, y), and q4
+ * y = fma(X_g, min_g, y): every float operation of a pair happens in its own lane, in the order
+ * of the header, whatever the tile, so each output keeps its bits for every M and thread count.
+ * q8 on AVX-512: the unsigned operand is the x byte + 128 (xq in [-127, 127]) and each lane
+ * starts from -128 * (the weights' sum), once per tile and group; AVX2: |w| times x with w's
+ * sign (maddubs cannot overflow: |w| <= 128, |x| <= 127).  q4 on AVX2 sums the eight maddubs
+ * (16-bit, each <= 2 * 15 * 127) before widening: 8 * 3810 < 32768, exact.
+ *
+ * Why lanes are W rows: the float work per group (convert, scale, fma, min) is one instruction
+ * per A8_LANES pairs instead of one per pair, so several x rows cost little more than one
+ * (llama.cpp gets the same effect from weights repacked at load; here the transposition is done
+ * on the fly from the plain (N, K) layout, in registers). */
+#ifdef EXITLM_ZMM
+#define A8_LANES 16
+#else
+#define A8_LANES 8
+#endif
+#define A8_GB 64 /* groups per block of transposed scales */
+
+/* x rows per tile (1..8) per tile_rows(M), for q8 and q4: A8_LANES W rows x mb x rows. */
+static int a8_cfg[2][3] = {{1, 4, 8}, {1, 4, 8}};
+
+#ifdef EXITLM_ZMM
+/* t[g * 16 + r] = sr[r][g0 + g] for g < gb <= 16: a 16 x 16 float transpose in registers (rows
+ * past gb masked off). */
+AI void a8_transpose(const float *const sr[16], int64_t g0, int gb, float *t) {
+    const __mmask16 k = gb >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << gb) - 1u);
+    __m512 a[16], u[16];
+    _Pragma("GCC unroll 8") for (int r = 0; r < 16; r += 2) {
+        const __m512 x0 = _mm512_maskz_loadu_ps(k, sr[r] + g0), x1 = _mm512_maskz_loadu_ps(k, sr[r + 1] + g0);
+        a[r] = _mm512_unpacklo_ps(x0, x1); /* per 128-bit lane: r[0] r+1[0] r[1] r+1[1] */
+        a[r + 1] = _mm512_unpackhi_ps(x0, x1);
+    }
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) { /* u[4q + e] lane L: rows 4q.., element 4L + e */
+        u[4 * q] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
+        u[4 * q + 1] = _mm512_shuffle_ps(a[4 * q], a[4 * q + 2], 0xEE);
+        u[4 * q + 2] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
+        u[4 * q + 3] = _mm512_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xEE);
+    }
+    _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 w0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD), w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        _mm512_storeu_ps(t + 16 * e, _mm512_shuffle_f32x4(v0, v1, 0x88));        /* element e */
+        _mm512_storeu_ps(t + 16 * (8 + e), _mm512_shuffle_f32x4(v0, v1, 0xDD));  /* 8 + e */
+        _mm512_storeu_ps(t + 16 * (4 + e), _mm512_shuffle_f32x4(w0, w1, 0x88));  /* 4 + e */
+        _mm512_storeu_ps(t + 16 * (12 + e), _mm512_shuffle_f32x4(w0, w1, 0xDD)); /* 12 + e */
+    }
+}
+#else
+/* t[g * 8 + r] = sr[r][g0 + g] for g < 8: an 8 x 8 float transpose in registers. */
+AI void a8_transpose(const float *const sr[8], int64_t g0, float *t) {
+    __m256 a[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+        const __m256 x0 = _mm256_loadu_ps(sr[r] + g0), x1 = _mm256_loadu_ps(sr[r + 1] + g0);
+        a[r] = _mm256_unpacklo_ps(x0, x1);
+        a[r + 1] = _mm256_unpackhi_ps(x0, x1);
+    }
+    for (int q = 0; q < 2; q++) { /* u[4q + e] half H: rows 4q..4q+3, element 4H + e */
+        u[4 * q] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
+        u[4 * q + 1] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0xEE);
+        u[4 * q + 2] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
+        u[4 * q + 3] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; e++) {
+        _mm256_storeu_ps(t + 8 * e, _mm256_permute2f128_ps(u[e], u[4 + e], 0x20));
+        _mm256_storeu_ps(t + 8 * (4 + e), _mm256_permute2f128_ps(u[e], u[4 + e], 0x31));
+    }
+}
+#endif
+
+/* The tile's scales (and q4 mins) of groups g0 .. g0 + gb - 1, lane-major: t[g * LANES + r]. */
+AI void a8_scales(const float *const sr[A8_LANES], int64_t g0, int gb, float *t) {
+#ifdef EXITLM_ZMM
+    for (int g = 0; g < gb; g += 16) a8_transpose(sr, g0 + g, gb - g, t + g * 16);
+#else
+    int g = 0;
+    for (; g + 8 <= gb; g += 8) a8_transpose(sr, g0 + g, t + g * 8);
+    for (; g < gb; g++)
+        for (int r = 0; r < 8; r++) t[g * 8 + r] = sr[r][g0 + g];
+#endif
+}
+
+#ifdef EXITLM_ZMM
+/* Group g of 16 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r (c < 4: low
+ * nibbles of bytes 4c..4c+3; c >= 4: high nibbles of bytes 4(c-4)..). */
+AI void a8_w4(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
+    __m512i R[4];
+    _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) { /* 128-bit lane L: row k + 4L */
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rw[k] + 16 * g)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 4] + 16 * g)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 8] + 16 * g)), 2);
+        R[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 12] + 16 * g)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(R[0], R[1]), t1 = _mm512_unpackhi_epi32(R[0], R[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(R[2], R[3]), t3 = _mm512_unpackhi_epi32(R[2], R[3]);
+    const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const __m512i m4 = _mm512_set1_epi8(15);
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        W[c] = _mm512_and_si512(T[c], m4);
+        W[c + 4] = _mm512_and_si512(_mm512_srli_epi16(T[c], 4), m4);
+    }
+}
+
+/* Group g of 16 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group. */
+AI void a8_w8(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
+    __m512i A[8], S[8], U[8];
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) { /* halves: rows (k, k+4), k < 4; (k+4, k+8) */
+        const int lo = k < 4 ? k : k + 4;
+        A[k] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rw[lo] + 32 * g))),
+            _mm256_loadu_si256((const __m256i *)(rw[lo + 4] + 32 * g)), 1);
+    }
+    _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {
+        S[2 * k] = _mm512_unpacklo_epi32(A[2 * k], A[2 * k + 1]);
+        S[2 * k + 1] = _mm512_unpackhi_epi32(A[2 * k], A[2 * k + 1]);
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        const int b = 4 * h;
+        U[b] = _mm512_unpacklo_epi64(S[b], S[b + 2]);     /* dwords 0 | 4 */
+        U[b + 1] = _mm512_unpackhi_epi64(S[b], S[b + 2]); /* 1 | 5 */
+        U[b + 2] = _mm512_unpacklo_epi64(S[b + 1], S[b + 3]);
+        U[b + 3] = _mm512_unpackhi_epi64(S[b + 1], S[b + 3]);
+    }
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        W[c] = _mm512_shuffle_i32x4(U[c], U[c + 4], 0x88);     /* 128-bit lanes 0, 2 | 0, 2 */
+        W[c + 4] = _mm512_shuffle_i32x4(U[c], U[c + 4], 0xDD); /* 1, 3 | 1, 3 */
+    }
+}
+
+AI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
+                int64_t m0) {
+    const int64_t K = j->K, G = K / 32, N = j->N, rowlen = kind == K_Q8 ? K : K / 2;
+    const int bpg = kind == K_Q8 ? 32 : 16; /* weight bytes per group and row */
+    const uint8_t *rw[16];
+    const float *sr[16], *mr[16];
+    _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
+        const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
+        rw[r] = (const uint8_t *)j->w + n * rowlen;
+        sr[r] = j->scales + n * G;
+        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
+    }
+    /* the next tile's weights, prefetched a group's share at a time */
+    const char *next = (const char *)j->w + (n0 + 16) * rowlen;
+    const float *nsc = j->scales + (n0 + 16) * G, *nmn = kind == K_Q4 ? j->mins + (n0 + 16) * G : NULL;
+    const __m512i zero = _mm512_setzero_si512(), b80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MBMAX];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    float scT[A8_GB * 16], mnT[A8_GB * 16];
+    for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
+        const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
+        a8_scales(sr, g0, gb, scT);
+        if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
+        for (int gi = 0; gi < gb; gi++) {
+            const int64_t g = g0 + gi;
+            if (PF_Q_BYTES) {
+                for (int l = 0; l < bpg / 4; l++) /* 16 rows x bpg bytes = bpg / 4 lines */
+                    _mm_prefetch(next + g * 16 * bpg + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(nsc + 16 * g), _MM_HINT_T0); /* 16 floats: a line */
+                if (kind == K_Q4) _mm_prefetch((const char *)(nmn + 16 * g), _MM_HINT_T0);
+            }
+            __m512i W[8], base = zero;
+            if (kind == K_Q8) {
+                a8_w8(rw, g, W);
+                __m512i s0 = zero, s1 = zero;
+                _Pragma("GCC unroll 4") for (int c = 0; c < 8; c += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, b80, W[c]);
+                    s1 = _mm512_dpbusd_epi32(s1, b80, W[c + 1]);
+                }
+                base = _mm512_sub_epi32(zero, _mm512_add_epi32(s0, s1));
+            } else {
+                a8_w4(rw, g, W);
+            }
+            const __m512 sv = _mm512_loadu_ps(scT + gi * 16);
+            _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) {
+                const int64_t xm = (m0 + m) * K + 32 * g;
+                __m512i i0 = base, i1 = zero;
+                _Pragma("GCC unroll 4") for (int c = 0; c < 8; c += 2) {
+                    if (kind == K_Q8) {
+                        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(load_i32(j->xu + xm + 4 * c)), W[c]);
+                        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(load_i32(j->xu + xm + 4 * c + 4)),
+                                                 W[c + 1]);
+                    } else {
+                        i0 = _mm512_dpbusd_epi32(i0, W[c], _mm512_set1_epi32(load_i32(j->xq + xm + 4 * c)));
+                        i1 = _mm512_dpbusd_epi32(i1, W[c + 1],
+                                                 _mm512_set1_epi32(load_i32(j->xq + xm + 4 * c + 4)));
+                    }
+                }
+                const __m512 d = _mm512_mul_ps(sv, _mm512_set1_ps(j->xd[(m0 + m) * G + g]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), d, acc[m]);
+                if (kind == K_Q4)
+                    acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(j->xg[(m0 + m) * G + g]),
+                                             _mm512_loadu_ps(mnT + gi * 16), acc[m]);
+            }
+        }
+    }
+    const __mmask16 keep = n1 - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n0)) - 1u);
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++)
+        _mm512_mask_storeu_ps(j->y + (m0 + m) * N + n0, keep, acc[m]);
+}
+#else
+/* Group g of 8 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r. */
+AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
+    __m256i R[4];
+    for (int k = 0; k < 4; k++) /* 128-bit halves: rows k, k + 4 */
+        R[k] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rw[k] + 16 * g))),
+            _mm_loadu_si128((const __m128i *)(rw[k + 4] + 16 * g)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(R[0], R[1]), t1 = _mm256_unpackhi_epi32(R[0], R[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(R[2], R[3]), t3 = _mm256_unpackhi_epi32(R[2], R[3]);
+    const __m256i T[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        W[c] = _mm256_and_si256(T[c], m4);
+        W[c + 4] = _mm256_and_si256(_mm256_srli_epi16(T[c], 4), m4);
+    }
+}
+
+/* Group g of 8 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group. */
+AI void a8_w8(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
+    __m256i A[8], S[8], U[8];
+    for (int k = 0; k < 8; k++) A[k] = _mm256_loadu_si256((const __m256i *)(rw[k] + 32 * g));
+    for (int k = 0; k < 4; k++) {
+        S[2 * k] = _mm256_unpacklo_epi32(A[2 * k], A[2 * k + 1]);
+        S[2 * k + 1] = _mm256_unpackhi_epi32(A[2 * k], A[2 * k + 1]);
+    }
+    for (int h = 0; h < 2; h++) {
+        const int b = 4 * h;
+        U[b] = _mm256_unpacklo_epi64(S[b], S[b + 2]); /* dwords 0 | 4 of rows 4h..4h+3 */
+        U[b + 1] = _mm256_unpackhi_epi64(S[b], S[b + 2]);
+        U[b + 2] = _mm256_unpacklo_epi64(S[b + 1], S[b + 3]);
+        U[b + 3] = _mm256_unpackhi_epi64(S[b + 1], S[b + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        W[c] = _mm256_permute2x128_si256(U[c], U[c + 4], 0x20);
+        W[c + 4] = _mm256_permute2x128_si256(U[c], U[c + 4], 0x31);
+    }
+}
+
+AI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
+                int64_t m0) {
+    const int64_t K = j->K, G = K / 32, N = j->N, rowlen = kind == K_Q8 ? K : K / 2;
+    const int bpg = kind == K_Q8 ? 32 : 16;
+    const uint8_t *rw[8];
+    const float *sr[8], *mr[8];
+    for (int r = 0; r < 8; r++) {
+        const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
+        rw[r] = (const uint8_t *)j->w + n * rowlen;
+        sr[r] = j->scales + n * G;
+        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
+    }
+    const char *next = (const char *)j->w + (n0 + 8) * rowlen;
+    const float *nsc = j->scales + (n0 + 8) * G, *nmn = kind == K_Q4 ? j->mins + (n0 + 8) * G : NULL;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MBMAX];
+    for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+    float scT[A8_GB * 8], mnT[A8_GB * 8];
+    for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
+        const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
+        a8_scales(sr, g0, gb, scT);
+        if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
+        for (int gi = 0; gi < gb; gi++) {
+            const int64_t g = g0 + gi;
+            if (PF_Q_BYTES) {
+                for (int l = 0; l < bpg / 8; l++) /* 8 rows x bpg bytes = bpg / 8 lines */
+                    _mm_prefetch(next + g * 8 * bpg + 64 * l, _MM_HINT_T0);
+                if ((g & 1) == 0) { /* 8 floats a group: a line every other group */
+                    _mm_prefetch((const char *)(nsc + 8 * g), _MM_HINT_T0);
+                    if (kind == K_Q4) _mm_prefetch((const char *)(nmn + 8 * g), _MM_HINT_T0);
+                }
+            }
+            __m256i W[8];
+            if (kind == K_Q8) {
+                a8_w8(rw, g, W);
+            } else {
+                a8_w4(rw, g, W);
+            }
+            __m256i Wa[8];
+            if (kind == K_Q8)
+                for (int c = 0; c < 8; c++) Wa[c] = _mm256_sign_epi8(W[c], W[c]); /* |w| */
+            const __m256 sv = _mm256_loadu_ps(scT + gi * 8);
+            for (int m = 0; m < mb; m++) {
+                const int8_t *xp = j->xq + (m0 + m) * K + 32 * g;
+                __m256i isum;
+                if (kind == K_Q8) {
+                    __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c += 2) {
+                        __m256i x0 = _mm256_set1_epi32(load_i32(xp + 4 * c));
+                        __m256i x1 = _mm256_set1_epi32(load_i32(xp + 4 * c + 4));
+                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                      Wa[c], _mm256_sign_epi8(x0, W[c])), ones));
+                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                      Wa[c + 1], _mm256_sign_epi8(x1, W[c + 1])), ones));
+                    }
+                    isum = _mm256_add_epi32(i0, i1);
+                } else {
+                    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c += 2) {
+                        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(
+                                                      W[c], _mm256_set1_epi32(load_i32(xp + 4 * c))));
+                        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(
+                                                      W[c + 1], _mm256_set1_epi32(load_i32(xp + 4 * c + 4))));
+                    }
+                    isum = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                }
+                const __m256 d = _mm256_mul_ps(sv, _mm256_set1_ps(j->xd[(m0 + m) * G + g]));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc[m]);
+                if (kind == K_Q4)
+                    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(j->xg[(m0 + m) * G + g]),
+                                             _mm256_loadu_ps(mnT + gi * 8), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[m]);
+        for (int r = 0; r < 8 && n0 + r < n1; r++) j->y[(m0 + m) * N + n0 + r] = out[r];
+    }
+}
+#endif
+
+#define A8_FN(KIND, MB)                                                                     \
+    static void a8_##KIND##_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {     \
+        a8_tile(KIND, MB, j, n0, n1, m0);                                                   \
+    }
+#define A8_ALL(KIND) A8_FN(KIND, 1) A8_FN(KIND, 2) A8_FN(KIND, 3) A8_FN(KIND, 4) A8_FN(KIND, 5) \
+    A8_FN(KIND, 6) A8_FN(KIND, 7) A8_FN(KIND, 8)
+A8_ALL(2)
+A8_ALL(3)
+typedef void (*a8_fn)(const job_t *, int64_t, int64_t, int64_t);
+#define A8_ROW(KIND) {a8_##KIND##_1, a8_##KIND##_2, a8_##KIND##_3, a8_##KIND##_4, a8_##KIND##_5, \
+                      a8_##KIND##_6, a8_##KIND##_7, a8_##KIND##_8}
+static const a8_fn A8_TABLE[2][MBMAX] = {A8_ROW(2), A8_ROW(3)};
+
+/* Output rows n0..n1 of an int8-activation job: tiles of A8_LANES W rows x a8_cfg x rows. */
+static void a8_range(const job_t *j, int64_t n0, int64_t n1) {
+    const int kind = j->kind;
+    const int64_t M = j->M;
+    const int mbt = a8_cfg[kind - K_Q8][M == 1 ? 0 : (M <= 4 ? 1 : 2)];
+    for (int64_t n = n0; n < n1; n += A8_LANES)
+        for (int64_t m = 0; m < M;) {
+            const int mb = M - m >= mbt ? mbt : (int)(M - m);
+            A8_TABLE[kind - K_Q8][mb - 1](j, n, n1 - n < A8_LANES ? n1 : n + A8_LANES, m);
+            m += mb;
+        }
+}
 
 /* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
  * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
@@ -762,17 +1012,13 @@ static const qa_fn QA_TABLE[2][3][MBMAX] = {TABLE(qa_, 2), TABLE(qa_, 3)};
  * (llama.cpp's order of access).  For 5+ x rows two weight rows share the x loads (f32, M = 8:
  * 36 ms per 30 SmolLM2 layers against 45-50 with one); the one-row-at-a-time q8 x int8 tile
  * streamed 25.5 GB/s against 19 for two rows. */
-static int tile_cfg[6][3][2] = {
+static int tile_cfg[4][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {2, 3}},
     /* f16 */ {{1, 1}, {1, 4}, {2, 3}},
     /* q8  */ {{4, 1}, {1, 8}, {1, 8}},
     /* q4  */ {{4, 1}, {1, 8}, {1, 8}},
-    /* q8 with int8 activations */ {{1, 1}, {2, 2}, {2, 2}},
-    /* q4 with int8 activations */ {{4, 1}, {1, 8}, {1, 8}},
 };
-/* tile_cfg row of a job: kinds 4 / 5 are q8 / q4 with int8 activations */
-static int tile_kind(const job_t *j) { return j->xq != NULL ? j->kind + 2 : j->kind; }
 static int tile_rows(int64_t M) { return M == 1 ? 0 : (M <= 4 ? 1 : 2); }
 static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]; }
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
@@ -784,22 +1030,19 @@ static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]
  * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
  * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
  * memory-level parallelism); f16 one, its conversion shared by all x rows. */
-static int ztile_cfg[6][3][2] = {
+static int ztile_cfg[4][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {4, 2}, {4, 2}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
     /* q8 */ {{1, 1}, {1, 4}, {2, 8}},
     /* q4 */ {{1, 1}, {4, 4}, {2, 8}},
-    /* q8 with int8 activations */ {{1, 1}, {2, 4}, {2, 8}},
-    /* q4 with int8 activations */ {{1, 1}, {4, 4}, {4, 8}},
 };
-static int ztile_kind(int tk) { return tk >= 0 && tk <= 5; }
 
-static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
+static void zrun_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, r = tile_rows(M);
-    const int nbt = ztile_cfg[tk][r][0], mbt = ztile_cfg[tk][r][1];
-    const int mpt = (mbt + 1) / 2; /* int8 activations: x rows in pairs */
+    const int nbt = ztile_cfg[kind][r][0], mbt = ztile_cfg[kind][r][1];
+    const int mpt = (mbt + 1) / 2; /* x rows in pairs */
     for (int64_t n = n0; n < n1;) {
         int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
         int nbi = nb == 4 ? 2 : nb - 1;
@@ -813,18 +1056,6 @@ static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
                     rows, j->x2 + p * 2 * K, kind == K_Q4 ? j->xs2 + p * G * 16 : NULL,
                     (const char *)j->w + n * rowlen, j->scales + n * G, mn,
                     j->y + 2 * p * N + n, K, N);
-                p += mp;
-            }
-        } else if (j->xq2 != NULL) {
-            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
-            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
-            for (int64_t p = 0; 2 * p < M;) {
-                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
-                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
-                QZ_TABLE[kind - 2][nbi][mp - 1](
-                    rows, j->xq2 + p * G * 64, j->dx2 + p * G * 2,
-                    kind == K_Q4 ? j->xs2 + p * G * 16 : NULL, (const char *)j->w + n * rowlen,
-                    j->scales + n * G, mn, j->y + 2 * p * N + n, K, N);
                 p += mp;
             }
         } else {
@@ -843,14 +1074,18 @@ static void zrun_range(const job_t *j, int64_t n0, int64_t n1, int tk) {
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
-    const int kind = j->kind, tk = tile_kind(j);
+    const int kind = j->kind;
+    if (j->xq != NULL) {
+        a8_range(j, n0, n1);
+        return;
+    }
 #ifdef EXITLM_ZMM
-    if (kind <= K_F16 || (M > 1 && (j->xq != NULL ? j->xq2 != NULL : j->x2 != NULL))) {
-        zrun_range(j, n0, n1, tk);
+    if (kind <= K_F16 || (M > 1 && j->x2 != NULL)) {
+        zrun_range(j, n0, n1);
         return;
     }
 #endif
-    const int nbt = tile_nb(tk, M), mbt = tile_mb(tk, M);
+    const int nbt = tile_nb(kind, M), mbt = tile_mb(kind, M);
     int64_t n = n0;
     while (n < n1) {
         int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
@@ -859,14 +1094,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
             int mb = M - m >= mbt ? mbt : (int)(M - m);
             float *y = j->y + m * N + n;
             const float *x = j->x + m * K;
-            if (j->xq != NULL) {
-                int64_t rowlen = kind == K_Q8 ? K : K / 2;
-                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
-                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
-                QA_TABLE[kind - 2][nbi][mb - 1](j->xq + m * K, j->xd + m * G, xs,
-                                                (const char *)j->w + n * rowlen,
-                                                j->scales + n * G, mn, y, K, N);
-            } else if (kind == K_F32 || kind == K_F16) {
+            if (kind == K_F32 || kind == K_F16) {
                 int64_t esz = kind == K_F32 ? 4 : 2;
                 DENSE_TABLE[kind][nbi][mb - 1](x, (const char *)j->w + n * K * esz, y, K, N);
             } else {
@@ -982,7 +1210,7 @@ static void run_job(const job_t *j, int nthreads) {
     int have = pool_ensure(parts - 1);
     if (parts > have + 1) parts = have + 1;
     int64_t chunk = (j->N + parts - 1) / parts;
-    chunk = (chunk + 3) & ~(int64_t)3;
+    chunk = (chunk + 15) & ~(int64_t)15; /* whole int8-activation tiles (16 W rows) */
     if (parts <= 1) {
         pthread_mutex_unlock(&call_mu);
         run_range(j, 0, j->N);
@@ -1059,14 +1287,20 @@ int exitlm_pool_workers(void) { return n_workers; }
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
  * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
  * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2;
- * and row 0 of the dense kinds), which take any mb <= 8. */
+ * and row 0 of the dense kinds), which take any mb <= 8.  Int8 activations: nb = 1 (a tile is
+ * A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row). */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
         mb < 1 || mb > MBMAX)
         return -1;
+    if (kind >= 4) {
+        if (nb != 1 || (rows == 0 && mb != 1)) return -1;
+        a8_cfg[kind - 4][rows] = mb;
+        return 0;
+    }
 #ifdef EXITLM_ZMM
-    if ((rows > 0 || kind <= K_F16) && ztile_kind(kind)) {
+    if (rows > 0 || kind <= K_F16) {
         ztile_cfg[kind][rows][0] = nb;
         ztile_cfg[kind][rows][1] = mb;
         return 0;
@@ -1110,59 +1344,46 @@ typedef struct {
     float *xd;  /* (M, K/32) */
     int8_t stack_q[STACK_BYTES_X];
     float stack_d[STACK_FLOATS];
-    void *pairs; /* EXITLM_ZMM, M > 1: job_t's xq2, dx2 and xs2, one allocation; else NULL */
+    void *aux; /* job_t's xg (q4) or xu (q8, EXITLM_ZMM), malloc'd; else NULL */
 } act8_t;
 
 static void act8_free(act8_t *a) {
     if (a->xq != NULL && a->xq != a->stack_q) free(a->xq);
     if (a->xd != NULL && a->xd != a->stack_d) free(a->xd);
-    free(a->pairs);
+    free(a->aux);
 }
 
-/* Round the M rows of x into a; returns 0, or -1 (nothing held) when memory is short. */
-static int act8_init(act8_t *a, const float *x, int64_t M, int64_t K) {
-    size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)(K / 32);
+/* Round the M rows of j's x into a and set j's int8-activation fields (xq, xd; q4: xg, the
+ * group sums hsum8(xs); q8 with EXITLM_ZMM: xu = xq + 128); 0, or -1 (nothing held) when
+ * memory is short. */
+static int act8_init(act8_t *a, job_t *j) {
+    const int64_t M = j->M, K = j->K, G = K / 32;
+    size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)G;
     a->xq = nq <= STACK_BYTES_X ? a->stack_q : (int8_t *)malloc(nq);
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
-    a->pairs = NULL;
-    if (a->xq == NULL || a->xd == NULL) {
+    int xu = 0; /* the q8 tiles of AVX-512 builds take x + 128 as their unsigned operand */
+#ifdef EXITLM_ZMM
+    xu = j->kind == K_Q8;
+#endif
+    a->aux = j->kind == K_Q4 ? malloc(nd * sizeof(float)) : (xu ? malloc(nq) : NULL);
+    if (a->xq == NULL || a->xd == NULL || ((j->kind == K_Q4 || xu) && a->aux == NULL)) {
         act8_free(a);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, a->xq + m * K, a->xd + m * (K / 32));
+    for (int64_t m = 0; m < M; m++) quantize_x(j->x + m * K, K, a->xq + m * K, a->xd + m * G);
+    j->xq = a->xq;
+    j->xd = a->xd;
+    if (j->kind == K_Q4) {
+        float *xg = (float *)a->aux;
+        for (size_t i = 0; i < nd; i++) xg[i] = hsum8_scalar(j->xs + 8 * i);
+        j->xg = xg;
+    } else if (a->aux != NULL) {
+        uint8_t *xu = (uint8_t *)a->aux;
+        for (size_t i = 0; i < nq; i++) xu[i] = (uint8_t)((uint8_t)a->xq[i] ^ 0x80u);
+        j->xu = xu;
+    }
     return 0;
 }
-
-#ifdef EXITLM_ZMM
-/* Fill j's row-pair layouts (job_t.xq2, dx2, xs2) from its int8 activations; 0, or -1 when
- * memory is short (then j runs on the 256-bit tiles). */
-static int act8_pairs(act8_t *a, job_t *j) {
-    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
-    const int q4 = j->kind == K_Q4;
-    const size_t nq = (size_t)P * (size_t)G * 64, nd = (size_t)P * (size_t)G * 2;
-    const size_t nf = q4 ? (size_t)P * (size_t)G * 16 : 0;
-    char *buf = (char *)malloc(nq + (nd + nf) * sizeof(float));
-    if (buf == NULL) return -1;
-    a->pairs = buf;
-    int8_t *xq2 = (int8_t *)buf;
-    float *dx2 = (float *)(buf + nq), *xs2 = q4 ? dx2 + nd : NULL;
-    const int8_t flip = j->kind == K_Q8 ? (int8_t)-128 : 0; /* q8: xq + 128 as a byte */
-    for (int64_t m = 0; m < 2 * P; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t p = m / 2, h = m % 2, at = p * G + g;
-            for (int e = 0; e < 32; e++)
-                xq2[at * 64 + h * 32 + e] = m < M ? (int8_t)(a->xq[m * K + 32 * g + e] ^ flip) : 0;
-            dx2[at * 2 + h] = m < M ? a->xd[m * G + g] : 0.0f;
-            if (q4)
-                for (int l = 0; l < 8; l++)
-                    xs2[at * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
-        }
-    j->xq2 = xq2;
-    j->dx2 = dx2;
-    j->xs2 = xs2;
-    return 0;
-}
-#endif
 
 #ifdef EXITLM_ZMM
 /* x's rows in pairs for the float32-activation tiles of q8 / q4 (job_t.x2, xs2), set in j;
@@ -1203,12 +1424,7 @@ static int run_grouped(job_t *j, int nthreads, int act8) {
         return 0;
     }
     act8_t a;
-    if (act8_init(&a, j->x, j->M, j->K) != 0) return -1;
-    j->xq = a.xq;
-    j->xd = a.xd;
-#ifdef EXITLM_ZMM
-    if (j->M > 1) (void)act8_pairs(&a, j);
-#endif
+    if (act8_init(&a, j) != 0) return -1;
     run_job(j, nthreads);
     act8_free(&a);
     return 0;
