@@ -87,9 +87,13 @@
 #endif
 /* AVX-512 builds run one-row dense products through the 512-bit tiles (dense_ztile) and
  * prefetch PF_Z_F32_BYTES / PF_Z_F16_BYTES ahead along each weight row there (0 = none); the
- * Zen-tuned 256-bit kernels above keep PF_DENSE_BYTES. */
+ * Zen-tuned 256-bit kernels above keep PF_DENSE_BYTES.  fp32 also prefetches PF_Z_F32_FAR_BYTES
+ * ahead into L2 only (_MM_HINT_T1; 0 = none), so that the L1 prefetch finds its lines there. */
 #ifndef PF_Z_F32_BYTES
 #define PF_Z_F32_BYTES 4096
+#endif
+#ifndef PF_Z_F32_FAR_BYTES
+#define PF_Z_F32_FAR_BYTES 16384
 #endif
 #ifndef PF_Z_F16_BYTES
 #define PF_Z_F16_BYTES 4096
@@ -434,6 +438,15 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
  * streaming from memory) 4096 bytes made the one-row fp32 products ~1.35x and fp16 ~1.5x
  * faster than the 256-bit kernels, 1024-16384 about the same, none slower for fp16 (the
  * hardware prefetcher alone falls behind); docs/measurements/dense_prefetch_2026-11-26.md.
+ * fp32 also prefetches PF_Z_F32_FAR_BYTES = 16384 ahead into L2 (_MM_HINT_T1): on that VM core
+ * (ctypes, both builds in one process, alternating, 21 passes of one SmolLM2 "token" = 30 x
+ * (qkv, o, gate_up, down) + head, 538 MB distinct weights) one-row products took 0.82-0.84x
+ * the time (median ms; best-of 0.84-0.94x) in three runs with the other core busy (48-50 ms
+ * before), 0.94x (best-of 0.92-0.94x) in three with it quieter (36 ms before); M = 2 / 4 / 8
+ * rows 0.92 / 0.85 / 0.90x (also with CMakeLists.txt's avx512 flags; the same bits).  Far
+ * distances 8192-65536, hint T2, near 1024-2048, two W rows per tile or the row loop unrolled:
+ * the same within noise; one far line per 128 bytes: 0.89-1.03x; one T0 level at 2048-16384:
+ * 0.98-0.99x; T1 alone at 4096: 0.89-0.99x; _MM_HINT_NTA: 2.6x slower.
  *
  * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
  * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
@@ -478,9 +491,13 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
             _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
                 /* one 32-float block: two cache lines of f32, one of f16 */
                 if (kind == K_F32) {
-                    const char *p = (const char *)((const float *)w + i * K + k) + PF_Z_F32_BYTES;
-                    _mm_prefetch(p, _MM_HINT_T0);
-                    _mm_prefetch(p + 64, _MM_HINT_T0);
+                    const char *p = (const char *)((const float *)w + i * K + k);
+                    _mm_prefetch(p + PF_Z_F32_BYTES, _MM_HINT_T0);
+                    _mm_prefetch(p + PF_Z_F32_BYTES + 64, _MM_HINT_T0);
+                    if (PF_Z_F32_FAR_BYTES > 0) {
+                        _mm_prefetch(p + PF_Z_F32_FAR_BYTES, _MM_HINT_T1);
+                        _mm_prefetch(p + PF_Z_F32_FAR_BYTES + 64, _MM_HINT_T1);
+                    }
                 } else {
                     _mm_prefetch((const char *)((const uint16_t *)w + i * K + k) + PF_Z_F16_BYTES,
                                  _MM_HINT_T0);
