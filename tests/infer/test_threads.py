@@ -3,8 +3,10 @@ they are faster, goes back when the machine gets busy, and backs off from losing
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from _native import needs_native
 from exitlm.infer.threads import MAX_INTERVAL, ThreadPolicy
 
 
@@ -78,3 +80,27 @@ def test_a_busy_start_is_corrected() -> None:
     used = _run(policy, clock, {1: 1.0, 2: 5.0}, 100)
     assert used[0] == 2 and used[-1] == 1
     assert sum(n == 2 for n in used) <= 12
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_sequence_steps_run_the_native_kernels_on_the_threads(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-sequence decoding step on the native runner hands ``--threads`` to the native
+    kernels, for fp16 as for fp32 (fp16 steps gave them to torch and ran the kernels on one
+    thread: no faster on two cores than on one)."""
+    from _tiny import tiny_text_model
+    from exitlm.infer import generate
+    from exitlm.runtime import native as native_runner
+
+    seen: list[int] = []
+    real = native_runner._threads
+
+    def spy() -> int:
+        seen.append(real())
+        return seen[-1]
+
+    monkeypatch.setattr(native_runner, "_threads", spy)
+    generate(tiny_text_model().to(dtype), None, [5, 6, 7], max_new_tokens=6, ignore_eos=True,
+             threads=2)
+    assert seen and seen[-1] == 2, seen

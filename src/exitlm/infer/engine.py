@@ -170,7 +170,9 @@ class Engine:
         """Seconds the decoder spent starting helpers during prefills (PPD's branch worker
         process), not counted in ``prefill_s``."""
         ref = model.embed_tokens.weight
-        self._gemv = gemv_bound(ref.dtype, ref.device)
+        # one sequence's products on the backend's threads: numpy's OpenBLAS (fp32) or the
+        # native runner's kernels (every dtype it decodes; fp16 got one thread before)
+        self._gemv = gemv_bound(ref.dtype, ref.device) or self.runner.kind == "native"
         self.threads = ThreadPolicy(threads)
 
     # ----- the public interface -----------------------------------------------------------------
@@ -395,8 +397,9 @@ class Engine:
         assert cache is not None
         longest = int(cache.lengths[:n].max())
         self.pool.ensure(n, longest + max(self.decoder.lookahead(r.seq) for r in self.running))
-        # one sequence: its one-row products are numpy GEMVs (threads to OpenBLAS); several:
-        # few-row products through oneDNN (threads to torch) - measured best for each
+        # one sequence: its one-row products run on the backend's threads (OpenBLAS' GEMVs or
+        # the native kernels); several: few-row products through oneDNN (threads to torch) -
+        # measured best for each
         kind = "gemv" if self._gemv and n == 1 else "torch"
         with self.threads.step(kind, key=(kind, n)) as rec:
             emits = self.decoder.step(self.pool.batch(0, n, [r.seq for r in self.running]))

@@ -13,8 +13,9 @@ step when that step is clearly slower, so a busy machine pays little for the pro
 that wins keeps re-checking, so a machine that becomes busy is noticed. ``--threads N`` fixes
 the count instead.
 
-Every step has a *kind*: ``gemv`` steps (one fp32 sequence on CPU: its products are numpy
-GEMVs) give the threads to OpenBLAS and leave torch one; ``torch`` steps (batches: few-row
+Every step has a *kind*: ``gemv`` steps (one sequence on CPU: its products are numpy GEMVs
+for fp32, or the native runner's kernels for every dtype that runner decodes) give the threads
+to those products and leave torch one; ``torch`` steps (batches: few-row
 products through oneDNN) give them to torch (:func:`~exitlm.kernels.blas.thread_split`).
 """
 
