@@ -74,29 +74,29 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
-/* Software prefetch distance along each weight row, bytes (0 = none).  Measured on the AVX2
- * EPYC (Zen 1) this was tuned on, one x row, weights streaming from DRAM: 2048 bytes ahead makes
- * q8 ~40% and q4 ~9% faster (their loops are busy converting, so the hardware prefetcher falls
- * behind; 512/1024 gain less, 4096 the same), 8 rows unchanged; for f32 1024 ahead was ~10%
- * slower and f16 unchanged, so the dense kernels do not prefetch. */
-#ifndef PF_DENSE_BYTES
-#define PF_DENSE_BYTES 0
-#endif
+/* Software prefetch distance along each grouped (q8 / q4) weight row, bytes (0 = none).  Measured
+ * on the AVX2 EPYC (Zen 1) this was tuned on, one x row, weights streaming from DRAM: 2048 bytes
+ * ahead makes q8 ~40% and q4 ~9% faster (their loops are busy converting, so the hardware
+ * prefetcher falls behind; 512/1024 gain less, 4096 the same), 8 rows unchanged. */
 #ifndef PF_Q_BYTES
 #define PF_Q_BYTES 2048
 #endif
-/* AVX-512 builds run one-row dense products through the 512-bit tiles (dense_ztile) and
- * prefetch PF_Z_F32_BYTES / PF_Z_F16_BYTES ahead along each weight row there (0 = none); the
- * Zen-tuned 256-bit kernels above keep PF_DENSE_BYTES.  fp32 also prefetches PF_Z_F32_FAR_BYTES
- * ahead into L2 only (_MM_HINT_T1; 0 = none), so that the L1 prefetch finds its lines there. */
-#ifndef PF_Z_F32_BYTES
-#define PF_Z_F32_BYTES 4096
+/* Dense (f32 / f16) weight rows are prefetched PF_DENSE_BYTES ahead into L1 (_MM_HINT_T0) and
+ * PF_DENSE_FAR_BYTES ahead into L2 only (_MM_HINT_T1), so that the L1 prefetch finds its lines
+ * there (0 = none): always in the 512-bit tiles, and in the 256-bit ones on Intel CPUs only
+ * (dense_pf).  Measured on a Sapphire Rapids VM core (one thread, SmolLM2's products, weights
+ * streaming from memory; docs/measurements/dense_prefetch_2026-11-26.md and
+ * prefetch_multirow_2026-11-27.md): the L1 level made one-row fp32 ~1.35x and fp16 ~1.5x faster
+ * than no prefetch, the L2 level took another 6-18% (fp32) and 7-13% (fp16) off; with both the
+ * 256-bit tiles there took 0.75-0.80x (f32) and 0.59-0.63x (f16) the time.  On the Zen 1 EPYC the 256-bit tiles were
+ * tuned on, an L1 prefetch 1024 ahead made f32 ~10% slower and f16 no faster, so AMD CPUs keep
+ * the hardware prefetcher alone there.  Tried on Intel: one level at 2048-16384, T1 alone,
+ * distances 8192-65536 for the far level (the same), _MM_HINT_NTA (2.6x slower). */
+#ifndef PF_DENSE_BYTES
+#define PF_DENSE_BYTES 4096
 #endif
-#ifndef PF_Z_F32_FAR_BYTES
-#define PF_Z_F32_FAR_BYTES 16384
-#endif
-#ifndef PF_Z_F16_BYTES
-#define PF_Z_F16_BYTES 4096
+#ifndef PF_DENSE_FAR_BYTES
+#define PF_DENSE_FAR_BYTES 16384
 #endif
 #define NBMAX 4
 #define MBMAX 8
@@ -337,6 +337,24 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
     return _cvtsh_ss(((const uint16_t *)w)[off]);
 }
 
+/* Prefetch the 32-element block at element off of a dense weight PF_DENSE_BYTES ahead into L1 and
+ * PF_DENSE_FAR_BYTES ahead into L2: two cache lines of f32, one of f16. */
+AI void prefetch_dense(const int kind, const void *w, int64_t off) {
+    const char *p = kind == K_F32 ? (const char *)((const float *)w + off)
+                                  : (const char *)((const uint16_t *)w + off);
+    for (int l = 0; l < (kind == K_F32 ? 2 : 1); l++) {
+        if (PF_DENSE_BYTES > 0) _mm_prefetch(p + PF_DENSE_BYTES + 64 * l, _MM_HINT_T0);
+        if (PF_DENSE_FAR_BYTES > 0) _mm_prefetch(p + PF_DENSE_FAR_BYTES + 64 * l, _MM_HINT_T1);
+    }
+}
+
+/* Whether the 256-bit dense tiles prefetch (Intel CPUs; see PF_DENSE_BYTES), set at load. */
+static int dense_pf = 0;
+__attribute__((constructor)) static void dense_pf_init(void) {
+    __builtin_cpu_init();
+    dense_pf = __builtin_cpu_is("intel");
+}
+
 /* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0.  Each pair keeps
  * four accumulators, chunk c of K going to accumulator c % 4 (see the header). */
 AI void dense_tile(const int kind, const int nb, const int mb, const float *x, const void *w,
@@ -347,7 +365,10 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
             for (int c = 0; c < 4; c++) acc[i][j][c] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
     int64_t k = 0;
-    for (; k + 32 <= K8; k += 32)
+    const int pf = dense_pf;
+    for (; k + 32 <= K8; k += 32) {
+        if (pf)
+            for (int i = 0; i < nb; i++) prefetch_dense(kind, w, i * K + k);
         for (int c = 0; c < 4; c++)
             for (int i = 0; i < nb; i++) {
                 __m256 wv = load_w(kind, w, i * K + k + 8 * c);
@@ -355,6 +376,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
                     acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * K + k + 8 * c),
                                                    acc[i][j][c]);
             }
+    }
     for (int c = 0; k < K8; k += 8, c++)
         for (int i = 0; i < nb; i++) {
             __m256 wv = load_w(kind, w, i * K + k);
@@ -433,20 +455,7 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
  *
  * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI, and dense products of one x row:
  * the same operations per pair as above, in wider registers, with each weight vector loaded (and
- * converted) once per tile.  The dense tiles prefetch PF_Z_F32_BYTES / PF_Z_F16_BYTES ahead
- * along each weight row: on a Sapphire Rapids VM core (one thread, SmolLM2's products, weights
- * streaming from memory) 4096 bytes made the one-row fp32 products ~1.35x and fp16 ~1.5x
- * faster than the 256-bit kernels, 1024-16384 about the same, none slower for fp16 (the
- * hardware prefetcher alone falls behind); docs/measurements/dense_prefetch_2026-11-26.md.
- * fp32 also prefetches PF_Z_F32_FAR_BYTES = 16384 ahead into L2 (_MM_HINT_T1): on that VM core
- * (ctypes, both builds in one process, alternating, 21 passes of one SmolLM2 "token" = 30 x
- * (qkv, o, gate_up, down) + head, 538 MB distinct weights) one-row products took 0.82-0.84x
- * the time (median ms; best-of 0.84-0.94x) in three runs with the other core busy (48-50 ms
- * before), 0.94x (best-of 0.92-0.94x) in three with it quieter (36 ms before); M = 2 / 4 / 8
- * rows 0.92 / 0.85 / 0.90x (also with CMakeLists.txt's avx512 flags; the same bits).  Far
- * distances 8192-65536, hint T2, near 1024-2048, two W rows per tile or the row loop unrolled:
- * the same within noise; one far line per 128 bytes: 0.89-1.03x; one T0 level at 2048-16384:
- * 0.98-0.99x; T1 alone at 4096: 0.89-0.99x; _MM_HINT_NTA: 2.6x slower.
+ * converted) once per tile.  The dense tiles prefetch their weight rows (prefetch_dense).
  *
  * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
  * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
@@ -487,22 +496,7 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
     int64_t k = 0;
     for (; k + 32 <= K8; k += 32) {
         __m512 w01[NBMAX], w23[NBMAX];
-        if ((kind == K_F32 ? PF_Z_F32_BYTES : PF_Z_F16_BYTES) > 0)
-            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
-                /* one 32-float block: two cache lines of f32, one of f16 */
-                if (kind == K_F32) {
-                    const char *p = (const char *)((const float *)w + i * K + k);
-                    _mm_prefetch(p + PF_Z_F32_BYTES, _MM_HINT_T0);
-                    _mm_prefetch(p + PF_Z_F32_BYTES + 64, _MM_HINT_T0);
-                    if (PF_Z_F32_FAR_BYTES > 0) {
-                        _mm_prefetch(p + PF_Z_F32_FAR_BYTES, _MM_HINT_T1);
-                        _mm_prefetch(p + PF_Z_F32_FAR_BYTES + 64, _MM_HINT_T1);
-                    }
-                } else {
-                    _mm_prefetch((const char *)((const uint16_t *)w + i * K + k) + PF_Z_F16_BYTES,
-                                 _MM_HINT_T0);
-                }
-            }
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) prefetch_dense(kind, w, i * K + k);
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
             w01[i] = load_wz(kind, w, i * K + k);
             w23[i] = load_wz(kind, w, i * K + k + 16);
