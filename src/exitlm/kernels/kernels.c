@@ -1035,15 +1035,17 @@ static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]
 static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
 #ifdef EXITLM_ZMM
-/* The 512-bit tiles of M > 1 (every kind) and of dense M == 1: nb W rows in {1, 2, 4} x mb <= 8
- * x rows (q8, q4: x rows in pairs, mb rounded up to even), per tile_rows (row 0, M == 1: dense
- * kinds only, nb 1, 2 and 4 measured the same; the grouped kinds run the 256-bit tiles).  Measured with benchmarks/gemv_kernels.py
- * style runs on SmolLM2's shapes, weights streaming from DRAM, on a Sapphire Rapids core
- * (docs/measurements/multirow_2026-11-26.md): f32 streams four weight rows at once (more
- * memory-level parallelism); f16 one, its conversion shared by all x rows. */
+/* The 512-bit tiles of M > 1 (q8 / q4 with fp32 activations, dense kinds) and of dense M == 1:
+ * nb W rows in {1, 2, 4} x mb <= 8 x rows (q8, q4: x rows in pairs, mb rounded up to even), per
+ * tile_rows (row 0, M == 1: dense kinds only, nb 1, 2 and 4 measured the same; the grouped
+ * kinds run the 256-bit tiles).  Measured on SmolLM2's shapes, weights streaming from DRAM, on a
+ * Sapphire Rapids core (docs/measurements/multirow_2026-11-26.md, cpu_kernels_2026-11-27.md):
+ * since the dense rows are prefetched (prefetch_dense), f32 too streams one weight row at a
+ * time for all its x rows (4 rows: 1.06-1.14x one row against 1.08-1.35 for nb 4 x mb 2; 8
+ * rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its conversion shared by all x rows. */
 static int ztile_cfg[4][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
-    /* f32 */ {{1, 1}, {4, 2}, {4, 2}},
+    /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
     /* q8 */ {{1, 1}, {1, 4}, {2, 8}},
     /* q4 */ {{1, 1}, {4, 4}, {2, 8}},

@@ -1,0 +1,197 @@
+"""Two or more builds of exitlm's C kernels against each other, in one process, alternating.
+
+For kernel work: build the library from two source trees (or with two sets of flags), load
+both with ctypes and time the same products on the same weights, the builds taking turns (the
+order reversed every other pass), so that a shared machine's load hits them alike. The first
+build is the baseline of every ratio, and every build's outputs are compared bit for bit with
+it (a kernel change must not move a bit).
+
+Two measurements, one thread, SmolLM2-135M's shapes, weights cycled through >= 96 MB of
+distinct copies (or a whole model's worth) so they stream from memory as in decoding:
+
+* ``decode``: one "token" - 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) +
+  the head 49152x576, distinct weights, one x row: milliseconds per pass (median, best).
+* ``rows``: per shape, M = 1, 2, 4, 8 x rows: microseconds per product and the rows x cost
+  ``time(M) / time(1)`` of each build.
+
+    cc -O3 -march=native -ffp-contract=off -fPIC -shared -std=c11 -pthread \\
+        -I src/exitlm/kernels -o /tmp/new.so src/exitlm/kernels/{kernels,block,reduce,channel}.c -lm
+    python benchmarks/kernel_ab.py --libs old=/tmp/old.so,new=/tmp/new.so --kinds f32,q4a8 \\
+        [--passes 9] [--rows 1,2,4,8] [--no-decode] [--no-rows]
+
+Prints JSON on stdout (progress on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from _bench import note, one_line_errors
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "head": (49152, 576)}
+KINDS = ("f32", "f16", "q8", "q4", "q8a8", "q4a8")
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def _weight(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """The arrays after x of ``exitlm_gemm_<kind>`` for an (n, k) weight."""
+    if kind == "f32":
+        return (rng.standard_normal((n, k), dtype=np.float32),)
+    if kind == "f16":
+        return (rng.standard_normal((n, k), dtype=np.float32).astype(np.float16),)
+    g = k // 32
+    scales = rng.random((n, g), dtype=np.float32) * 0.01
+    if kind in ("q8", "q8a8"):
+        return rng.integers(-127, 128, (n, k), dtype=np.int8), scales
+    return (rng.integers(0, 256, (n, k // 2), dtype=np.uint8), scales,
+            rng.random((n, g), dtype=np.float32) * 0.01)
+
+
+def _nbytes(arrays: tuple[np.ndarray, ...]) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def _call(lib: ctypes.CDLL, kind: str, x: np.ndarray, w: tuple[np.ndarray, ...],
+          y: np.ndarray) -> None:
+    m, k = x.shape
+    n = w[0].shape[0]
+    fn = getattr(lib, f"exitlm_gemm_{kind}")
+    rc = fn(x.ctypes.data_as(_P), *(a.ctypes.data_as(_P) for a in w), y.ctypes.data_as(_P),
+            _I64(m), _I64(n), _I64(k), 1)
+    if rc != 0:
+        raise RuntimeError(f"exitlm_gemm_{kind} returned {rc}")
+
+
+def _orders(names: list[str], passes: int) -> list[list[str]]:
+    return [names if p % 2 == 0 else names[::-1] for p in range(passes)]
+
+
+def decode_pass(libs: dict[str, ctypes.CDLL], kind: str, passes: int,
+                rng: np.random.Generator) -> dict[str, Any]:
+    """One-row products over a model's worth of distinct weights, per build."""
+    layer = ("qkv", "o", "gate_up", "down")
+    shapes = [SHAPES[s] for s in layer] * 30 + [SHAPES["head"]]
+    weights = [_weight(kind, n, k, rng) for n, k in shapes]
+    xs = {k: rng.standard_normal((1, k), dtype=np.float32) for k in (576, 1536)}
+    outs = [np.empty((1, n), np.float32) for n, _ in shapes]
+    times: dict[str, list[float]] = {n: [] for n in libs}
+    first: dict[str, list[np.ndarray]] = {}
+    for order in _orders(list(libs), passes):
+        for name in order:
+            t0 = time.perf_counter()
+            for (_, k), w, y in zip(shapes, weights, outs, strict=True):
+                _call(libs[name], kind, xs[k], w, y)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            first.setdefault(name, [y.copy() for y in outs])
+    base = next(iter(libs))
+    res: dict[str, Any] = {"bytes": sum(_nbytes(w) for w in weights)}
+    for name, t in times.items():
+        res[name] = {
+            "ms_median": round(statistics.median(t), 2), "ms_best": round(min(t), 2),
+            "vs_first_median": round(statistics.median(t) / statistics.median(times[base]), 3),
+            "vs_first_best": round(min(t) / min(times[base]), 3),
+            "same_bits": all(np.array_equal(a, b) for a, b in zip(first[name], first[base],
+                                                                     strict=True)),
+        }
+    return res
+
+
+def rows_pass(libs: dict[str, ctypes.CDLL], kind: str, shape: str, rows: list[int],
+              passes: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Microseconds per product and rows x cost for M in ``rows``, per build."""
+    n, k = SHAPES[shape]
+    one = _weight(kind, n, k, rng)
+    copies = max(2, (96 << 20) // _nbytes(one))
+    weights = [one] + [_weight(kind, n, k, rng) for _ in range(copies - 1)]
+    xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in rows}
+    us: dict[str, dict[int, list[float]]] = {name: {m: [] for m in rows} for name in libs}
+    outs: dict[str, dict[int, np.ndarray]] = {name: {} for name in libs}
+    for order in _orders(list(libs), passes):
+        for name in order:
+            for m in rows:
+                y = np.empty((m, n), np.float32)
+                t0 = time.perf_counter()
+                for w in weights:
+                    _call(libs[name], kind, xs[m], w, y)
+                us[name][m].append((time.perf_counter() - t0) / len(weights) * 1e6)
+                outs[name].setdefault(m, y.copy())
+    base = next(iter(libs))
+    res: dict[str, Any] = {}
+    for name in libs:
+        med = {m: statistics.median(us[name][m]) for m in rows}
+        res[name] = {
+            "us_median": {m: round(med[m], 1) for m in rows},
+            "rows_x_cost": {m: round(med[m] / med[rows[0]], 2) for m in rows[1:]},
+            "same_bits": all(np.array_equal(outs[name][m], outs[base][m]) for m in rows),
+        }
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--libs", required=True,
+                    help="comma-separated name=path.so; the first is the baseline")
+    ap.add_argument("--kinds", default="f32,f16,q8a8,q4a8",
+                    help=f"comma-separated subset of {list(KINDS)}")
+    ap.add_argument("--passes", type=int, default=9)
+    ap.add_argument("--rows", default="1,2,4,8", help="row counts of the rows pass, 1 first")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="shapes of the rows pass")
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--no-rows", action="store_true")
+    args = ap.parse_args(argv)
+    pairs = [p.split("=", 1) for p in args.libs.split(",") if p]
+    if not pairs or any(len(p) != 2 for p in pairs):
+        ap.error("--libs: expected name=path.so[,name=path.so...]")
+    kinds = [k for k in args.kinds.split(",") if k]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        ap.error(f"--kinds: unknown {bad}; choose from {list(KINDS)}")
+    rows = [int(r) for r in args.rows.split(",")]
+    if rows[0] != 1:
+        ap.error("--rows must start with 1")
+    shapes = [s for s in args.shapes.split(",") if s]
+    if any(s not in SHAPES for s in shapes):
+        ap.error(f"--shapes: choose from {list(SHAPES)}")
+    libs = {}
+    for name, path in pairs:
+        if not os.path.isfile(path):
+            ap.error(f"--libs: {path}: no such file")
+        libs[name] = ctypes.CDLL(os.path.abspath(path))
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {
+        "libs": dict(pairs), "passes": args.passes, "threads": 1,
+        "machine": platform.machine(), "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+        "numpy": np.__version__, "decode": {}, "rows": {},
+    }
+    for kind in kinds:
+        if not args.no_decode:
+            note(f"{kind}: decode-like pass")
+            out["decode"][kind] = decode_pass(libs, kind, args.passes, rng)
+            note(f"  {json.dumps(out['decode'][kind])}")
+        if not args.no_rows:
+            out["rows"][kind] = {}
+            for shape in shapes:
+                note(f"{kind} {shape}: rows {rows}")
+                out["rows"][kind][shape] = rows_pass(libs, kind, shape, rows, args.passes, rng)
+                note(f"  {json.dumps(out['rows'][kind][shape])}")
+    json.dump(out, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    with one_line_errors("kernel_ab"):
+        sys.exit(main())
