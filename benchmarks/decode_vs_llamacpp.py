@@ -71,12 +71,12 @@ class Precision:
     target: float | None  # exitlm / llama.cpp decode ratio to reach
 
 
-PRECISIONS = {
-    "fp32": Precision("f32", torch.float32, 0.9),
-    "fp16": Precision("f16", torch.float16, 0.9),
-    "int8": Precision("q8_0", "int8", 0.8),
-    "q4_0": Precision("q4_0", "int4", None),
-    "q4_1": Precision("q4_1", "int4", None),
+PRECISIONS = {  # the target of every precision: at least llama.cpp's speed (issue 34)
+    "fp32": Precision("f32", torch.float32, 1.0),
+    "fp16": Precision("f16", torch.float16, 1.0),
+    "int8": Precision("q8_0", "int8", 1.0),
+    "q4_0": Precision("q4_0", "int4", 1.0),
+    "q4_1": Precision("q4_1", "int4", 1.0),
 }
 # llama.cpp ftype constant names (llama_cpp.LLAMA_FTYPE_*) of the quantized files
 QUANTIZED = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0",
