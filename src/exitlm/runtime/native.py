@@ -138,8 +138,9 @@ class NativeRunner(Runner):
         nb = self.blocks[layer]
         if nb is None:
             return False
-        block = self.model.layers[layer]
-        if block._forward_hooks or block._forward_pre_hooks:
+        # the module dict directly: ModuleList.__getitem__ costs more than the checks below
+        block = self.model.layers._modules.get(str(layer))
+        if block is None or block._forward_hooks or block._forward_pre_hooks:
             return False
         if not nb.serves(block, cache, layer):
             if not nb.moved():
@@ -153,8 +154,10 @@ class NativeRunner(Runner):
                       ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The native calls of layers ``[0, end)`` and their cache rows, or None unless every
         one serves ``cache``."""
-        if not all(self._serves(i, cache) for i in range(end)):
-            return None
+        serves = self._serves
+        for i in range(end):
+            if not serves(i, cache):
+                return None
         return ([self.blocks[i] for i in range(end)],  # type: ignore[misc]
                 [(cache.keys[i][0], cache.values[i][0]) for i in range(end)])
 
