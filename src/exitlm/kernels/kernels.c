@@ -674,7 +674,9 @@ static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
 #endif
 #define A8_GB 64 /* groups per block of transposed scales */
 
-/* x rows per tile (1..8) per tile_rows(M), for q8 and q4: A8_LANES W rows x mb x rows. */
+/* x rows per tile (1..8) per tile_rows(M), for q8 and q4: A8_LANES W rows x mb x rows (8 x rows
+ * per tile measured faster than 4 for M = 8 on AVX2 as on AVX-512: the weights' transposition is
+ * shared by more rows). */
 static int a8_cfg[2][3] = {{1, 4, 8}, {1, 4, 8}};
 
 #ifdef EXITLM_ZMM
@@ -1015,14 +1017,14 @@ static void a8_range(const job_t *j, int64_t n0, int64_t n1) {
         }
 }
 
-/* Tile shape (W rows nb x x rows mb) per kind, for M == 1 and for M > 1.  Speed only: the
+/* 256-bit tile shape (W rows nb x x rows mb) of the dense kinds and of q8 / q4 with fp32
+ * activations (int8 activations: a8_cfg), for M == 1 and for M > 1.  Speed only: the
  * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
  * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC).  Dense kinds read one
  * weight row at a time: on that Zen 1 core a one-row fp32 product streamed ~27 GB/s with four
  * rows interleaved (one accumulator each) and ~39 GB/s row after row with four accumulators
  * (llama.cpp's order of access).  For 5+ x rows two weight rows share the x loads (f32, M = 8:
- * 36 ms per 30 SmolLM2 layers against 45-50 with one); the one-row-at-a-time q8 x int8 tile
- * streamed 25.5 GB/s against 19 for two rows. */
+ * 36 ms per 30 SmolLM2 layers against 45-50 with one). */
 static int tile_cfg[4][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {2, 3}},
