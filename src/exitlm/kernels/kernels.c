@@ -706,23 +706,31 @@ AI void a8_transpose(const float *const sr[16], int64_t g0, int gb, float *t) {
     }
 }
 #else
-/* t[g * 8 + r] = sr[r][g0 + g] for g < 8: an 8 x 8 float transpose in registers. */
+/* In-lane 4 x 4 transposition of dwords: R[k] holds, in each 128-bit half h, four dwords
+ * d0..d3 of row k + 4h; T[c] gets dword c of rows 4h..4h+3 in half h: of rows 0..7 in order.
+ * (No lane-crossing permutes: Zen 1 runs those as 8 micro-ops.) */
+AI void t4x4_epi32(const __m256i R[4], __m256i T[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(R[0], R[1]), t1 = _mm256_unpackhi_epi32(R[0], R[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(R[2], R[3]), t3 = _mm256_unpackhi_epi32(R[2], R[3]);
+    T[0] = _mm256_unpacklo_epi64(t0, t2);
+    T[1] = _mm256_unpackhi_epi64(t0, t2);
+    T[2] = _mm256_unpacklo_epi64(t1, t3);
+    T[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* 16 bytes at a (lower half) and 16 at b (upper half). */
+AI __m256i load_halves(const void *a, const void *b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* t[g * 8 + r] = sr[r][g0 + g] for g < 8: two in-lane 4 x 4 transpositions per 4 groups. */
 AI void a8_transpose(const float *const sr[8], int64_t g0, float *t) {
-    __m256 a[8], u[8];
-    for (int r = 0; r < 8; r += 2) {
-        const __m256 x0 = _mm256_loadu_ps(sr[r] + g0), x1 = _mm256_loadu_ps(sr[r + 1] + g0);
-        a[r] = _mm256_unpacklo_ps(x0, x1);
-        a[r + 1] = _mm256_unpackhi_ps(x0, x1);
-    }
-    for (int q = 0; q < 2; q++) { /* u[4q + e] half H: rows 4q..4q+3, element 4H + e */
-        u[4 * q] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0x44);
-        u[4 * q + 1] = _mm256_shuffle_ps(a[4 * q], a[4 * q + 2], 0xEE);
-        u[4 * q + 2] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0x44);
-        u[4 * q + 3] = _mm256_shuffle_ps(a[4 * q + 1], a[4 * q + 3], 0xEE);
-    }
-    for (int e = 0; e < 4; e++) {
-        _mm256_storeu_ps(t + 8 * e, _mm256_permute2f128_ps(u[e], u[4 + e], 0x20));
-        _mm256_storeu_ps(t + 8 * (4 + e), _mm256_permute2f128_ps(u[e], u[4 + e], 0x31));
+    for (int q = 0; q < 8; q += 4) {
+        __m256i R[4], T[4];
+        for (int k = 0; k < 4; k++) R[k] = load_halves(sr[k] + g0 + q, sr[k + 4] + g0 + q);
+        t4x4_epi32(R, T);
+        for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(t + (q + c) * 8), T[c]);
     }
 }
 #endif
@@ -866,15 +874,9 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
 #else
 /* Group g of 8 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r. */
 AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
-    __m256i R[4];
-    for (int k = 0; k < 4; k++) /* 128-bit halves: rows k, k + 4 */
-        R[k] = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rw[k] + 16 * g))),
-            _mm_loadu_si128((const __m128i *)(rw[k + 4] + 16 * g)), 1);
-    const __m256i t0 = _mm256_unpacklo_epi32(R[0], R[1]), t1 = _mm256_unpackhi_epi32(R[0], R[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(R[2], R[3]), t3 = _mm256_unpackhi_epi32(R[2], R[3]);
-    const __m256i T[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    __m256i R[4], T[4];
+    for (int k = 0; k < 4; k++) R[k] = load_halves(rw[k] + 16 * g, rw[k + 4] + 16 * g);
+    t4x4_epi32(R, T);
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         W[c] = _mm256_and_si256(T[c], m4);
@@ -882,24 +884,13 @@ AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
     }
 }
 
-/* Group g of 8 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group. */
+/* Group g of 8 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group (bytes 0-15, then 16-31). */
 AI void a8_w8(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
-    __m256i A[8], S[8], U[8];
-    for (int k = 0; k < 8; k++) A[k] = _mm256_loadu_si256((const __m256i *)(rw[k] + 32 * g));
-    for (int k = 0; k < 4; k++) {
-        S[2 * k] = _mm256_unpacklo_epi32(A[2 * k], A[2 * k + 1]);
-        S[2 * k + 1] = _mm256_unpackhi_epi32(A[2 * k], A[2 * k + 1]);
-    }
     for (int h = 0; h < 2; h++) {
-        const int b = 4 * h;
-        U[b] = _mm256_unpacklo_epi64(S[b], S[b + 2]); /* dwords 0 | 4 of rows 4h..4h+3 */
-        U[b + 1] = _mm256_unpackhi_epi64(S[b], S[b + 2]);
-        U[b + 2] = _mm256_unpacklo_epi64(S[b + 1], S[b + 3]);
-        U[b + 3] = _mm256_unpackhi_epi64(S[b + 1], S[b + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        W[c] = _mm256_permute2x128_si256(U[c], U[c + 4], 0x20);
-        W[c + 4] = _mm256_permute2x128_si256(U[c], U[c + 4], 0x31);
+        __m256i R[4];
+        for (int k = 0; k < 4; k++)
+            R[k] = load_halves(rw[k] + 32 * g + 16 * h, rw[k + 4] + 32 * g + 16 * h);
+        t4x4_epi32(R, W + 4 * h);
     }
 }
 
