@@ -13,11 +13,13 @@ import torch
 from exitlm.errors import ExitlmError
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import TokenLogprob
+from exitlm.kernels.argmax import argmax
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last dimension, ties to the lowest id (like ``transformers``)."""
-    return torch.argmax(logits, dim=-1)
+    """Argmax over the last dimension, ties to the lowest id (like ``transformers``), NaN
+    counting as the maximum (:func:`exitlm.kernels.argmax.argmax`)."""
+    return argmax(logits)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -66,6 +66,7 @@ from exitlm.infer.strategy_options import (  # noqa: F401 - re-exported
     SelfSpecOptions,
     Speculations,
 )
+from exitlm.kernels.argmax import argmax
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.costs import costs_of
 from exitlm.runtime.runner import Chain, Pick, Runner
@@ -316,7 +317,7 @@ class SelfSpecDecoder(Decoder):
         ``sum_x min(p(x), q(x))`` that rejection sampling accepts a draft (Leviathan et al.
         2023, Sec. 3.1)."""
         rows = list(range(final.shape[0])) if rows is None else rows
-        target = torch.argmax(final, dim=-1)
+        target = argmax(final)
         sampled: dict[SamplingOptions, list[int]] = {}
         for r, i in enumerate(rows):
             s = batch.seqs[i].sampling
@@ -324,7 +325,7 @@ class SelfSpecDecoder(Decoder):
                 sampled.setdefault(s, []).append(r)
         seqs = [self._agreement(batch.seqs[i]) for i in rows]
         for e, logits in drafts.items():
-            drafted = self.runner.draft_tokens(torch.argmax(logits, dim=-1), self.vocab)
+            drafted = self.runner.draft_tokens(argmax(logits), self.vocab)
             hits = (drafted == target).to(torch.float32)
             for sampling, rs in sampled.items():
                 idx = torch.tensor(rs, device=final.device)
@@ -405,7 +406,7 @@ class SelfSpecDecoder(Decoder):
         sample from the row's own generator while it still drafts; a row whose own draft
         threshold is not met stops drafting after this token. Rows past their own count ride
         along (their drafts are neither sampled nor verified)."""
-        tok = torch.argmax(logits, dim=-1)  # columns of the draft vocabulary
+        tok = argmax(logits)  # columns of the draft vocabulary
         for i, s in enumerate(batch.seqs):
             if j >= counts[i]:
                 continue
@@ -484,7 +485,7 @@ def _accept_greedy(head: FinalHead, drafts: torch.Tensor, hv: torch.Tensor,
     """Greedy verification: the number of leading drafts (at most ``limit`` per row) equal to
     the final layer's argmax over ``hv`` ``(R, n+1, D)``, and the final layer's token right
     after them (correction or bonus) ``(R,)`` each."""
-    return _agreement(drafts, torch.argmax(head(hv), dim=-1), limit)
+    return _agreement(drafts, argmax(head(hv)), limit)
 
 
 def _agreement(drafts: torch.Tensor, target: torch.Tensor, limit: torch.Tensor
@@ -508,7 +509,7 @@ def _accept_greedy_lazy(head: FinalHead, drafts: torch.Tensor, hv: torch.Tensor,
     final = torch.zeros(r, dtype=torch.long, device=drafts.device)
     alive = torch.arange(r, device=drafts.device)
     for j in range(n + 1):
-        target = torch.argmax(head(hv[alive, j]), dim=-1)  # (R',)
+        target = argmax(head(hv[alive, j]))  # (R',)
         ok = (target == drafts[alive, j]) & (limit[alive] > j) if j < n else \
             torch.zeros_like(target, dtype=torch.bool)
         stop = ~ok

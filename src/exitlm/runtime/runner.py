@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from exitlm.kernels.argmax import argmax
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.runtime.products import Products
@@ -311,7 +312,7 @@ class Runner:
                 last = step_logits
                 break
             if pick is None:
-                tok = self.draft_tokens(torch.argmax(step_logits, dim=-1), vocab)
+                tok = self.draft_tokens(argmax(step_logits), vocab)
                 if stop_below is not None and j + 1 < n:
                     conf = torch.softmax(step_logits.float(), dim=-1).amax(dim=-1)
                     if bool((conf < stop_below).all()):
