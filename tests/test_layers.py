@@ -13,7 +13,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "exitlm"
 
 LAYERS: list[list[str]] = [
-    ["errors", "lazy"],
+    ["errors", "lazy", "paths"],
     ["args", "schema", "progress", "table"],
     ["config", "chat_template"],
     ["tokenizer"],

@@ -231,3 +231,15 @@ def test_decoding_on_the_torch_fallback_is_still_lossless() -> None:
     assert proc.returncode == 0, out[-3000:]
     assert "exitlm kernels: torch fallback" in out
     assert " passed" in out and "failed" not in out
+
+
+def test_developer_builds_share_the_cache_root(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """The developer builds live under the same ``$EXITLM_CACHE`` as everything exitlm
+    caches, ``~`` expanded (the kernels once kept a literal ``~`` directory)."""
+    from exitlm.io.cache import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("EXITLM_CACHE", "~/exitlm-cache")
+    assert cache_root() == tmp_path / "exitlm-cache"
+    assert loader._cache_dir() == tmp_path / "exitlm-cache" / "kernels"

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from exitlm.paths import cache_root
+
 KINDS: dict[str, tuple[str, re.Pattern[str], bool]] = {
     # kind: (sub-folder, the names exitlm writes there, whether an entry is a directory)
     "models": ("gguf", re.compile(r".+-\d+-\d+-v\d+(-[a-z0-9]+)?"), True),
@@ -26,12 +28,6 @@ KINDS: dict[str, tuple[str, re.Pattern[str], bool]] = {
 }
 """Converted GGUF models, tokenized corpora, token frequency orders, compiled C kernels,
 and the benchmark's converted GGUF files."""
-
-
-def cache_root() -> Path:
-    """``$EXITLM_CACHE`` or ``~/.cache/exitlm``."""
-    env = os.environ.get("EXITLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "exitlm"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from typing import Any
 
 from exitlm.errors import warn
 from exitlm.kernels import abi
+from exitlm.paths import cache_root
 
 __all__ = [
     "DEV_CFLAGS",
@@ -197,9 +198,7 @@ def _cpu_flags() -> str:
 
 def _cache_dir() -> Path:
     """``$EXITLM_CACHE/kernels`` (default ``~/.cache/exitlm/kernels``, exitlm's cache)."""
-    root = os.environ.get("EXITLM_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "exitlm"
-    return base / "kernels"
+    return cache_root() / "kernels"
 
 
 def build_dev(cc: str | None = None) -> Path:
