@@ -1,10 +1,13 @@
 """Helpers shared by the benchmark scripts (run as ``python benchmarks/NAME.py``, which puts
 this folder on ``sys.path``): progress notes on stderr, nearest-rank percentiles, held-out
-prompts fitted to a model's context, and bad input reported in one line."""
+prompts fitted to a model's context, the machine every report names, and bad input reported
+in one line."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +26,24 @@ class StreamTimer:
 
     def end(self) -> None:
         pass
+
+
+def machine() -> dict[str, Any]:
+    """The machine and library versions a benchmark's JSON reports: architecture, processor,
+    cores, the load average when the run ended, Python, numpy, and torch and exitlm's kernel
+    path when the script loaded them."""
+    info: dict[str, Any] = {
+        "machine": platform.machine(), "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+        "python": platform.python_version(),
+    }
+    for name in ("numpy", "torch"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            info[name] = mod.__version__
+    if "exitlm.kernels.native" in sys.modules:
+        info["kernels"] = sys.modules["exitlm.kernels.native"].kernel_path().describe()
+    return info
 
 
 def note(msg: str) -> None:

@@ -43,7 +43,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
@@ -55,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _bench import note
+from _bench import machine, note
 
 PROMPTS = [
     "The capital of France is",
@@ -587,12 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "repeats": repeats,
         "threads": args.threads,
-        "torch": torch.__version__,
         "llama_cpp_python": llama_cpp.__version__,
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
+        **machine(),
         "sanity_fp32": check,
         "results": results,
     }

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ from typing import Any
 
 import torch
 
-from _bench import note, one_line_errors
+from _bench import machine, note, one_line_errors
 
 PROMPTS = [
     "The capital of France is",
@@ -103,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one prompt, 16 tokens, 1 run")
     args = ap.parse_args(argv)
     from exitlm.io import load_model
-    from exitlm.kernels import native
     from exitlm.runtime import prepare
 
     torch.set_num_threads(args.threads)
@@ -160,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "repeats": repeats,
         "threads": args.threads,
-        "torch": torch.__version__,
-        "kernels": native.kernel_path().describe(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
+        **machine(),
         "results": results,
         "speedup_best": fast["decode_tokens_per_s_best"] / base["decode_tokens_per_s_best"],
         "speedup_median": fast["decode_tokens_per_s_median"]

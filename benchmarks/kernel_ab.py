@@ -28,7 +28,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from _bench import note, one_line_errors
+from _bench import machine, note, one_line_errors
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
@@ -171,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         libs[name] = ctypes.CDLL(os.path.abspath(path))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {
-        "libs": dict(pairs), "passes": args.passes, "threads": 1,
-        "machine": platform.machine(), "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
-        "numpy": np.__version__, "decode": {}, "rows": {},
+        "libs": dict(pairs), "passes": args.passes, "threads": 1, **machine(),
+        "decode": {}, "rows": {},
     }
     for kind in kinds:
         if not args.no_decode:
