@@ -747,6 +747,41 @@ AI void a8_scales(const float *const sr[A8_LANES], int64_t g0, int gb, float *t)
 #endif
 }
 
+/* Four bytes at p as one int32 (what a broadcast of x's bytes 4c..4c+3 starts from). */
+AI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The tile's A8_LANES weight rows from n0 (past n1 the last one repeats), their scales and, for
+ * q4, their mins. */
+AI void a8_rows(const int kind, const job_t *j, int64_t n0, int64_t n1, const uint8_t *rw[],
+                const float *sr[], const float *mr[]) {
+    const int64_t G = j->K / 32, rowlen = kind == K_Q8 ? j->K : j->K / 2;
+    _Pragma("GCC unroll 16") for (int r = 0; r < A8_LANES; r++) {
+        const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
+        rw[r] = (const uint8_t *)j->w + n * rowlen;
+        sr[r] = j->scales + n * G;
+        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
+    }
+}
+
+/* Prefetch group g's share of the next tile (rows n0 + A8_LANES ..): its weight bytes (A8_LANES
+ * rows x bpg bytes) and the line of scales (and q4 mins) its groups start (A8_LANES floats a
+ * group: every group with 16 lanes, every other one with 8). */
+AI void a8_prefetch_next(const int kind, const job_t *j, int64_t n0, int64_t g) {
+    if (!PF_Q_BYTES) return;
+    const int64_t G = j->K / 32, rowlen = kind == K_Q8 ? j->K : j->K / 2, next = n0 + A8_LANES;
+    const int bpg = kind == K_Q8 ? 32 : 16; /* weight bytes per group and row */
+    const char *w = (const char *)j->w + next * rowlen + g * A8_LANES * bpg;
+    for (int l = 0; l < A8_LANES * bpg / 64; l++) _mm_prefetch(w + 64 * l, _MM_HINT_T0);
+    if ((g * A8_LANES) % 16 == 0) {
+        _mm_prefetch((const char *)(j->scales + next * G + A8_LANES * g), _MM_HINT_T0);
+        if (kind == K_Q4) _mm_prefetch((const char *)(j->mins + next * G + A8_LANES * g), _MM_HINT_T0);
+    }
+}
+
 #ifdef EXITLM_ZMM
 /* Group g of 16 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r (c < 4: low
  * nibbles of bytes 4c..4c+3; c >= 4: high nibbles of bytes 4(c-4)..). */
@@ -795,27 +830,12 @@ AI void a8_w8(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
     }
 }
 
-AI int32_t load_i32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
                 int64_t m0) {
-    const int64_t K = j->K, G = K / 32, N = j->N, rowlen = kind == K_Q8 ? K : K / 2;
-    const int bpg = kind == K_Q8 ? 32 : 16; /* weight bytes per group and row */
+    const int64_t K = j->K, G = K / 32, N = j->N;
     const uint8_t *rw[16];
     const float *sr[16], *mr[16];
-    _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
-        const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
-        rw[r] = (const uint8_t *)j->w + n * rowlen;
-        sr[r] = j->scales + n * G;
-        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
-    }
-    /* the next tile's weights, prefetched a group's share at a time */
-    const char *next = (const char *)j->w + (n0 + 16) * rowlen;
-    const float *nsc = j->scales + (n0 + 16) * G, *nmn = kind == K_Q4 ? j->mins + (n0 + 16) * G : NULL;
+    a8_rows(kind, j, n0, n1, rw, sr, mr);
     const __m512i zero = _mm512_setzero_si512(), b80 = _mm512_set1_epi8((char)0x80);
     __m512 acc[MBMAX];
     _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
@@ -826,12 +846,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
         if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
-            if (PF_Q_BYTES) {
-                for (int l = 0; l < bpg / 4; l++) /* 16 rows x bpg bytes = bpg / 4 lines */
-                    _mm_prefetch(next + g * 16 * bpg + 64 * l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(nsc + 16 * g), _MM_HINT_T0); /* 16 floats: a line */
-                if (kind == K_Q4) _mm_prefetch((const char *)(nmn + 16 * g), _MM_HINT_T0);
-            }
+            a8_prefetch_next(kind, j, n0, g);
             __m512i W[8], base = zero;
             if (kind == K_Q8) {
                 a8_w8(rw, g, W);
@@ -894,26 +909,12 @@ AI void a8_w8(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
     }
 }
 
-AI int32_t load_i32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
                 int64_t m0) {
-    const int64_t K = j->K, G = K / 32, N = j->N, rowlen = kind == K_Q8 ? K : K / 2;
-    const int bpg = kind == K_Q8 ? 32 : 16;
+    const int64_t K = j->K, G = K / 32, N = j->N;
     const uint8_t *rw[8];
     const float *sr[8], *mr[8];
-    for (int r = 0; r < 8; r++) {
-        const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
-        rw[r] = (const uint8_t *)j->w + n * rowlen;
-        sr[r] = j->scales + n * G;
-        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
-    }
-    const char *next = (const char *)j->w + (n0 + 8) * rowlen;
-    const float *nsc = j->scales + (n0 + 8) * G, *nmn = kind == K_Q4 ? j->mins + (n0 + 8) * G : NULL;
+    a8_rows(kind, j, n0, n1, rw, sr, mr);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MBMAX];
     for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
@@ -924,14 +925,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
         if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
-            if (PF_Q_BYTES) {
-                for (int l = 0; l < bpg / 8; l++) /* 8 rows x bpg bytes = bpg / 8 lines */
-                    _mm_prefetch(next + g * 8 * bpg + 64 * l, _MM_HINT_T0);
-                if ((g & 1) == 0) { /* 8 floats a group: a line every other group */
-                    _mm_prefetch((const char *)(nsc + 8 * g), _MM_HINT_T0);
-                    if (kind == K_Q4) _mm_prefetch((const char *)(nmn + 8 * g), _MM_HINT_T0);
-                }
-            }
+            a8_prefetch_next(kind, j, n0, g);
             __m256i W[8];
             if (kind == K_Q8) {
                 a8_w8(rw, g, W);
