@@ -134,17 +134,14 @@ class NativeBlock:
         """Whether the call computes ``block`` on ``cache``'s slot: the same sub-modules,
         weights still where the call points, no forward hooks to run, and a float32 cache
         with rows of ``(kv_heads, positions, head_dim)``. Every decoding step asks this of
-        every layer, so it is written as flat loops (a few microseconds a layer)."""
-        for mods, name, obj in self.children:
-            if mods.get(name) is not obj:
-                return False
+        every layer (a few microseconds a layer)."""
+        if not self._same_children():
+            return False
         for m in self.hooked:
             if m._forward_hooks or m._forward_pre_hooks:
                 return False
-        for store, name, ptr in self.storage:
-            t = store.get(name)
-            if t is None or t.data_ptr() != ptr:
-                return False
+        if self._storage_moved():
+            return False
         for t, version in self.norm_versions:
             if t._version != version:
                 return False
