@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from _bench import machine, note, one_line_errors
+from exitlm.args import int_at_least, int_list
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated name=path.so; the first is the baseline")
     ap.add_argument("--kinds", default="f32,f16,q8a8,q4a8",
                     help=f"comma-separated subset of {list(KINDS)}")
-    ap.add_argument("--passes", type=int, default=9)
-    ap.add_argument("--rows", default="1,2,4,8", help="row counts of the rows pass, 1 first")
+    ap.add_argument("--passes", type=int_at_least(1), default=9)
+    ap.add_argument("--rows", type=int_list, default=[1, 2, 4, 8],
+                    help="row counts of the rows pass, 1 first (default 1,2,4,8)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="shapes of the rows pass")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-rows", action="store_true")
@@ -157,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--kinds: unknown {bad}; choose from {list(KINDS)}")
-    rows = [int(r) for r in args.rows.split(",")]
-    if rows[0] != 1:
-        ap.error("--rows must start with 1")
+    rows = args.rows
+    if not rows or rows[0] != 1 or min(rows) < 1:
+        ap.error("--rows: expected positive row counts starting with 1, e.g. 1,2,4,8")
     shapes = [s for s in args.shapes.split(",") if s]
     if any(s not in SHAPES for s in shapes):
         ap.error(f"--shapes: choose from {list(SHAPES)}")
