@@ -90,3 +90,36 @@ def test_open_split_and_errors(tmp_path: Path) -> None:
     cfg = DataConfig(paths=(str(_corpus(tmp_path)),), seq_len=8, val_fraction=0.2,
                      cache_dir=str(tmp_path / "c3"))
     assert open_split(prepare(cfg, progress=False), "val", 8).num_samples > 0
+
+
+def test_sources_sorted_by_path_parts_and_filtered_by_suffix(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    for rel in ("b.py", "a/z.py", "a.py", "a-b/c.py", "a/y.txt", "n.md", "a/x.jsonl"):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text("x = 1\n")
+    (d / "a" / "dir.py").mkdir()  # a folder named like a source is not one
+    keys = [k for k, _ in list_sources(DataConfig(paths=(str(d),)))]
+    # the order of sorted(Path.rglob("*")): by the parts of the path, not by the string
+    assert keys == ["a/x.jsonl", "a/y.txt", "a/z.py", "a-b/c.py", "a.py", "b.py", "n.md"]
+    only_py = [k for k, _ in list_sources(DataConfig(paths=(str(d),), suffixes=(".py",)))]
+    assert only_py == ["a/z.py", "a-b/c.py", "a.py", "b.py"]
+    with pytest.raises(ConfigError, match=r"data.suffixes: '\.c' is not a file kind"):
+        DataConfig(suffixes=(".c",))
+
+
+def test_packages_inside_the_stdlib_folder_are_skipped(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from exitlm.io import corpus
+
+    lib = tmp_path / "lib"
+    for rel in ("os.py", "json/decoder.py", "site-packages/torch/nn.py", "dist-packages/x.py"):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text("pass\n")
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: lib)
+    want = ["json/decoder.py", "os.py"]
+    assert [k for k, _ in list_sources(DataConfig())] == want
+    # also when the folder is named explicitly (a corpus of "stdlib + some packages")
+    assert [k for k, _ in list_sources(DataConfig(paths=(str(lib),), suffixes=(".py",)))] == want
+    # any other folder keeps its site-packages (it is what the user asked for)
+    other = [k for k, _ in list_sources(DataConfig(paths=(str(lib / "site-packages"),)))]
+    assert other == ["torch/nn.py"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class DataConfig:
     recursively) and ``.jsonl`` files (one document per line, field ``text_field``). Empty: the
     Python standard library's source. ``val_fraction`` of the files (of the lines for JSONL)
     go to the held-out split, chosen by a hash of their path, so the split never changes.
+    ``suffixes``: the file kinds read inside directories (empty: the ones above; e.g.
+    ``[".py"]`` for a corpus of Python code only).
     """
 
     paths: tuple[str, ...] = ()
@@ -41,9 +44,15 @@ class DataConfig:
     max_files: PositiveInt | None = None
     text_field: str = "text"
     cache_dir: str | None = None
+    suffixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(self, "data")
+        known = (*TEXT_SUFFIXES, ".jsonl")
+        bad = [x for x in self.suffixes if x not in known]
+        if bad:
+            raise ConfigError(f"data.suffixes: {bad[0]!r} is not a file kind exitlm reads; "
+                              f"choose from {list(known)}")
 
 
 # ----- documents --------------------------------------------------------------------------------
@@ -62,14 +71,11 @@ def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
             out.append((root.name, root))
         elif root.is_dir():
             stdlib = not cfg.paths  # the default corpus: the standard library's *.py only
-            suffixes = (".py",) if stdlib else (*TEXT_SUFFIXES, ".jsonl")
-            for p in sorted(root.rglob("*")):
-                if p.suffix not in suffixes or not p.is_file():
-                    continue
-                rel = p.relative_to(root)
-                if stdlib and ("site-packages" in rel.parts or "dist-packages" in rel.parts):
-                    continue
-                out.append((rel.as_posix(), p))
+            suffixes = cfg.suffixes or ((".py",) if stdlib else (*TEXT_SUFFIXES, ".jsonl"))
+            # the installed packages inside the standard library's folder are not part of it
+            # (also when the folder is named in data.paths)
+            skip_packages = stdlib or root.resolve() == stdlib_root().resolve()
+            out.extend(_walk(root, suffixes, skip_packages))
         else:
             raise ConfigError(f"data.paths: {root} does not exist")
     if cfg.max_files is not None:
@@ -78,6 +84,23 @@ def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
         raise ConfigError(f"data.paths {list(cfg.paths)} contain no text files "
                           f"({', '.join(TEXT_SUFFIXES)}, .jsonl)")
     return out
+
+
+def _walk(root: Path, suffixes: tuple[str, ...], skip_packages: bool) -> list[tuple[str, Path]]:
+    """The files under ``root`` with one of ``suffixes``, sorted by their path's parts;
+    folders named ``site-packages`` / ``dist-packages`` are not entered with
+    ``skip_packages`` (symlinked folders never: the walk stays bounded)."""
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if skip_packages:
+            dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        base = Path(dirpath)
+        rel_dir = base.relative_to(root).parts
+        for name in filenames:
+            if os.path.splitext(name)[1] in suffixes and (base / name).is_file():
+                found.append(((*rel_dir, name), base / name))
+    found.sort(key=lambda item: item[0])
+    return [("/".join(parts), path) for parts, path in found]
 
 
 def is_held_out(key: str, fraction: float, seed: int) -> bool:
