@@ -3,6 +3,8 @@
 Accepted sources, tried in this order:
 
 * ``"default"`` - the embedded SmolLM2-135M-Instruct (converted once into a local cache);
+* a model shipped in the package (:mod:`exitlm.io.shipped`, e.g. ``"layerskip-code"`` when
+  its weights are installed);
 * an exit-head bundle: ``"default-ee"`` or a directory with ``exits.json`` (backbone + tuned
   exit heads, :mod:`exitlm.io.bundle`);
 * a path to a ``.gguf`` file;
@@ -56,7 +58,9 @@ from exitlm.io.native import (
     native_config,
     native_tensors,
     save_native,
+    weight_files,
 )
+from exitlm.io.shipped import shipped_dir, shipped_names
 from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle, tensor_shapes
 from exitlm.kernels.quantized import check_kind, quantize_heads, quantize_model
 from exitlm.model.transformer import EarlyExitLM
@@ -93,7 +97,11 @@ def load_model(
             raise ConfigError(f"head dtype {head_dtype!r} applies to float models; dtype "
                               f"{quant!r} quantizes the heads already (drop one of them)")
     bundle = find_bundle(src)  # exit-head bundles ("default-ee", OUT/exits of exit tuning)
-    if bundle is not None:
+    shipped = shipped_dir(src)  # models shipped in the package ("layerskip-code")
+    if shipped is not None:
+        loaded = load_native(shipped, dtype=dtype, exits=exits)
+        loaded.source = f"{src}:{shipped}"
+    elif bundle is not None:
         base, bundle_exits = read_bundle(bundle)
         loaded = attach_heads(load_model(base, exits=bundle_exits), bundle, dtype=dtype,
                               exits=exits)
@@ -119,7 +127,7 @@ def load_model(
     elif src in PRESETS:
         loaded = _load_preset(src, dtype, exits)
     else:
-        names = ["default", *sorted(NAMED_BUNDLES), *sorted(PRESETS)]
+        names = ["default", *sorted(NAMED_BUNDLES), *shipped_names(), *sorted(PRESETS)]
         close = difflib.get_close_matches(src, names, n=1)
         raise CheckpointError(
             f"model {src!r} is not a known name, an existing .gguf file or a checkpoint "
@@ -149,13 +157,18 @@ def load_native(
 ) -> LoadedModel:
     """Load an exitlm directory (see :mod:`exitlm.io.native`)."""
     ckpt = native_config(path)
-    weights = path / "model.safetensors"
-    if weights.is_file():  # (a missing file is reported by native_tensors)
-        check_config_against_tensors(ckpt, tensor_shapes(weights), str(weights))
+    files = weight_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
+    for file in files:
+        for name, shape in tensor_shapes(file).items():
+            shapes[name], where[name] = shape, str(file)
+    source = str(files[0]) if len(files) == 1 else str(path)
+    check_config_against_tensors(ckpt, shapes, source, files=where)
     cfg = ckpt if exits is None else ckpt.replace(exits=exits)
     model = model_from_tensors(
         cfg, keep_matching_exits(native_tensors(path), ckpt, cfg),
-        source=str(path / "model.safetensors"), dtype=dtype, allow_missing_exits=exits is not None,
+        source=source, dtype=dtype, allow_missing_exits=exits is not None,
     )
     return LoadedModel(model, fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
 

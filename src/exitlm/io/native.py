@@ -3,13 +3,16 @@
 ``config.json`` is :meth:`ModelConfig.to_dict` plus ``"exitlm_format_version"`` (the marker
 that tells it apart from a Hugging Face ``config.json``). ``model.safetensors`` holds every
 parameter, exit heads included; tied tensors are stored once and listed in the file's
-``exitlm_aliases`` metadata. Writes go to a temporary directory that replaces the target in
-one ``os.replace``.
+``exitlm_aliases`` metadata. A directory written with a shard size holds
+``model-00001-of-0000N.safetensors`` ... instead (each shard lists the aliases of the tensors
+it stores; the names say how many shards make the model, so a missing one is reported by
+name). Writes go to a temporary directory that replaces the target in one ``os.replace``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +38,8 @@ EXITS_WEIGHTS = "exitlm_exits.safetensors"
 """A Hugging Face export's exit heads, beside the backbone's weights (:mod:`exitlm.io.save`)."""
 EXITS_CONFIG = "exitlm_exits.json"
 WEIGHTS = "model.safetensors"
+SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+"""The name of one shard of a sharded exitlm directory (1-based index, count)."""
 
 
 def is_native_dir(path: Path) -> bool:
@@ -49,22 +54,88 @@ def is_native_dir(path: Path) -> bool:
 
 
 def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None,
-                *, overwrite: bool = False) -> Path:
+                *, overwrite: bool = False, dtype: torch.dtype | None = None,
+                max_shard_bytes: int | None = None) -> Path:
     """Write ``model`` (and ``tokenizer``) to ``path`` atomically; returns the path. An
-    existing ``path`` holding files exitlm did not write is refused unless ``overwrite``."""
+    existing ``path`` holding files exitlm did not write is refused unless ``overwrite``.
+
+    ``dtype``: store floating tensors in this dtype (integer buffers, quantized blocks, stay
+    as they are). ``max_shard_bytes``: split the weights into shards of at most this many
+    bytes of tensor data each (a tensor larger than that gets a shard of its own)."""
     target = Path(path)
     tensors, aliases = tensors_for_saving(model.state_dict())
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     cfg = model.config.to_dict()
     cfg[FORMAT_KEY] = FORMAT_VERSION
+    shards = shard_tensors(tensors, max_shard_bytes)
     with atomic_dir(target, overwrite=overwrite) as tmp:
-        write_safetensors(
-            tmp / WEIGHTS, tensors,
-            {FORMAT_KEY: str(FORMAT_VERSION), "exitlm_aliases": json.dumps(aliases)},
-        )
+        for i, part in enumerate(shards):
+            name = WEIGHTS if len(shards) == 1 else shard_name(i + 1, len(shards))
+            mine = {a: src for a, src in aliases.items() if src in part}
+            write_safetensors(tmp / name, part,
+                              {FORMAT_KEY: str(FORMAT_VERSION), "exitlm_aliases": json.dumps(mine)})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save(tmp)
     return target
+
+
+def shard_name(index: int, count: int) -> str:
+    """``model-0000I-of-0000N.safetensors`` (1-based ``index``)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def shard_tensors(tensors: dict[str, torch.Tensor],
+                  max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Split ``tensors`` in order into groups of at most ``max_bytes`` bytes each (one group
+    when ``max_bytes`` is ``None``; a tensor over the limit alone in its group)."""
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_bytes}")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of an exitlm directory: ``model.safetensors``, or every shard in
+    order; a :class:`CheckpointError` names a missing or inconsistent shard."""
+    single = path / WEIGHTS
+    if single.is_file():
+        return [single]
+    found: dict[int, int] = {}
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot list the directory ({err.strerror})") from None
+    for name in names:
+        m = SHARD_PATTERN.fullmatch(name)
+        if m is not None:
+            found[int(m.group(1))] = int(m.group(2))
+    if not found:
+        raise CheckpointError(f"{single}: weight file is missing (an exitlm directory needs it, "
+                              "or shards model-00001-of-0000N.safetensors)")
+    counts = sorted(set(found.values()))
+    if len(counts) > 1:
+        listed = ", ".join(shard_name(i, n) for i, n in sorted(found.items()))
+        raise CheckpointError(f"{path}: shards of different models ({listed}); keep one set")
+    count = counts[0]
+    missing = [shard_name(i, count) for i in range(1, count + 1) if i not in found]
+    if missing:
+        raise CheckpointError(f"{path}: shard {missing[0]} is missing "
+                              f"({len(found)} of {count} shards present)")
+    extra = [i for i in found if not 1 <= i <= count]
+    if extra:
+        raise CheckpointError(f"{path}: {shard_name(extra[0], count)} is not one of the "
+                              f"{count} shards")
+    return [path / shard_name(i, count) for i in range(1, count + 1)]
 
 
 def native_config(path: Path) -> ModelConfig:
@@ -86,11 +157,15 @@ def native_config(path: Path) -> ModelConfig:
 
 
 def native_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(exitlm_name, tensor)`` pairs of an exitlm directory, tied aliases included."""
-    file = path / WEIGHTS
-    if not file.is_file():
-        raise CheckpointError(f"{file}: weight file is missing (an exitlm directory needs it)")
-    return native_tensors_of(file)
+    """Stream ``(exitlm_name, tensor)`` pairs of an exitlm directory (every shard), tied
+    aliases included."""
+    files = weight_files(path)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            yield from native_tensors_of(file)
+
+    return stream()
 
 
 def native_tensors_of(file: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -138,6 +138,8 @@ EXITLM_FILES = frozenset({
     "exitlm_exits.safetensors", "exitlm_exits.json", "exits.json", "exits.safetensors",
     "exitlm_train.json", "optimizer.safetensors", "state.json",
 })
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+"""A shard of a sharded exitlm directory (:mod:`exitlm.io.native`)."""
 
 
 def check_replaceable(target: Path, overwrite: bool = False) -> None:
@@ -154,7 +156,8 @@ def check_replaceable(target: Path, overwrite: bool = False) -> None:
         entries = sorted(os.listdir(target))
     except OSError as err:
         raise CheckpointError(f"{target}: cannot list the directory ({err.strerror})") from err
-    foreign = [e for e in entries if e not in EXITLM_FILES or not (target / e).is_file()]
+    foreign = [e for e in entries
+               if not (e in EXITLM_FILES or SHARD_NAME.fullmatch(e)) or not (target / e).is_file()]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
                                           else "")
