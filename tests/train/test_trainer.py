@@ -92,3 +92,16 @@ def test_bad_configs(tmp_path: Path) -> None:
         tiny_config(tmp_path, train={"stepz": 3})
     with pytest.raises(ConfigError, match="vocab_size"):
         Trainer(tiny_config(tmp_path, model={"overrides": {"vocab_size": 100}}))
+
+
+def test_fused_adamw_trains_like_the_loop(tmp_path: Path) -> None:
+    loop = Trainer(tiny_config(tmp_path, "loop")).train()
+    fused_cfg = tiny_config(tmp_path, "fused", optim={"fused": True})
+    trainer = Trainer(fused_cfg)
+    assert trainer.optimizer.defaults["fused"] is True
+    fused = trainer.train()
+    # same data, dropout and schedule: the losses follow the loop's within rounding
+    assert [r["step"] for r in fused] == [r["step"] for r in loop]
+    for a, b in zip(loop, fused, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+    assert (tmp_path / "fused" / "model" / "config.json").is_file()

@@ -142,7 +142,8 @@ class Trainer(RunStateMixin):
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.layout.optimizer_groups(o.weight_decay), lr=self._lr(0),
-            betas=(o.beta1, o.beta2), eps=o.eps, foreach=False,
+            betas=(o.beta1, o.beta2), eps=o.eps,
+            **({"fused": True} if o.fused else {"foreach": False}),
         )
         self.step = 0
         self.scaler = None
