@@ -11,7 +11,8 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-DIST = ("comm", "infer/executors", "train/parallel", "serve", "robustness", "train/test_ddp.py")
+DIST = ("comm", "infer/executors", "train/parallel", "serve", "robustness", "train/test_ddp.py",
+        "train/test_device_script.py")
 """Test folders and files (under tests/) whose tests start processes."""
 
 # One intra-op thread: tiny models gain nothing from more, and on a loaded 2-core machine

