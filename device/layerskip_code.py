@@ -71,7 +71,15 @@ def py_bytes(root: Path) -> int:
     return total
 
 
-def package_roots(max_bytes: int, stdlib: Path) -> tuple[list[Path], dict[str, int]]:
+def stdlib_bytes() -> int:
+    """The standard library's ``*.py`` bytes (without the packages installed inside its
+    folder, as the corpus reads it)."""
+    from exitlm.io.corpus import DataConfig, list_sources
+
+    return sum(p.stat().st_size for _, p in list_sources(DataConfig()))
+
+
+def package_roots(max_bytes: int) -> tuple[list[Path], dict[str, int]]:
     """The installed package folders to train on, preferred ones first, until ``max_bytes`` of
     ``*.py`` (the standard library's counted first). Returns the folders and their sizes."""
     dirs: list[Path] = []
@@ -86,7 +94,7 @@ def package_roots(max_bytes: int, stdlib: Path) -> tuple[list[Path], dict[str, i
                 found[entry.name] = entry
     order = [n for n in PREFERRED if n in found]
     order += sorted(n for n in found if n not in PREFERRED)
-    sizes = {"<stdlib>": py_bytes(stdlib)}
+    sizes = {"<stdlib>": stdlib_bytes()}
     total = sizes["<stdlib>"]
     roots: list[Path] = []
     for name in order:
@@ -201,9 +209,9 @@ def train(args: argparse.Namespace) -> int:
     stdlib = stdlib_root()
     if args.roots:
         roots = [Path(r) for r in args.roots]
-        sizes = {"<stdlib>": py_bytes(stdlib), **{r.name: py_bytes(r) for r in roots}}
+        sizes = {"<stdlib>": stdlib_bytes(), **{r.name: py_bytes(r) for r in roots}}
     else:
-        roots, sizes = package_roots(int(args.max_corpus_mb * 1e6), stdlib)
+        roots, sizes = package_roots(int(args.max_corpus_mb * 1e6))
     paths = [str(stdlib), *map(str, roots)]
     overrides = [f"data.paths={json.dumps(paths)}", f"train.out_dir={out / 'run'}",
                  "train.progress=false", "train.tensorboard=false", *args.set]
