@@ -35,6 +35,7 @@ import site
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,9 @@ def train(args: argparse.Namespace) -> int:
     else:
         roots, sizes = package_roots(int(args.max_corpus_mb * 1e6))
     paths = [str(stdlib), *map(str, roots)]
-    overrides = [f"data.paths={json.dumps(paths)}", f"train.out_dir={out / 'run'}",
+    # the trainer's own files stay outside --out: only the model and the report come back
+    work = Path(tempfile.mkdtemp(prefix="layerskip-code-"))
+    overrides = [f"data.paths={json.dumps(paths)}", f"train.out_dir={work / 'run'}",
                  "train.progress=false", "train.tensorboard=false", *args.set]
     if not cuda:
         overrides.append("optim.fused=false")  # (fused AdamW is tested on CUDA only)
@@ -238,7 +241,7 @@ def train(args: argparse.Namespace) -> int:
             cfg.train, steps=steps, out_dir=str(out_dir)))
 
     def calibrate() -> float:
-        cal = Trainer(with_steps(1000, out / "calibration"), overwrite=True)
+        cal = Trainer(with_steps(1000, work / "calibration"), overwrite=True)
         times = []
         for i in range(args.calibrate_steps):
             s0 = time.perf_counter()
@@ -250,7 +253,7 @@ def train(args: argparse.Namespace) -> int:
         del cal
         if cuda:
             torch.cuda.empty_cache()
-        shutil.rmtree(out / "calibration", ignore_errors=True)
+        shutil.rmtree(work / "calibration", ignore_errors=True)
         return statistics.median(times)
 
     t0 = time.monotonic()
@@ -271,7 +274,7 @@ def train(args: argparse.Namespace) -> int:
     write_report()
 
     # training, in chunks; the model and report go to --out after every chunk
-    run_cfg = with_steps(steps, out / "run")
+    run_cfg = with_steps(steps, work / "run")
     trainer = Trainer(run_cfg, overwrite=True)
     report["config"] = run_cfg.to_dict()
     mcfg = trainer.layout.host_model().config
@@ -310,7 +313,7 @@ def train(args: argparse.Namespace) -> int:
             log("out of time: stopping early (the learning rate did not finish its decay)")
             break
     report["train"]["stopped_early"] = stopped_early
-    with (out / "run" / "log.jsonl").open(encoding="utf-8") as f:
+    with (work / "run" / "log.jsonl").open(encoding="utf-8") as f:
         report["train"]["evals"] = [r for r in map(json.loads, f) if r.get("split") == "val"]
     target = export()
 
@@ -331,7 +334,7 @@ def train(args: argparse.Namespace) -> int:
     report["eval_s"] = time.monotonic() - t0
     report["total_s"] = time.monotonic() - t_start
     write_report()
-    shutil.rmtree(out / "run", ignore_errors=True)  # checkpoints, logs: in the report
+    shutil.rmtree(work, ignore_errors=True)  # the trainer's logs: in the report
     best = max(report["self_spec"].values(), key=lambda r: r["ideal_speedup"])
     log("per-exit held-out ppl: " + ", ".join(
         f"{m.layer}:{m.ppl:.2f}" for m in metrics if m.layer in (1, 4, 6, 8, 12, 16, 24)))
