@@ -342,3 +342,26 @@ def test_fp16_model_decodes_through_the_native_blocks() -> None:
     with torch.no_grad():
         runner.model.layers[0].norm_attn.weight.mul_(2)
     assert not runner._serves(0, runner.new_cache(1, 96))
+
+
+def test_row_products_are_packed_only_where_eager_products_of_rows_run() -> None:
+    """One sequence's verification runs in the native blocks: no packed copies (twice the
+    weight memory, ~0.7 s per engine for SmolLM2); batches, and layers without a native
+    block, still get them - with the same tokens either way."""
+    runner = _runner(None)
+    prompt = [3, 7, 1, 9, 4]
+    kw = {"max_new_tokens": 12, "threads": 1, "ignore_eos": True}
+    ar = generate(runner, None, prompt, **kw).token_ids
+    spec = generate(runner, None, prompt, strategy="self-spec", exit_layer=2,
+                    num_speculations=3, **kw)
+    assert spec.token_ids == ar
+    assert runner.products is not None and not runner.products.pack_rows
+    runner.enable_row_products(2)  # a batch of two sequences steps through eager products
+    assert runner.products.pack_rows
+    both = generate(runner, None, [prompt, prompt[:3]], strategy="self-spec", exit_layer=2,
+                    num_speculations=3, **kw)
+    assert both.token_ids[0] == ar[0]
+    partial = _runner(None)
+    partial.blocks[1] = None  # a layer the native block does not take: eager rows
+    partial.enable_row_products(1)
+    assert partial.products is not None and partial.products.pack_rows

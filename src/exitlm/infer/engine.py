@@ -146,8 +146,8 @@ class Engine:
         self.max_batch = min(max_batch, self.decoder.max_batch or max_batch)
         if self.max_batch > 1 or self.decoder.multi_row:
             # steps multiply several rows: packed copies of fp32 weights for few-row
-            # products (twice the weight memory)
-            self.runner.enable_row_products()
+            # products (twice the weight memory) where the runner's products need them
+            self.runner.enable_row_products(self.max_batch)
         context = model.config.max_seq_len
         if max_seq_len is not None and not 1 <= max_seq_len <= context:
             raise ConfigError(f"max_seq_len must lie in [1, {context}] (the model's context), "

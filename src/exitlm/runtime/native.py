@@ -82,6 +82,15 @@ class NativeRunner(Runner):
             build_native_block(lib, layer, self.scratch) if type(layer) is Block else None
             for layer in model.layers]
 
+    def enable_row_products(self, sequences: int = 1) -> None:
+        """Packed copies only where eager products of several rows will run: for batches of
+        sequences, or layers without a native block. One sequence's verification and
+        recomputation chunks go through the native blocks and heads, which read the weights
+        as they are (the packed copies would double the weight memory - 540 MB for SmolLM2
+        in fp32 - and take ~0.7 s to make at every engine's start, for nothing)."""
+        if sequences > 1 or any(nb is None for nb in self.blocks):
+            super().enable_row_products(sequences)
+
     # ----- layers ------------------------------------------------------------------------------
     def layers(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor | None,
                cache: KVCache | None, ctx: StepContext | None = None) -> torch.Tensor:

@@ -132,10 +132,10 @@ class Runner:
         return not (self.device.type == "cpu" and self.dtype == torch.float32
                     and nbytes >= LAZY_HEAD_BYTES)
 
-    def enable_row_products(self) -> None:
-        """Prepare for products of several rows per sequence or several sequences (batches,
-        verification, recomputation): packed fp32 weight copies on CPU (twice the weight
-        memory); nothing elsewhere."""
+    def enable_row_products(self, sequences: int = 1) -> None:
+        """Prepare for products of several rows: several positions of a sequence
+        (verification, recomputation) for up to ``sequences`` sequences at once (batches):
+        packed fp32 weight copies on CPU (twice the weight memory); nothing elsewhere."""
         if self.products is not None:
             self.products.enable_rows()
 
