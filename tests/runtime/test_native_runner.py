@@ -24,10 +24,14 @@ from exitlm.runtime.runner import Runner
 pytestmark = needs_native
 
 KINDS = (None, "int8", "int4")
+CHAIN_KINDS = (*KINDS, "fp16")
+"""Chains also run float16 models (a float16 stream, the head in fp32)."""
 
 
 def _runner(kind: str | None, exits: ExitConfig | None = None, max_seq_len: int = 96,
             half: bool = False) -> NativeRunner:
+    if kind == "fp16":
+        kind, half = None, True
     model = sharp_model(ModelConfig(
         vocab_size=48, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, hidden_dim=96,
         max_seq_len=max_seq_len, exits=exits or ExitConfig(every_layer=True, norm="final")))
@@ -70,13 +74,14 @@ def _same_caches(a: KVCache, b: KVCache) -> None:
     assert torch.equal(a.fill, b.fill)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAIN_KINDS)
 @torch.no_grad()
 def test_a_native_chain_equals_its_steps(kind: str | None) -> None:
     """Tokens, hidden states (bit for bit), the chain's layers' keys/values and fill equal the
     eager chain's on the same runner (one native layers call per step, the head, the argmax);
     the layers after ``depth`` are left alone. Whole and restricted vocabularies, several
-    offsets, 0 to 6 steps."""
+    offsets, 0 to 6 steps. (A float16 model's drafts could differ where two logits tie in
+    float16, which the eager head rounds to and the call does not; this model has none.)"""
     runner = _runner(kind)
     for seed, (start, n, depth, vocab) in enumerate(
             ((0, 4, 2, 48), (7, 6, 1, 48), (30, 3, 3, 20), (11, 0, 2, 48), (5, 0, 4, 48))):
@@ -116,7 +121,7 @@ def test_runs_of_native_blocks_equal_blocks_one_by_one(kind: str | None) -> None
         _same_caches(whole, single)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CHAIN_KINDS)
 def test_self_speculation_through_native_chains_equals_plain_decoding(
         kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy self-spec takes the native chain (counted) and emits plain decoding's tokens
@@ -139,8 +144,10 @@ def test_self_speculation_through_native_chains_equals_plain_decoding(
             loop = generate(runner, None, prompt, strategy="self-spec", exit_layer=e,
                             num_speculations=d, **kw)
         assert loop.token_ids == ar
-        assert (loop.stats.accepted, loop.stats.drafted) == (res.stats.accepted,
-                                                             res.stats.drafted)
+        if kind != "fp16":  # (fp16: the eager drafts' head rounds to fp16, so near-ties can
+            # pick other drafts than the call's fp32 head; the output is plain decoding's)
+            assert (loop.stats.accepted, loop.stats.drafted) == (res.stats.accepted,
+                                                                 res.stats.drafted)
     calls.clear()
     thr = generate(runner, None, prompt, strategy="self-spec", exit_layer=2,
                    num_speculations=4, draft_threshold=0.5, **kw)
@@ -154,7 +161,8 @@ def test_self_speculation_through_native_chains_equals_plain_decoding(
 @torch.no_grad()
 def test_chains_the_native_call_does_not_take() -> None:
     """The eager chain runs (with the same result shape) for a hooked final norm, a batch of
-    two, a cache too short, an fp16 model's drafts and an exit with a head of its own."""
+    two, a cache too short and an exit with a head of its own; an fp16 model's drafts take
+    the call."""
     runner = _runner(None)
     token = torch.tensor([1])
 
@@ -186,7 +194,7 @@ def test_chains_the_native_call_does_not_take() -> None:
     with pytest.raises(ValueError, match="KV cache overflow"):
         runner.chain(token, short, 3, 2)
     half = _runner(None, half=True)
-    assert not native_took(half, half.new_cache(1, 96))
+    assert native_took(half, half.new_cache(1, 96))
     own = _runner(None, ExitConfig(layers=(2,)))
     assert not native_took(own, own.new_cache(1, 96))
     assert native_took(own, own.new_cache(1, 96), n=0)  # no head in the call: it takes it

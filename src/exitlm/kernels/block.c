@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "exitlm_native.h" /* the products of kernels.c, the reduce of reduce.c */
+#include "half.h"
 
 /* Whether the blocks' int8 / int4 products round their activations to int8 first (kernels.c:
  * q8a8 / q4a8, as llama.cpp computes Q8_0 / Q4_x); on unless switched off. One setting for
@@ -259,13 +260,18 @@ int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *laye
 /* ---- Chains: n greedy steps through layers and a head, in one call -------------------- */
 
 /* Row `id` of a token embedding of any format, as exitlm dequantizes it on lookup
- * (quant.py): f32 copied, q8 `q * scale`, q4 `nibble * scale + min` (each op rounded; this
+ * (quant.py): f32 copied, f16 converted (exactly), q8 `q * scale`, q4 `nibble * scale + min` (each op rounded; this
  * file is compiled in ISO C mode, so no contraction into fused multiply-adds). */
 static int embed_row(const exitlm_weight *e, int64_t id, float *out) {
     const int64_t K = e->k, G = K / 32;
     if (id < 0 || id >= e->n) return -4;
     switch (e->fmt) {
     case 0: memcpy(out, (const float *)e->w + id * K, K * sizeof(float)); return 0;
+    case 1: {
+        const uint16_t *row = (const uint16_t *)e->w + id * K;
+        for (int64_t k = 0; k < K; k++) out[k] = half_to_float(row[k]);
+        return 0;
+    }
     case 2: {
         const int8_t *q = (const int8_t *)e->w + id * K;
         const float *s = e->scales + id * G;
@@ -336,13 +342,14 @@ int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer 
     const int64_t D = layers[0].d->dim, hd = layers[0].d->head_dim;
     if (embed->k != D || (n > 0 && (head == NULL || head->k != D))) return -5;
     float *xn = work, *logits = work + D;
+    const int half_stream = embed->fmt == 1; /* a float16 model: a float16 stream */
     for (int64_t j = 0;; j++) {
         float *h = hidden + j * D;
         int rc = embed_row(embed, token, h);
         if (rc != 0) return rc;
         const int64_t pos = start + j;
         rc = exitlm_llama_blocks(h, 1, n_layers, layers, cos_table + pos * hd,
-                                 ssin_table + pos * hd, pos, scratch, nthreads, 0);
+                                 ssin_table + pos * hd, pos, scratch, nthreads, half_stream);
         if (rc != 0) return rc;
         if (j == n) {
             *steps = n;

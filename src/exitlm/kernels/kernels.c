@@ -64,6 +64,7 @@
 #include <string.h>
 
 #include "exitlm_native.h"
+#include "half.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -124,29 +125,6 @@ typedef struct {
 
 /* ------------------------------------------------------------------ scalar helpers */
 
-__attribute__((unused)) static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while ((man & 0x400) == 0) {
-                man <<= 1;
-                exp--;
-            }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 __attribute__((unused)) static inline float hsum8_scalar(const float a[8]) {
     float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
@@ -154,30 +132,6 @@ __attribute__((unused)) static inline float hsum8_scalar(const float a[8]) {
     return t0 + t1;
 }
 
-/* The nearest half-precision value of f (ties to even; NaN -> a quiet NaN, beyond the half
- * range -> infinity): the rounding of torch's float -> float16 cast. */
-static uint16_t float_to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);   /* NaN */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* >= 65520: infinity */
-    uint32_t h, rem, halfway;
-    if (ax >= 0x38800000u) { /* a normal half (>= 2^-14): drop 13 mantissa bits */
-        h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13));
-        rem = ax & 0x1fffu;
-        halfway = 0x1000u;
-    } else if (ax < 0x33000000u) { /* below 2^-25: rounds to zero */
-        return (uint16_t)sign;
-    } else { /* a subnormal half: units of 2^-24 */
-        const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, shift = 126u - (ax >> 23);
-        h = mant >> shift;
-        rem = mant & ((1u << shift) - 1u);
-        halfway = 1u << (shift - 1u);
-    }
-    if (rem > halfway || (rem == halfway && (h & 1u))) h++; /* a carry may reach the exponent */
-    return (uint16_t)(sign | h);
-}
 
 /* x[i] <- the float value of x[i] rounded to half precision (exactly torch's
  * x.to(float16).float()), for n floats: what a float16 model's residual stream goes through

@@ -67,7 +67,9 @@ __all__ = [
 HERE = Path(__file__).resolve().parent
 SOURCES: tuple[Path, ...] = tuple(HERE / f for f in ("kernels.c", "block.c", "reduce.c",
                                                      "channel.c"))
-"""The C sources of the library (with ``exitlm_native.h``)."""
+"""The C sources of the library."""
+HEADERS: tuple[Path, ...] = (abi.HEADER, HERE / "half.h")
+"""The headers they include: the exports (``exitlm_native.h``) and internal helpers."""
 
 ISAS: tuple[str, ...] = ("avx512", "avx2", "baseline")
 """The installed builds, best first."""
@@ -150,7 +152,7 @@ def source_digest() -> str | None:
     digest of the files' SHA-256 hex digests joined by newlines, as CMakeLists.txt computes it
     for the installed build's record."""
     digests = []
-    for path in (*SOURCES, abi.HEADER):
+    for path in (*SOURCES, *HEADERS):
         try:
             digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
         except OSError:
@@ -209,7 +211,7 @@ def build_dev(cc: str | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
                              check=True).stdout
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in (*SOURCES, abi.HEADER)), " ".join(DEV_CFLAGS).encode(),
+    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join(DEV_CFLAGS).encode(),
                  version.encode(), platform.platform().encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         key.update(part)

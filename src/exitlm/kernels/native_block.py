@@ -282,7 +282,8 @@ def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor
           eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int,
           ids: torch.Tensor | None = None, stop_below: float | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A greedy chain of one float32 sequence in one native call (``exitlm_chain``): from
+    """A greedy chain of one sequence in one native call (``exitlm_chain``; a float16
+    embedding makes a float16 stream, rounded after every block as the blocks do): from
     ``token`` at position ``start``, ``n`` steps through the blocks ``blocks`` (writing
     ``rows``), each followed by the head - RMSNorm (weight ``norm``) and output embedding
     ``head`` - whose argmax is the next step's token. Returns the tokens ``(n,)`` int64 and

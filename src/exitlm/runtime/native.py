@@ -197,22 +197,27 @@ class NativeRunner(Runner):
 
     def _shared_head(self, vocab: int
                      ) -> tuple[torch.Tensor, float, tuple[Any, tuple[torch.Tensor, ...]]] | None:
-        """The final RMSNorm's fp32 weight and eps, and the native description of the first
-        ``vocab`` rows of the output embedding; None for what the native calls do not take
-        (another norm, hooks on it, an fp16 or bf16 head, a sharded head)."""
+        """The final RMSNorm's weight in fp32 and eps, and the native description of the
+        first ``vocab`` rows of the output embedding; None for what the native calls do not
+        take (another norm, hooks on it, a bf16 head, a sharded head). A float16 model's head
+        computes its norm and logits in fp32 from the fp16 state: its drafts' tokens are the
+        eager chain's (which rounds both to fp16) except where two logits tie in fp16."""
         model = self.model
         norm = model.norm
         if (type(norm) is not Norm or norm.kind != "rmsnorm" or norm._forward_hooks
                 or norm._forward_pre_hooks or model.output_layout is not None):
             return None
         w_norm = norm._parameters["weight"]
-        if w_norm is None or w_norm.dtype is not torch.float32 or not w_norm.is_cpu:
+        if (w_norm is None or w_norm.dtype not in (torch.float32, torch.float16)
+                or not w_norm.is_cpu):
             return None
+        if w_norm.dtype is torch.float16:
+            w_norm = w_norm.detach().float()
         weight = model.output_embedding()
         # a ranked draft vocabulary gathers its rows; the first ids are a view of them
         ranked = model.draft_ids(vocab) is not None
         head = weight_struct(self._head_rows(weight, vocab) if ranked else weight[:vocab])
-        if head is None or head[0].fmt == 1:
+        if head is None:
             return None
         return w_norm, norm.eps, head
 
@@ -270,8 +275,8 @@ class NativeRunner(Runner):
                 return None
             w_norm, eps, head = shared
         embed = weight_struct(model.embed_tokens.weight)
-        if embed is None or embed[0].fmt == 1:
-            return None  # float16 models keep a float16 stream
+        if embed is None or (embed[0].fmt == 1) != (self.dtype is torch.float16):
+            return None  # (the call rounds its stream to float16 after a float16 embedding)
         if model.embed_tokens._forward_hooks or model.embed_tokens._forward_pre_hooks:
             return None
         blocks = self._chain_blocks(depth, cache)
