@@ -201,38 +201,42 @@ def _check(rc: int, blocks: Iterable[NativeBlock]) -> None:
         raise RuntimeError(f"native block failed with code {rc}")
 
 
-def _chain_args(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
-                m: int, positions: int) -> tuple[ctypes.Array, int]:
-    """The chain's layers as ``exitlm_layer`` structs (block ``i`` writing ``rows[i]``) and
-    scratch for ``m`` rows attending to ``positions`` positions in the largest block."""
-    lib = blocks[0].lib
-    need = max(lib.exitlm_block_scratch(ctypes.byref(b.dims), m, positions)
-               for b in {b.shape: b for b in blocks}.values())
-    layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v) in zip(blocks, rows,
-                                                                          strict=True)))
-    return layers, blocks[0].scratch.pointer(need)
+class LayerRun:
+    """Consecutive blocks of one sequence as the chain calls take them: the blocks and their
+    ``exitlm_layer`` structs, block ``i`` writing ``rows[i]`` (one cache row's keys and
+    values ``(Hkv, S, hd)``). Made once per range and cache (:class:`~exitlm.runtime.native.
+    NativeRunner` keeps them), so that a step does not rebuild ~50 structs and views."""
+
+    def __init__(self, blocks: list[NativeBlock],
+                 rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.blocks = blocks
+        self.layers = (_Layer * len(blocks))(*(b.layer(k, v) for b, (k, v)
+                                                in zip(blocks, rows, strict=True)))
+        self.distinct = list({b.shape: b for b in blocks}.values())  # one per shape
+
+    def scratch(self, m: int, positions: int) -> int:
+        """Scratch for ``m`` rows attending to ``positions`` positions in the largest block."""
+        first = self.blocks[0]
+        need = max(first.lib.exitlm_block_scratch(ctypes.byref(b.dims), m, positions)
+                   for b in self.distinct)
+        return first.scratch.pointer(need)
 
 
-def run_chain(blocks: list[NativeBlock], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              rows: list[tuple[torch.Tensor, torch.Tensor]], start: int, threads: int
-              ) -> torch.Tensor:
+def run_chain(run: LayerRun, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              start: int, threads: int) -> torch.Tensor:
     """Consecutive blocks of one sequence (float32 or float16 residual stream) in one native
-    call: the output of
-    ``blocks[-1](...blocks[0](h))`` ``(1, M, D)``, block ``i`` writing its keys/values into
-    ``rows[i]`` (one cache row each). ``exitlm_llama_blocks`` runs each layer with the same
-    function as :meth:`NativeBlock.__call__`, so a chain gives the bits of its blocks called
-    one by one, without a Python round trip per layer (~15 us each)."""
-    first = blocks[0]
+    call: the output of ``blocks[-1](...blocks[0](h))`` ``(1, M, D)`` of ``run``, each block
+    writing its keys/values into its cache row. ``exitlm_llama_blocks`` runs each layer with
+    the same function as :meth:`NativeBlock.__call__`, so a chain gives the bits of its blocks
+    called one by one, without a Python round trip per layer (~15 us each)."""
     m = h.shape[1]
     # a float16 model's residual stream: fp32 in each block, rounded to fp16 between blocks
     half = h.dtype == torch.float16
     out, cos, ssin = _inputs(h, rope)
-    lib = first.lib
-    layers, scratch = _chain_args(blocks, rows, m, start + m)
-    rc = lib.exitlm_llama_blocks(out.data_ptr(), m, len(blocks), layers, cos.data_ptr(),
-                                 ssin.data_ptr(), start, scratch, threads,
-                                 int(half))
-    _check(rc, blocks)
+    rc = run.blocks[0].lib.exitlm_llama_blocks(
+        out.data_ptr(), m, len(run.blocks), run.layers, cos.data_ptr(), ssin.data_ptr(), start,
+        run.scratch(m, start + m), threads, int(half))
+    _check(rc, run.blocks)
     return out.to(torch.float16) if half else out
 
 
@@ -276,16 +280,15 @@ def build_native_block(lib: ctypes.CDLL, block: torch.nn.Module, scratch: Scratc
                        reducer)
 
 
-def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
-          token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
+def chain(run: LayerRun, token: int, n: int, tables: tuple[torch.Tensor, torch.Tensor], start: int,
           embed: tuple[_Weight, tuple[torch.Tensor, ...]], norm: torch.Tensor | None,
           eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]] | None, threads: int,
           ids: torch.Tensor | None = None, stop_below: float | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy chain of one sequence in one native call (``exitlm_chain``; a float16
     embedding makes a float16 stream, rounded after every block as the blocks do): from
-    ``token`` at position ``start``, ``n`` steps through the blocks ``blocks`` (writing
-    ``rows``), each followed by the head - RMSNorm (weight ``norm``) and output embedding
+    ``token`` at position ``start``, ``n`` steps through the blocks of ``run``, each
+    followed by the head - RMSNorm (weight ``norm``) and output embedding
     ``head`` - whose argmax is the next step's token. Returns the tokens ``(n,)`` int64 and
     the hidden state after the blocks of every step ``(n + 1, D)``. ``tables``: the model's
     rotary tables, one row of ``head_dim`` per position, covering ``start + n``. With
@@ -298,16 +301,16 @@ def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor
     if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous()
                             or head is None or ids.numel() != head[0].n):
         raise ValueError("chain: ids must be one contiguous int64 id per head row")
-    first = blocks[0]
+    first = run.blocks[0]
     lib = first.lib
     dim = first.dims.dim
-    layers, scratch = _chain_args(blocks, rows, 1, start + n + 1)
+    layers, scratch = run.layers, run.scratch(1, start + n + 1)
     hidden = torch.empty(n + 1, dim, dtype=torch.float32)
     tokens = torch.empty(n, dtype=torch.int64)
     work = torch.empty(dim + (0 if head is None else head[0].n), dtype=torch.float32)
     cos, ssin = tables
     steps = ctypes.c_int64(n)
-    rc = lib.exitlm_chain(token, n, len(blocks), layers, cos.data_ptr(), ssin.data_ptr(),
+    rc = lib.exitlm_chain(token, n, len(run.blocks), layers, cos.data_ptr(), ssin.data_ptr(),
                           start, ctypes.byref(embed[0]),
                           None if norm is None else norm.data_ptr(), eps,
                           None if head is None else ctypes.byref(head[0]),
@@ -315,28 +318,27 @@ def chain(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor
                           0.0 if stop_below is None else float(stop_below),
                           ctypes.byref(steps), hidden.data_ptr(), tokens.data_ptr(),
                           work.data_ptr(), scratch, threads)
-    _check(rc, blocks)
+    _check(rc, run.blocks)
     made = int(steps.value)
     return tokens[:made], hidden[: made + 1]
 
 
-def segments(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Tensor]],
-             hidden: torch.Tensor, q: int, starts: list[int], bounds: list[int],
+def segments(run: LayerRun, hidden: torch.Tensor, q: int, starts: list[int], bounds: list[int],
              stop_prob: float | None, tables: tuple[torch.Tensor, torch.Tensor],
              norm: torch.Tensor, eps: float, head: tuple[_Weight, tuple[torch.Tensor, ...]],
              threads: int) -> tuple[int, int, torch.Tensor | None]:
-    """One position's forward through the whole chain ``blocks`` as segments in one native
+    """One position's forward through the whole chain ``run`` as segments in one native
     call (``exitlm_segments``; EE-LLM Sec. 4 / App. D.3): segment ``i`` runs layers
     ``bounds[i] .. bounds[i+1]`` over positions ``starts[i] .. q`` of ``hidden``
     ``(capacity, D)`` in place; after each inner bound the head (RMSNorm + output embedding
     ``head``) probes row ``q``, and the call stops once its maximum probability reaches
     ``stop_prob`` (None: never). Returns the number of segments run, the bound it stopped at
     (0: none; row ``q`` then holds the last layer's output) and that probe's logits."""
-    first = blocks[0]
+    first = run.blocks[0]
     lib = first.lib
     dim = first.dims.dim
     m = q - min(starts) + 1
-    layers, scratch = _chain_args(blocks, rows, m, q + 1)
+    layers, scratch = run.layers, run.scratch(m, q + 1)
     n = len(starts)
     c_starts = (ctypes.c_int64 * n)(*starts)
     c_bounds = (ctypes.c_int64 * (n + 1))(*bounds)
@@ -348,6 +350,6 @@ def segments(blocks: list[NativeBlock], rows: list[tuple[torch.Tensor, torch.Ten
         2.0 if stop_prob is None else stop_prob, layers, cos.data_ptr(), ssin.data_ptr(),
         norm.data_ptr(), eps, ctypes.byref(head[0]), work.data_ptr(),
         scratch, threads, out)
-    _check(rc, blocks)
+    _check(rc, run.blocks)
     stopped = int(out[1])
     return int(out[0]), stopped, work[dim:] if stopped else None

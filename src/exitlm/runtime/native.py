@@ -24,6 +24,8 @@ bits.
 from __future__ import annotations
 
 import ctypes
+import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch
 from exitlm.kernels import native
 from exitlm.kernels.blas import BLAS
 from exitlm.kernels.native_block import (
+    LayerRun,
     NativeBlock,
     Scratch,
     build_native_block,
@@ -81,6 +84,7 @@ class NativeRunner(Runner):
         self.blocks: list[NativeBlock | None] = [
             build_native_block(lib, layer, self.scratch) if type(layer) is Block else None
             for layer in model.layers]
+        self._runs: dict[tuple[int, int], tuple[LayerRun, list[Any], list[int]]] = {}
 
     def enable_row_products(self, sequences: int = 1) -> None:
         """Packed copies only where eager products of several rows will run: for batches of
@@ -111,9 +115,7 @@ class NativeRunner(Runner):
             while j < end and self._serves(j, cache):
                 j += 1
             if j > i:  # layers [i, j) in one call
-                blocks = [self.blocks[k] for k in range(i, j)]
-                rows = [(cache.keys[k][0], cache.values[k][0]) for k in range(i, j)]
-                h = run_chain(blocks, h, rope, rows, p0, _threads())  # type: ignore[arg-type]
+                h = run_chain(self._layer_run(i, j, cache), h, rope, p0, _threads())
                 fill = cache.fill[i:j]
                 fill.clamp_(min=p0 + m)
                 i = j
@@ -159,16 +161,35 @@ class NativeRunner(Runner):
             return nb is not None and nb.serves(block, cache, layer)
         return True
 
-    def _chain_blocks(self, end: int, cache: KVCache
-                      ) -> tuple[list[NativeBlock], list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """The native calls of layers ``[0, end)`` and their cache rows, or None unless every
-        one serves ``cache``."""
+    def _chain_blocks(self, end: int, cache: KVCache) -> LayerRun | None:
+        """The native calls of layers ``[0, end)`` on ``cache``, or None unless every one
+        serves it."""
         serves = self._serves
         for i in range(end):
             if not serves(i, cache):
                 return None
-        return ([self.blocks[i] for i in range(end)],  # type: ignore[misc]
-                [(cache.keys[i][0], cache.values[i][0]) for i in range(end)])
+        return self._layer_run(0, end, cache)
+
+    def _layer_run(self, a: int, b: int, cache: KVCache) -> LayerRun:
+        """Layers ``[a, b)`` (each served) writing ``cache``'s row 0: the one made for them
+        before while the same blocks write the same cache tensors at the same addresses
+        (a decoding step would otherwise rebuild ~50 structs and tensor views)."""
+        tensors = [*cache.keys[a:b], *cache.values[a:b]]
+        blocks = self.blocks[a:b]
+        ptrs = [t.data_ptr() for t in tensors]
+        got = self._runs.get((a, b))
+        if got is not None:
+            run, refs, old_ptrs = got
+            if (old_ptrs == ptrs and all(map(operator.is_, run.blocks, blocks))
+                    and all(r() is t for r, t in zip(refs, tensors, strict=True))):
+                return run
+        run = LayerRun(blocks,  # type: ignore[arg-type]
+                       [(k[0], v[0]) for k, v in zip(cache.keys[a:b], cache.values[a:b],
+                                                     strict=True)])
+        if len(self._runs) >= 32:  # ranges and caches come and go
+            self._runs.clear()
+        self._runs[(a, b)] = (run, [weakref.ref(t) for t in tensors], ptrs)
+        return run
 
     def _tables(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The float32 rotary tables ``(N, 1, hd)`` covering position ``last``."""
@@ -279,14 +300,14 @@ class NativeRunner(Runner):
             return None  # (the call rounds its stream to float16 after a float16 embedding)
         if model.embed_tokens._forward_hooks or model.embed_tokens._forward_pre_hooks:
             return None
-        blocks = self._chain_blocks(depth, cache)
+        run = self._chain_blocks(depth, cache)
         tables = self._tables(start + n)
-        if blocks is None or tables is None:
+        if run is None or tables is None:
             return None
         ids = model.draft_ids(vocab) if n else None
         if ids is not None and ids.dtype != torch.int64:
             return None
-        out = chain(blocks[0], blocks[1], token, n, tables, start, embed,  # type: ignore[arg-type]
+        out = chain(run, token, n, tables, start, embed,  # type: ignore[arg-type]
                     w_norm, eps, head, _threads(),
                     None if ids is None else ids.contiguous(), stop_below if n else None)
         fill = cache.fill[:depth]
@@ -322,16 +343,16 @@ class NativeRunner(Runner):
         if not self._native_steps(bounds[1:-1], cache, q + 1):
             return None
         shared = self._shared_head(model.config.vocab_size)
-        blocks = self._chain_blocks(model.num_layers, cache)
+        run = self._chain_blocks(model.num_layers, cache)
         tables = self._tables(q)
-        if shared is None or blocks is None or tables is None:
+        if shared is None or run is None or tables is None:
             return None
         fill_old = cache.fill.clone()
         row[q] = self.embed(tokens[:, None], torch.tensor([[q]]))[0, 0]
         w_norm, eps, head = shared
         ran, stopped, exit_logits = segments(
-            blocks[0], blocks[1], row, q, starts, bounds, thresholds[0],  # type: ignore[arg-type]
-            tables, w_norm, eps, head, _threads())
+            run, row, q, starts, bounds, thresholds[0], tables, w_norm, eps,
+            head, _threads())  # type: ignore[arg-type]
         evals = recomputed = 0
         for a, e, s in zip(bounds[:ran], bounds[1 : ran + 1], starts, strict=False):
             m = q - s + 1
