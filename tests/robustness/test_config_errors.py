@@ -11,7 +11,8 @@ import yaml
 from _robust_util import assert_clean_error, cli, cli_subprocess, run_config
 
 from exitlm.config import ConfigError, ModelConfig
-from exitlm.train.config import load_config
+from exitlm.train.config import TrainConfig, load_config
+from exitlm.train.presets import PRESETS
 
 BAD_OVERRIDES = [
     ("train.steps=abc", ["train.steps", "'abc'"]),
@@ -233,3 +234,14 @@ def test_plan_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     f.write_bytes(b"\xff\xfe binary")
     res = cli(["plan", "pipeline", "--stages", "2", "--microbatches", "2", "--model", f], capsys)
     assert_clean_error(res, str(f), "invalid JSON")
+
+
+def test_preset_name_beside_a_folder_of_that_name(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--config tiny`` is the preset, also where the working directory holds a folder
+    named ``tiny`` (a run's output, say)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    assert load_config("tiny").to_dict() == TrainConfig.from_dict(PRESETS["tiny"]).to_dict()
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(str(tmp_path / "tiny"))

@@ -249,10 +249,10 @@ def load_config(source: str | None, overrides: list[str] | None = None) -> Train
                     raise ConfigError(f"{path}: unknown preset {base!r}; "
                                       f"choose one of {sorted(PRESETS)}")
                 d = _merge(copy.deepcopy(PRESETS[base]), d)
+        elif source in PRESETS:  # (also beside a folder of that name)
+            d = copy.deepcopy(PRESETS[source])
         elif path.exists():
             raise ConfigError(f"--config {source!r} is not a file")
-        elif source in PRESETS:
-            d = copy.deepcopy(PRESETS[source])
         else:
             raise ConfigError(f"--config {source!r} is neither a file nor a preset "
                               f"({sorted(PRESETS)})")
