@@ -90,3 +90,22 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
                          timeout=600, cwd=REPO)
     assert bad.returncode != 0 and f"{shard.name}: sha256" in bad.stderr
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.slow
+def test_a_run_out_of_time_stops_early_and_still_hands_back_a_model(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "EXITLM_NATIVE": "0",
+           "EXITLM_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "OUT"
+    # a budget already spent when training starts: the first chunk runs, then the run stops
+    train = _run(["train", "--out", str(out), "--budget-s", "1", "--reserve-s", "0",
+                  "--roots", str(tiny_corpus(tmp_path)), "--min-steps", "50",
+                  "--calibrate-steps", "2", "--export-every-s", "0.001", "--eval-samples", "4",
+                  "--set", f"model.overrides={TOY}", "--set", "data.seq_len=32",
+                  "--set", "train.batch_size=2", "--set", "data.val_fraction=0.2"], env)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    assert "out of time" in train.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["train"]["stopped_early"]
+    assert 0 < report["train"]["steps_done"] < 50 == report["train"]["steps_planned"]
+    assert load_model(out / "layerskip_code").model.config.num_layers == 4
