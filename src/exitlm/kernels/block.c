@@ -81,6 +81,43 @@ typedef float v8u __attribute__((vector_size(32), aligned(4))); /* unaligned loa
 
 static inline v8f load8(const float *p) { return *(const v8u *)p; }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f splat8(float c) { return (v8f){c, c, c, c, c, c, c, c}; }
+
+/* e^x in eight lanes, the same bits in every build (and for one value in lane 0 as for it
+ * among seven others): Cephes' expf - n = floor(x log2 e + 1/2), r = x - n ln 2 in two
+ * parts (Cody-Waite), a degree-7 polynomial in r (relative error ~1e-7), times 2^n built in
+ * the exponent bits. Below -87 it returns 0 (e^-87 ~ 1.6e-38: nothing a softmax weight or a
+ * SiLU keeps); above 88 it saturates at e^88; a NaN stays NaN. libm's expf is a scalar call
+ * per value, the attention's softmax and the MLP's SiLU call it for every position and every
+ * hidden unit. */
+static inline v8f exp8(v8f x) {
+    const v8i tiny = x < splat8(-87.0f);
+    const v8i big = x > splat8(88.0f);
+    x = (v8f)(((v8i)x & ~big) | ((v8i)splat8(88.0f) & big));
+    x = (v8f)(((v8i)x & ~tiny) | ((v8i)splat8(-87.0f) & tiny));
+    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
+    v8i n = __builtin_convertvector(fx, v8i); /* truncation; floor below */
+    n += (v8i)(__builtin_convertvector(n, v8f) > fx);  /* -1 where truncation rounded up */
+    const v8f fn = __builtin_convertvector(n, v8f);
+    x = x - fn * splat8(0.693359375f);
+    x = x - fn * splat8(-2.12194440e-4f);
+    const v8f z = x * x;
+    v8f y = splat8(1.9875691500e-4f);
+    y = y * x + splat8(1.3981999507e-3f);
+    y = y * x + splat8(8.3334519073e-3f);
+    y = y * x + splat8(4.1665795894e-2f);
+    y = y * x + splat8(1.6666665459e-1f);
+    y = y * x + splat8(5.0000001201e-1f);
+    y = y * z + x + splat8(1.0f);
+    const v8f scale = (v8f)((n + 127) << 23);
+    return (v8f)((v8i)(y * scale) & ~tiny);
+}
+
+/* exp8 of one value. */
+static inline float exp1(float x) { return exp8(splat8(x))[0]; }
+
 /* dot()'s tree over the eight lanes of one partial-sum vector. */
 static inline float tree8(v8f s) {
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
@@ -211,10 +248,11 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
             const float *vh = vc + (hh / group) * head_stride;
             const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
             float total = 0.0f;
-            for (int64_t t = 0; t < n_pos; t++) {
-                scores[t] = expf(scores[t] - mx);
-                total += scores[t];
-            }
+            int64_t t = 0;
+            for (; t + 8 <= n_pos; t += 8)
+                *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
+            for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
+            for (t = 0; t < n_pos; t++) total += scores[t];
             float *o = att + m * H * hd + hh * hd;
             attention_values(scores, vh, n_pos, hd, o);
             const float inv = 1.0f / total;
@@ -229,7 +267,12 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * 2 * F, *u = g + F;
         float *a = act + m * F;
-        for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        int64_t j = 0;
+        for (; j + 8 <= F; j += 8) {
+            const v8f gj = load8(g + j);
+            *(v8u *)(a + j) = gj / (splat8(1.0f) + exp8(-gj)) * load8(u + j);
+        }
+        for (; j < F; j++) a[j] = g[j] / (1.0f + exp1(-g[j])) * u[j];
     }
     if ((rc = product(w_out, act, tmp, M, nthreads)) != 0) return rc;
     if (red != NULL && (rc = exitlm_reduce_sum(red, tmp, M * D)) != 0) return rc;
