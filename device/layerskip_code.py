@@ -315,12 +315,15 @@ def train(args: argparse.Namespace) -> int:
     report["train"]["stopped_early"] = stopped_early
     with (work / "run" / "log.jsonl").open(encoding="utf-8") as f:
         report["train"]["evals"] = [r for r in map(json.loads, f) if r.get("split") == "val"]
-    target = export()
+    target = out / MODEL_DIR  # (exported after the last chunk)
 
-    # evaluation of the shipped (fp16-rounded) weights, on held-out windows
+    # evaluation of the shipped weights (rounded to fp16; buffers such as the rotary
+    # frequencies are not saved, the loader recomputes them in fp32), on held-out windows
     t0 = time.monotonic()
-    model = trainer.layout.host_model()
-    model = model.to(torch.float16).to(torch.float32).eval()
+    model = trainer.layout.host_model().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
     val = trainer.val_data
     batches = list(eval_batches(val, 32, args.eval_samples))
     from exitlm.infer.per_exit import evaluate_exits

@@ -197,9 +197,9 @@ def _native_shard(rank: int, world: int, port: int, root: str, kind: str) -> Non
         calls = [0]
         plain_chain = native_runner.run_chain
 
-        def counted(blocks: list[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-            calls[0] += len(blocks)  # blocks run by native calls
-            return plain_chain(blocks, *args, **kwargs)
+        def counted(run: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[0] += len(run.blocks)  # blocks run by native calls
+            return plain_chain(run, *args, **kwargs)
 
         native_runner.run_chain = counted  # type: ignore[assignment]  # this process only
         runner = prepare(shard_model(_model(kind), rank, world, timeout_s=30.0),
