@@ -67,3 +67,16 @@ def test_bad_model_is_one_line() -> None:
         assert proc.returncode == 2, script
         assert "Traceback" not in proc.stderr and "'nosuchmodel'" in proc.stderr, script
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_self_spec_ceiling_accepts_every_draft() -> None:
+    """Layers after the exit add nothing, so every draft is accepted and the output is plain
+    decoding's, in fp32 and fp16 (the benchmark exits non-zero otherwise)."""
+    for dtype in ("float32", "float16"):
+        out = _run("self_spec_ceiling.py", "--layers", "4", "--dim", "32", "--heads", "2",
+                   "--hidden", "64", "--exit-layer", "2", "--drafts", "3", "--contexts", "5,40",
+                   "--new-tokens", "12", "--repeats", "1", "--dtype", dtype)
+        assert [r["context"] for r in out["results"]] == [5, 40]
+        for r in out["results"]:
+            assert r["identical"] and r["acceptance"] == 1.0, r
+            assert r["ar_tokens_per_s"] > 0 and r["self_spec_tokens_per_s"] > 0
