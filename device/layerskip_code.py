@@ -364,6 +364,8 @@ def ship(args: argparse.Namespace) -> int:
             sys.exit(f"{model_src / name}: sha256 {got} differs from the report's "
                      f"{info['sha256']} (a partial copy?)")
     weight_files(model_src)  # every shard present
+    report["stdlib_agreement"] = stdlib_agreement(load_model(str(model_src)).model)
+    report["shipped_with_python"] = platform.python_version()
     target = Path(args.to)
     with atomic_dir(target, overwrite=args.overwrite) as tmp:
         for p in sorted(model_src.iterdir()):
@@ -373,13 +375,34 @@ def ship(args: argparse.Namespace) -> int:
         tok.save(tmp)
         (tmp / "training.json").write_text(json.dumps(
             {k: report[k] for k in ("machine", "model", "corpus", "calibration", "config", "train",
-                                    "exits", "self_spec", "total_s") if k in report},
-            indent=1) + "\n", encoding="utf-8")
+                                    "exits", "stdlib_agreement", "shipped_with_python",
+                                    "self_spec", "total_s")
+             if k in report}, indent=1) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(model_card(report), encoding="utf-8")
     loaded = load_model(str(target))
     print(f"shipped {target} ({sum(p.stat().st_size for p in target.iterdir()) / 1e6:.1f} MB, "
           f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters)")
     return 0
+
+
+AGREEMENT_FILES, AGREEMENT_BYTES = 16, 1025
+
+
+def stdlib_agreement(model: Any) -> dict[str, float]:
+    """How often each layer's exit (through the shared final norm and head) picks the final
+    layer's token on this machine's held-out standard-library files (the first
+    :data:`AGREEMENT_FILES` held-out files of over :data:`AGREEMENT_BYTES` bytes, teacher
+    forced): the rates the model card documents, checked by the tests on a few of them."""
+    import torch
+
+    from exitlm.infer.per_exit import evaluate_exits
+    from exitlm.io.corpus import DataConfig, held_out_samples
+
+    windows = held_out_samples(DataConfig(), AGREEMENT_FILES, AGREEMENT_BYTES)
+    tokens = torch.tensor([list(w) for w in windows])
+    metrics = evaluate_exits(model, [(tokens[:, :-1], tokens[:, 1:])],
+                             range(1, model.num_layers + 1))
+    return {str(m.layer): m.agree_top1 for m in metrics}
 
 
 def model_card(report: dict[str, Any]) -> str:
@@ -448,7 +471,17 @@ def model_card(report: dict[str, Any]) -> str:
                   "|---|" + "---|" * len(exits),
                   "| perplexity | " + " | ".join(f"{e['ppl']:.2f}" for e in exits) + " |",
                   "| top-1 = final | " + " | ".join(f"{e['agree_top1']:.0%}" for e in exits)
-                  + " |", ""]
+                  + " |"]
+        here = report.get("stdlib_agreement", {})
+        if here:
+            lines.append("| top-1 = final, held-out stdlib | " + " | ".join(
+                f"{here.get(str(e['layer']), float('nan')):.0%}" for e in exits) + " |")
+        lines += ["", "Perplexity and the first agreement row: held-out windows of the training "
+                  "corpus; the last row: teacher forced over the first "
+                  f"{AGREEMENT_FILES} held-out files of the Python "
+                  f"{report.get('shipped_with_python', '?')} standard library "
+                  f"({AGREEMENT_BYTES - 1} bytes each), which "
+                  "`tests/io/test_shipped_layerskip_code.py` checks.", ""]
     spec = report.get("self_spec", {})
     if spec:
         best = sorted(spec.values(), key=lambda r: -r["ideal_speedup"])[:5]

@@ -123,3 +123,14 @@ def test_packages_inside_the_stdlib_folder_are_skipped(tmp_path: Path,
     # any other folder keeps its site-packages (it is what the user asked for)
     other = [k for k, _ in list_sources(DataConfig(paths=(str(lib / "site-packages"),)))]
     assert other == ["torch/nn.py"]
+
+
+def test_held_out_samples_are_held_out_prefixes(tmp_path: Path) -> None:
+    from exitlm.io.corpus import held_out_samples, is_held_out
+
+    cfg = DataConfig(paths=(str(_corpus(tmp_path)),), val_fraction=0.5)
+    got = held_out_samples(cfg, 3, 40)
+    want = [p.read_bytes()[:40] for k, p in list_sources(cfg)
+            if p.suffix != ".jsonl" and is_held_out(k, 0.5, 0)][:3]
+    assert got == want and len(got) == 3 and all(len(x) == 40 for x in got)
+    assert held_out_samples(cfg, 3, 10**6) == []  # no file that long

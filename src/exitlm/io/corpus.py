@@ -110,6 +110,21 @@ def is_held_out(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
+def held_out_samples(cfg: DataConfig, n: int, nbytes: int) -> list[bytes]:
+    """The first ``nbytes`` bytes of the first ``n`` held-out files of ``cfg``'s corpus that
+    are longer than that (in the corpus' order): the same samples on every machine with the
+    same files, never trained on by a run over this corpus."""
+    out: list[bytes] = []
+    for key, path in list_sources(cfg):
+        if len(out) == n:
+            break
+        if path.suffix != ".jsonl" and is_held_out(key, cfg.val_fraction, cfg.seed):
+            data = path.read_bytes()
+            if len(data) > nbytes:
+                out.append(data[:nbytes])
+    return out
+
+
 def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
     """``(0-based line number, decoded JSON value)`` per non-blank line of a JSONL file;
     a line that is not JSON raises :class:`ConfigError` naming the file and line. ``errors``:
