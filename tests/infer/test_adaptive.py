@@ -131,6 +131,31 @@ def test_planner_follows_measured_times() -> None:
     assert planner.plan(rates, [30], [None]).exit_layer is not None
 
 
+def test_measured_rounds_price_their_shape_and_scale_the_untried_ones() -> None:
+    """A round's measured time prices its own (E, d) from then on; the other shapes are
+    modelled times the measured/modelled ratio, of which a probe forgets only a tenth - so a
+    model timed too optimistically (a scratch cache, hot caches) does not send the planner back
+    to losing rounds after every probe."""
+    planner = _planner(FakeCosts())
+    rates = [{2: 0.8, 4: 0.85, 6: 0.9}]
+    plan = planner.plan(rates, [30], [None])
+    e, d = plan.exit_layer, plan.drafts[0]
+    assert e is not None
+    tokens = expected_tokens(rates[0][e], d)
+    head = planner.round_cost(e, d, 1, tokens) - planner.round_cost(e, d, 1, 0.0)  # lazy head
+    modelled = planner.round_cost(e, d, 1, 0.0)
+    planner.timed_round(e, d, 1, tokens, 3 * modelled + head)
+    assert planner.round_cost(e, d, 1, 0.0) == pytest.approx(3 * modelled)
+    other = next((x, y) for x in (2, 4, 6) for y in range(1, 9) if (x, y) != (e, d))
+    before = planner._modelled(*other, 1)
+    assert planner.round_cost(*other, 1, 0.0) == pytest.approx(3 * before)
+    assert planner.plan(rates, [30], [None]).exit_layer is None  # nothing pays at 3x
+    planner.probed(planner.plan(rates, [30], [None]))
+    assert planner.round_cost(*other, 1, 0.0) == pytest.approx(before * (1 + 0.9 * 2))
+    assert planner.round_cost(e, d, 1, 0.0) == pytest.approx(3 * modelled)  # measured: kept
+    assert planner.plan(rates, [30], [None]).exit_layer is None
+
+
 def test_probe_interval_backs_off_and_returns() -> None:
     planner = _planner(FakeCosts())
     far = planner.plan([{2: 0.0, 4: 0.0, 6: 0.0}], [30], [None])
