@@ -14,6 +14,10 @@ context (attention reads the cache), so the ratio is reported per length.
 
     python benchmarks/self_spec_ceiling.py --threads 1
     python benchmarks/self_spec_ceiling.py --dtype float16 --exit-layer 6 --drafts 4
+
+``--scale S`` multiplies those projections by ``S`` instead of zeroing them (drafts then fail
+more often: with ``S = 1`` the layers are as random as the others), and ``--save DIR`` writes
+the model in exitlm's format, e.g. for ``benchmarks/adaptive_self_spec.py --model DIR``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int_at_least(1), default=100)
     p.add_argument("--repeats", type=int_at_least(1), default=3)
     p.add_argument("--threads", type=int_at_least(1), default=1)
+    p.add_argument("--scale", type=float, default=0.0,
+                   help="the output projections after the exit times this (default 0)")
+    p.add_argument("--save", default=None, metavar="DIR", help="also write the model here")
     args = p.parse_args(argv)
+    if not 0.0 <= args.scale <= 10.0:
+        p.error(f"--scale must lie in [0, 10], got {args.scale}")
     if args.exit_layer >= args.layers:
         p.error(f"--exit-layer must be below --layers ({args.layers}), got {args.exit_layer}")
     if args.dim % args.heads:
@@ -71,8 +80,8 @@ def _model(args: argparse.Namespace):  # -> EarlyExitLM
             if p.dim() == 2:
                 p.normal_(0, 0.08)
         for layer in model.layers[args.exit_layer:]:  # no contribution after the exit
-            layer.attn.wo.weight.zero_()
-            layer.mlp.w_out.weight.zero_()
+            layer.attn.wo.weight.mul_(args.scale)
+            layer.mlp.w_out.weight.mul_(args.scale)
     if args.dtype == "float16":
         return model.half()
     if args.dtype in ("int8", "int4"):
@@ -88,6 +97,11 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(args.threads)
     model = _model(args)
+    if args.save:
+        from exitlm.infer.cli import byte_level_tokenizer
+        from exitlm.io import save_model
+
+        save_model(model, args.save, byte_level_tokenizer() if args.vocab >= 256 else None)
     kw = {"max_new_tokens": args.new_tokens, "threads": args.threads, "ignore_eos": True}
     spec = {"strategy": "self-spec", "exit_layer": args.exit_layer,
             "num_speculations": args.drafts}
@@ -114,10 +128,11 @@ def main(argv: list[str]) -> int:
               "shape": {k: getattr(args, k) for k in ("layers", "dim", "heads", "hidden",
                                                      "vocab")},
               "dtype": args.dtype, "exit_layer": args.exit_layer, "drafts": args.drafts,
+              "scale": args.scale,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
               "results": rows}
     print(json.dumps(report, indent=1))
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r["identical"] for r in rows) else 1  # (acceptance < 1 when scale > 0)
 
 
 if __name__ == "__main__":
