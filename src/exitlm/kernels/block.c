@@ -60,18 +60,8 @@ static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, 
     return weight_product(w, x, y, M, nthreads, act8);
 }
 
-/* sum_i a[i] * b[i] with eight partial sums combined in a fixed tree. */
-static float dot(const float *a, const float *b, int64_t n) {
-    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) s[i & 7] += a[i] * b[i];
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
-/* ---- Attention over the cache -----------------------------------------------------------
- * The same arithmetic as the plain loops (dot() per position; o[i] += p_t * v_t[i] in order
+/* ---- Vectors, dot products and attention over the cache ---------------------------------
+ * Attention keeps the arithmetic of the plain loops (dot() per position; o[i] += p_t * v_t[i] in order
  * of t from o = 0), laid out for the processor: a query meets four positions at once (four
  * independent sums instead of one chain of dependent adds), and the output's 64 floats stay
  * in registers over all positions instead of a load and store per position. Lanes of GCC's
@@ -118,9 +108,18 @@ static inline v8f exp8(v8f x) {
 /* exp8 of one value. */
 static inline float exp1(float x) { return exp8(splat8(x))[0]; }
 
-/* dot()'s tree over the eight lanes of one partial-sum vector. */
+/* The fixed tree over the eight lanes of one partial-sum vector. */
 static inline float tree8(v8f s) {
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+/* sum_i a[i] * b[i] with eight partial sums (lane i mod 8) combined in tree8's fixed tree. */
+static float dot(const float *a, const float *b, int64_t n) {
+    v8f s = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s += load8(a + i) * load8(b + i);
+    for (; i < n; i++) s[i & 7] += a[i] * b[i];
+    return tree8(s);
 }
 
 /* scores[t] = dot(q, k_t) * scale for t < n (k_t = k + t * hd); returns their maximum. */
@@ -157,7 +156,7 @@ static void attention_values(const float *p, const float *v, int64_t n, int64_t 
         v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t t = 0; t < n; t++) {
             const float *vt = v + t * hd + i;
-            const v8f pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
+            const v8f pt = splat8(p[t]);
             a0 += pt * load8(vt);
             a1 += pt * load8(vt + 8);
             a2 += pt * load8(vt + 16);
