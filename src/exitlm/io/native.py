@@ -12,7 +12,6 @@ name). Writes go to a temporary directory that replaces the target in one ``os.r
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import ExitlmError
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import (
+    SHARD_NAME,
     atomic_dir,
     open_safetensors,
     read_json,
@@ -38,8 +38,6 @@ EXITS_WEIGHTS = "exitlm_exits.safetensors"
 """A Hugging Face export's exit heads, beside the backbone's weights (:mod:`exitlm.io.save`)."""
 EXITS_CONFIG = "exitlm_exits.json"
 WEIGHTS = "model.safetensors"
-SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-"""The name of one shard of a sharded exitlm directory (1-based index, count)."""
 
 
 def is_native_dir(path: Path) -> bool:
@@ -116,7 +114,7 @@ def weight_files(path: Path) -> list[Path]:
     except OSError as err:
         raise CheckpointError(f"{path}: cannot list the directory ({err.strerror})") from None
     for name in names:
-        m = SHARD_PATTERN.fullmatch(name)
+        m = SHARD_NAME.fullmatch(name)
         if m is not None:
             found[int(m.group(1))] = int(m.group(2))
     if not found:

@@ -138,8 +138,8 @@ EXITLM_FILES = frozenset({
     "exitlm_exits.safetensors", "exitlm_exits.json", "exits.json", "exits.safetensors",
     "exitlm_train.json", "optimizer.safetensors", "state.json",
 })
-SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-"""A shard of a sharded exitlm directory (:mod:`exitlm.io.native`)."""
+SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+"""A shard of a sharded exitlm directory (:mod:`exitlm.io.native`): 1-based index, count."""
 
 
 def check_replaceable(target: Path, overwrite: bool = False) -> None:
