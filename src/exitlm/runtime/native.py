@@ -164,10 +164,8 @@ class NativeRunner(Runner):
     def _chain_blocks(self, end: int, cache: KVCache) -> LayerRun | None:
         """The native calls of layers ``[0, end)`` on ``cache``, or None unless every one
         serves it."""
-        serves = self._serves
-        for i in range(end):
-            if not serves(i, cache):
-                return None
+        if not all(self._serves(i, cache) for i in range(end)):
+            return None
         return self._layer_run(0, end, cache)
 
     def _layer_run(self, a: int, b: int, cache: KVCache) -> LayerRun:
