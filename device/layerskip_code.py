@@ -24,7 +24,6 @@ Run from the repository root with ``PYTHONPATH=src`` where exitlm is not install
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -64,20 +63,17 @@ def log(msg: str) -> None:
 
 # ----- corpus ----------------------------------------------------------------------------------
 
-def py_bytes(root: Path) -> int:
-    total = 0
-    for p in root.rglob("*.py"):
-        with contextlib.suppress(OSError):
-            total += p.stat().st_size
-    return total
-
-
-def stdlib_bytes() -> int:
-    """The standard library's ``*.py`` bytes (without the packages installed inside its
-    folder, as the corpus reads it)."""
+def py_bytes(root: Path | None = None) -> int:
+    """The ``*.py`` bytes the corpus reads under ``root`` (``None``: the standard library,
+    without the packages installed inside its folder)."""
+    from exitlm.config import ConfigError
     from exitlm.io.corpus import DataConfig, list_sources
 
-    return sum(p.stat().st_size for _, p in list_sources(DataConfig()))
+    cfg = DataConfig() if root is None else DataConfig(paths=(str(root),), suffixes=(".py",))
+    try:
+        return sum(p.stat().st_size for _, p in list_sources(cfg))
+    except ConfigError:  # no *.py there
+        return 0
 
 
 def package_roots(max_bytes: int) -> tuple[list[Path], dict[str, int]]:
@@ -95,7 +91,7 @@ def package_roots(max_bytes: int) -> tuple[list[Path], dict[str, int]]:
                 found[entry.name] = entry
     order = [n for n in PREFERRED if n in found]
     order += sorted(n for n in found if n not in PREFERRED)
-    sizes = {"<stdlib>": stdlib_bytes()}
+    sizes = {"<stdlib>": py_bytes()}
     total = sizes["<stdlib>"]
     roots: list[Path] = []
     for name in order:
@@ -187,6 +183,7 @@ def train(args: argparse.Namespace) -> int:
 
     from exitlm.io.corpus import stdlib_root
     from exitlm.io.native import save_native
+    from exitlm.io.st import write_text_atomic
     from exitlm.train.config import load_config
     from exitlm.train.data import eval_batches, prepare
     from exitlm.train.trainer import Trainer
@@ -202,15 +199,13 @@ def train(args: argparse.Namespace) -> int:
     log(f"machine: {report['machine']}")
 
     def write_report() -> None:
-        tmp = out / f".{REPORT}.tmp"
-        tmp.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, out / REPORT)
+        write_text_atomic(out / REPORT, json.dumps(report, indent=1) + "\n")
 
     # corpus: the standard library + installed packages' *.py, capped
     stdlib = stdlib_root()
     if args.roots:
         roots = [Path(r) for r in args.roots]
-        sizes = {"<stdlib>": stdlib_bytes(), **{r.name: py_bytes(r) for r in roots}}
+        sizes = {"<stdlib>": py_bytes(), **{r.name: py_bytes(r) for r in roots}}
     else:
         roots, sizes = package_roots(int(args.max_corpus_mb * 1e6))
     paths = [str(stdlib), *map(str, roots)]

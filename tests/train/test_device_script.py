@@ -33,23 +33,35 @@ BLOCKED_RUN = (
 TOY = "{dim: 32, num_layers: 4, num_heads: 2, num_kv_heads: 2, hidden_dim: 64, max_seq_len: 256}"
 
 
-def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), *args], env=env,
+def _env(tmp_path: Path) -> dict[str, str]:
+    """exitlm from the source tree, no native kernels, a cache of the test's own."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "EXITLM_NATIVE": "0",
+            "EXITLM_CACHE": str(tmp_path / "cache")}
+
+
+def _train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``train --out tmp_path/OUT`` of the toy model on a tiny corpus, as the GPU machine runs
+    it (the packages it lacks blocked), with ``args``."""
+    toy = ["--roots", str(tiny_corpus(tmp_path)), "--set", f"model.overrides={TOY}",
+           "--set", "data.seq_len=32", "--set", "data.val_fraction=0.2"]
+    return subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), "train", "--out",
+                           str(tmp_path / "OUT"), *toy, *args], env=_env(tmp_path),
                           capture_output=True, text=True, timeout=900, cwd=REPO)
+
+
+def _ship(tmp_path: Path, to: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), "ship", str(tmp_path / "OUT"), "--to",
+                           str(to)], env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
 
 
 @pytest.mark.slow
 def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "EXITLM_NATIVE": "0",
-           "EXITLM_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "OUT"
-    train = _run(["train", "--out", str(out), "--budget-s", "120", "--reserve-s", "20",
-                  "--roots", str(tiny_corpus(tmp_path)), "--max-steps", "8",
-                  "--calibrate-steps", "3", "--export-every-s", "0.01", "--eval-samples", "8",
-                  "--shard-bytes", "30000", "--set", f"model.overrides={TOY}",
-                  "--set", "data.seq_len=32", "--set", "train.batch_size=4",
-                  "--set", "data.val_fraction=0.2", "--set", "train.eval_every=4",
-                  "--set", "train.eval_samples=4"], env)
+    train = _train(tmp_path, "--budget-s", "120", "--reserve-s", "20", "--max-steps", "8",
+                   "--calibrate-steps", "3", "--export-every-s", "0.01", "--eval-samples", "8",
+                   "--shard-bytes", "30000", "--set", "train.batch_size=4",
+                   "--set", "train.eval_every=4", "--set", "train.eval_samples=4")
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
     assert "calibration:" in train.stdout and "done in" in train.stdout
 
@@ -68,8 +80,7 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert len(weight_files(out / "layerskip_code")) >= 2  # sharded
 
     shipped = tmp_path / "shipped"
-    ship = subprocess.run([sys.executable, str(SCRIPT), "ship", str(out), "--to", str(shipped)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    ship = _ship(tmp_path, shipped)
     assert ship.returncode == 0, ship.stderr[-3000:]
     card = (shipped / "README.md").read_text()
     assert "4-layer byte-level model" in card and "| perplexity |" in card
@@ -85,24 +96,18 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     # a damaged copy is refused by name
     shard = weight_files(out / "layerskip_code")[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\1")
-    bad = subprocess.run([sys.executable, str(SCRIPT), "ship", str(out), "--to",
-                          str(tmp_path / "again")], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=REPO)
+    bad = _ship(tmp_path, tmp_path / "again")
     assert bad.returncode != 0 and f"{shard.name}: sha256" in bad.stderr
     assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.slow
 def test_a_run_out_of_time_stops_early_and_still_hands_back_a_model(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "EXITLM_NATIVE": "0",
-           "EXITLM_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "OUT"
     # a budget already spent when training starts: the first chunk runs, then the run stops
-    train = _run(["train", "--out", str(out), "--budget-s", "1", "--reserve-s", "0",
-                  "--roots", str(tiny_corpus(tmp_path)), "--min-steps", "50",
-                  "--calibrate-steps", "2", "--export-every-s", "0.001", "--eval-samples", "4",
-                  "--set", f"model.overrides={TOY}", "--set", "data.seq_len=32",
-                  "--set", "train.batch_size=2", "--set", "data.val_fraction=0.2"], env)
+    train = _train(tmp_path, "--budget-s", "1", "--reserve-s", "0", "--min-steps", "50",
+                   "--calibrate-steps", "2", "--export-every-s", "0.001", "--eval-samples", "4",
+                   "--set", "train.batch_size=2")
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
     assert "out of time" in train.stdout
     report = json.loads((out / "report.json").read_text())
