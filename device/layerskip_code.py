@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from exitlm.args import finite_float, int_at_least  # (torch-free)
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "layerskip-code.yaml"
 MODEL_DIR = "layerskip_code"
@@ -209,13 +211,14 @@ def train(args: argparse.Namespace) -> int:
     else:
         roots, sizes = package_roots(int(args.max_corpus_mb * 1e6))
     paths = [str(stdlib), *map(str, roots)]
-    # the trainer's own files stay outside --out: only the model and the report come back
-    work = Path(tempfile.mkdtemp(prefix="layerskip-code-"))
-    overrides = [f"data.paths={json.dumps(paths)}", f"train.out_dir={work / 'run'}",
-                 "train.progress=false", "train.tensorboard=false", *args.set]
+    overrides = [f"data.paths={json.dumps(paths)}", "train.progress=false",
+                 "train.tensorboard=false", *args.set]
     if not cuda:
         overrides.append("optim.fused=false")  # (fused AdamW is tested on CUDA only)
     cfg = load_config(str(args.config), overrides)
+    # the trainer's own files stay outside --out: only the model and the report come back
+    # (each trainer gets a folder in here through with_steps)
+    work = Path(tempfile.mkdtemp(prefix="layerskip-code-"))
     log(f"corpus: {len(paths)} roots, *.py {sum(sizes.values()) / 1e6:.0f} MB "
         f"(capped at {args.max_corpus_mb} MB)")
     t0 = time.monotonic()
@@ -351,6 +354,9 @@ def ship(args: argparse.Namespace) -> int:
     from exitlm.io.st import atomic_dir
 
     src = Path(args.src)
+    if not (src / REPORT).is_file():
+        sys.exit(f"layerskip_code.py ship: {src / REPORT} is missing (pass the folder the "
+                 "device call returned)")
     report = json.loads((src / REPORT).read_text(encoding="utf-8"))
     model_src = src / MODEL_DIR
     for name, info in report.get("files", {}).items():
@@ -511,28 +517,48 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="build the corpus, train, evaluate, export (device)")
     t.add_argument("--out", required=True, help="where the model and report go ($OUT)")
-    t.add_argument("--budget-s", type=float, default=500.0,
+    t.add_argument("--budget-s", type=positive_float, default=500.0,
                    help="wall-clock seconds for everything (default 500)")
-    t.add_argument("--reserve-s", type=float, default=60.0,
+    t.add_argument("--reserve-s", type=non_negative_float, default=60.0,
                    help="seconds kept for evaluation and export (default 60)")
     t.add_argument("--config", type=Path, default=CONFIG)
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override (as `exitlm train`)")
-    t.add_argument("--max-corpus-mb", type=float, default=400.0)
+    t.add_argument("--max-corpus-mb", type=positive_float, default=400.0)
     t.add_argument("--roots", nargs="*", help="train on these folders (besides the standard "
                    "library) instead of the installed packages")
-    t.add_argument("--calibrate-steps", type=int, default=12)
-    t.add_argument("--min-steps", type=int, default=1)
-    t.add_argument("--max-steps", type=int, default=20000)
-    t.add_argument("--export-every-s", type=float, default=90.0)
-    t.add_argument("--eval-samples", type=int, default=512)
-    t.add_argument("--shard-bytes", type=int, default=SHARD_BYTES)
+    t.add_argument("--calibrate-steps", type=int_at_least(1), default=12)
+    t.add_argument("--min-steps", type=int_at_least(1), default=1)
+    t.add_argument("--max-steps", type=int_at_least(1), default=20000)
+    t.add_argument("--export-every-s", type=positive_float, default=90.0)
+    t.add_argument("--eval-samples", type=int_at_least(1), default=512)
+    t.add_argument("--shard-bytes", type=int_at_least(1), default=SHARD_BYTES)
     s = sub.add_parser("ship", help="install the returned model as exitlm/data/layerskip_code")
     s.add_argument("src", help="the folder the device call returned ($OUT's copy)")
     s.add_argument("--to", default=str(REPO / "src" / "exitlm" / "data" / MODEL_DIR))
     s.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
-    return train(args) if args.cmd == "train" else ship(args)
+    from exitlm.errors import ExitlmError
+
+    try:
+        return train(args) if args.cmd == "train" else ship(args)
+    except ExitlmError as err:  # a bad setting, path or file: one line, as exitlm says it
+        print(f"layerskip_code.py {args.cmd}: {err}", file=sys.stderr)
+        return 2
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":

@@ -114,3 +114,15 @@ def test_a_run_out_of_time_stops_early_and_still_hands_back_a_model(tmp_path: Pa
     assert report["train"]["stopped_early"]
     assert 0 < report["train"]["steps_done"] < 50 == report["train"]["steps_planned"]
     assert load_model(out / "layerskip_code").model.config.num_layers == 4
+
+
+def test_bad_values_are_one_line(tmp_path: Path) -> None:
+    for args, needle in ((["--calibrate-steps", "0"], "--calibrate-steps: expected an integer"),
+                         (["--budget-s", "-1"], "--budget-s: expected a number > 0"),
+                         (["--set", "train.steps=-3"], "train.steps: expected an integer >= 1")):
+        res = _train(tmp_path, *args)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
+    res = _ship(tmp_path, tmp_path / "shipped")  # nothing was trained
+    assert res.returncode != 0 and "report.json is missing" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "shipped").exists()
