@@ -18,10 +18,14 @@
  *               one-row product's path, so it can stream one weight row after the other.
  *   q8        : acc = 0;  for each group g of 32: gs = 0; for c in 0..3: gs = fma(q_c, x_c, gs);
  *               acc = fma(gs, scale_g, acc);   y = hsum8(acc).
- *   q4        : as q8 with the nibbles in place of q, and after the scale step
- *               acc = fma(xs_g, min_g, acc), where xs_g (8 lanes) = ((x_0 + x_8) + x_16) + x_24
- *               lane-wise over the group (computed once per x row), so that
- *               sum_k (nib*scale + min) x = scale * sum(nib x) + min * sum(x).
+ *   q4        : y = 0;  for each group g of 32: s_0..s_3 = 0;  for e = 0 .. 31:
+ *               s_{e % 4} = fma(nib_e, x_e, s_{e % 4})  (nib_e: byte e % 16 of the group, its low
+ *               nibble for e < 16, the high one after);  y = fma((s_0 + s_1) + (s_2 + s_3),
+ *               scale_g, y);  y = fma(X_g, min_g, y), where X_g = hsum8(xs_g), xs_g (8 lanes) =
+ *               ((x_l + x_{8+l}) + x_{16+l}) + x_{24+l} over the group (once per x row), so that
+ *               sum_k (nib*scale + min) x = scale * sum(nib x) + min * sum(x).  One float chain
+ *               per pair, as for int8 activations below, so that a tile puts the pairs of
+ *               different W rows in the lanes of one register ("W rows in lanes").
  *   hsum8(a)  = ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
  *
  * int8 activations (exitlm_gemm_q8a8 / exitlm_gemm_q4a8)
@@ -33,21 +37,18 @@
  *   q8a8 / q4a8 : y = 0;  for each group g:
  *                 isum_g = sum_{e = 0 .. 31} w_e * xq_e  (exact int32, in any order),
  *                 y = fma((float) isum_g, scale_g * d_g, y)  (scale_g * d_g rounded once);
- *                 q4 then y = fma(X_g, min_g, y), X_g = hsum8(xs_g) the fp32 sum of the
- *                 group's x (xs_g as above, once per x row).
- *                 One float chain per pair, so a tile can put the pairs of different W rows in
- *                 the lanes of one register ("int8 activations: W rows in lanes" below).
+ *                 q4 then y = fma(X_g, min_g, y), X_g as above.
  * x's rounding depends on its own row only, so the fixed-arithmetic property above still holds.
  *
  * Tiles (several W rows x several x rows sharing loads and conversions) only change which
  * registers hold which pair's accumulators, never the operations of a pair.  The scalar fallback
  * (no __AVX2__) performs the same operations lane by lane with fmaf, which is correctly rounded
  * like the vector FMA, so both builds give the same bits (tested only on AVX2 machines).
- * Builds with AVX-512 (F/VL/VNNI) run products of M > 1 rows (and dense products of one row)
- * through 512-bit tiles that hold two 8-lane accumulators per register (a dense pair's chains
- * 0|1 and 2|3, or the same W row with two x rows for q8 / q4 with fp32 activations), and form
- * q8a8 / q4a8's exact int32 sums with VNNI: again the same operations per pair, lane by lane
- * ("Multi-row tiles" below).
+ * Builds with AVX-512 (F/VL/VNNI) run dense products, and q8 products of M > 1 rows, through
+ * 512-bit tiles that hold two 8-lane accumulators per register (a dense pair's chains 0|1 and
+ * 2|3, or the same q8 W row with two x rows; "Multi-row tiles" below), put 16 W rows in the
+ * lanes of q4's and of the int8-activation tiles (8 on AVX2), and form q8a8 / q4a8's exact int32
+ * sums with VNNI: again the same operations per pair, lane by lane.
  *
  * Threads: N is split into contiguous chunks; each output element is computed by exactly one
  * thread with the arithmetic above, so results do not depend on the thread count.  A small
@@ -69,16 +70,18 @@
 #include <immintrin.h>
 #endif
 /* Builds with AVX-512 (F, VL, VNNI: the avx512 build, a developer build on such a CPU) run
- * products of several x rows through 512-bit tiles (see "Multi-row tiles" below). */
+ * their products through 512-bit tiles ("Multi-row tiles" and "W rows in lanes" below). */
 #if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define EXITLM_ZMM 1
 #endif
 
 #define AI static inline __attribute__((always_inline))
-/* Software prefetch distance along each grouped (q8 / q4) weight row, bytes (0 = none).  Measured
- * on the AVX2 EPYC (Zen 1) this was tuned on, one x row, weights streaming from DRAM: 2048 bytes
- * ahead makes q8 ~40% and q4 ~9% faster (their loops are busy converting, so the hardware
- * prefetcher falls behind; 512/1024 gain less, 4096 the same), 8 rows unchanged. */
+/* Software prefetch of grouped (q8 / q4) weights (0 = none): the q8 tiles with float32
+ * activations prefetch each weight row PF_Q_BYTES ahead, the W-rows-in-lanes tiles the next
+ * tile's bytes of each group (a8_prefetch_next).  Measured on the AVX2 EPYC (Zen 1) this was
+ * tuned on, one x row, weights streaming from DRAM: 2048 bytes ahead made q8 ~40% and q4 ~9%
+ * faster (their loops are busy converting, so the hardware prefetcher falls behind; 512/1024
+ * gain less, 4096 the same), 8 rows unchanged. */
 #ifndef PF_Q_BYTES
 #define PF_Q_BYTES 2048
 #endif
@@ -110,16 +113,14 @@ typedef struct {
     const void *w;       /* f32 (N, K) | f16 (N, K) | int8 (N, K) | uint8 (N, K/2) */
     const float *scales; /* (N, K/32) */
     const float *mins;   /* (N, K/32) */
-    const float *xs;     /* q4: (M, K/32, 8) lane-wise group sums of x */
+    const float *xg;     /* q4: (M, K/32) the groups' sums X_g of x (see the header) */
     float *y;            /* (M, N) */
     int64_t M, N, K;
     const int8_t *xq;    /* int8 activations (q8 / q4 with act8): (M, K) */
     const float *xd;     /* their scales: (M, K/32) */
-    const float *xg;     /* q4 with act8: (M, K/32) group sums of x, hsum8 of xs */
     const uint8_t *xu;   /* q8 with act8, EXITLM_ZMM: (M, K) xq + 128 as unsigned bytes */
-    const float *xs2;    /* EXITLM_ZMM, q4 with float32 activations, M > 1: see x2 */
-    /* EXITLM_ZMM, q8 / q4 with float32 activations, M > 1: the x rows in pairs, per 8-float
-     * chunk c of K: x2 (P, K/8, 16) the two rows' chunks; xs2 as above. */
+    /* EXITLM_ZMM, q8 with float32 activations, M > 1: the x rows in pairs, per 8-float chunk c
+     * of K: x2 (P, K/8, 16) the two rows' chunks. */
     const float *x2;
 } job_t;
 
@@ -140,12 +141,15 @@ void exitlm_round_to_half(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = half_to_float(float_to_half(x[i]));
 }
 
-/* xs[g][l] = ((x[32g+l] + x[32g+8+l]) + x[32g+16+l]) + x[32g+24+l]  (both builds) */
-static void group_sums(const float *x, int64_t K, float *xs) {
+/* xg[g] = X_g = hsum8(xs_g), xs_g[l] = ((x[32g+l] + x[32g+8+l]) + x[32g+16+l]) + x[32g+24+l]
+ * (the header's q4 group sums; both builds). */
+static void group_totals(const float *x, int64_t K, float *xg) {
     int64_t G = K / 32;
     for (int64_t g = 0; g < G; g++) {
         const float *p = x + 32 * g;
-        for (int l = 0; l < 8; l++) xs[8 * g + l] = ((p[l] + p[8 + l]) + p[16 + l]) + p[24 + l];
+        float xs[8];
+        for (int l = 0; l < 8; l++) xs[l] = ((p[l] + p[8 + l]) + p[16 + l]) + p[24 + l];
+        xg[g] = hsum8_scalar(xs);
     }
 }
 
@@ -197,29 +201,35 @@ static float pair_dense(int kind, const float *x, const void *wrow, int64_t K) {
     return s;
 }
 
-static float pair_q(int kind, const float *x, const float *xs, const void *qrow, const float *sc,
-                    const float *mn, int64_t K) {
+/* One (x row, W row) pair of q8 with float32 activations (the header's arithmetic). */
+static float pair_q8(const float *x, const int8_t *qrow, const float *sc, int64_t K) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t G = K / 32;
     for (int64_t g = 0; g < G; g++) {
         float gs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int c = 0; c < 4; c++)
-            for (int l = 0; l < 8; l++) {
-                int e = 8 * c + l;
-                float w;
-                if (kind == K_Q8) {
-                    w = (float)((const int8_t *)qrow)[32 * g + e];
-                } else {
-                    uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
-                    w = (float)(e < 16 ? (b & 15) : (b >> 4));
-                }
-                gs[l] = fmaf(w, x[32 * g + e], gs[l]);
-            }
+            for (int l = 0; l < 8; l++)
+                gs[l] = fmaf((float)qrow[32 * g + 8 * c + l], x[32 * g + 8 * c + l], gs[l]);
         for (int l = 0; l < 8; l++) acc[l] = fmaf(gs[l], sc[g], acc[l]);
-        if (kind == K_Q4)
-            for (int l = 0; l < 8; l++) acc[l] = fmaf(xs[8 * g + l], mn[g], acc[l]);
     }
     return hsum8_scalar(acc);
+}
+
+/* One (x row, W row) pair of q4 with float32 activations (the header's arithmetic). */
+static float pair_q4(const float *x, const float *xg, const uint8_t *qrow, const float *sc,
+                     const float *mn, int64_t K) {
+    float y = 0.0f;
+    int64_t G = K / 32;
+    for (int64_t g = 0; g < G; g++) {
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int e = 0; e < 32; e++) {
+            uint8_t b = qrow[16 * g + (e & 15)];
+            s[e & 3] = fmaf((float)(e < 16 ? (b & 15) : (b >> 4)), x[32 * g + e], s[e & 3]);
+        }
+        y = fmaf((s[0] + s[1]) + (s[2] + s[3]), sc[g], y);
+        y = fmaf(xg[g], mn[g], y);
+    }
+    return y;
 }
 
 /* One (x row, W row) pair with int8 activations: the header's "rows in lanes" arithmetic. */
@@ -262,10 +272,10 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
             else if (j->kind == K_F16)
                 v = pair_dense(K_F16, x, (const uint16_t *)j->w + n * K, K);
             else if (j->kind == K_Q8)
-                v = pair_q(K_Q8, x, NULL, (const int8_t *)j->w + n * K, j->scales + n * G, NULL, K);
+                v = pair_q8(x, (const int8_t *)j->w + n * K, j->scales + n * G, K);
             else
-                v = pair_q(K_Q4, x, j->xs + m * G * 8, (const uint8_t *)j->w + n * (K / 2),
-                           j->scales + n * G, j->mins + n * G, K);
+                v = pair_q4(x, j->xg + m * G, (const uint8_t *)j->w + n * (K / 2),
+                            j->scales + n * G, j->mins + n * G, K);
             j->y[m * j->N + n] = v;
         }
 }
@@ -348,31 +358,17 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
         }
 }
 
-AI __m256 load_q(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
-    if (kind == K_Q8) {
-        const int8_t *p = (const int8_t *)q + rowoff + 32 * g + 8 * c;
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    }
-    /* q4: chunk c covers elements 8c..8c+7 of the group: bytes 8(c&1).. low (c<2) or high nibble */
-    const uint8_t *p = (const uint8_t *)q + rowoff + 16 * g + 8 * (c & 1);
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    b = c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
-    return _mm256_cvtepi32_ps(b);
+/* Chunk c (elements 8c .. 8c + 7) of q8 group g of the row at q, as floats. */
+AI __m256 load_q8(const int8_t *q, int64_t g, int c) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * c))));
 }
 
-/* Prefetch PF_Q_BYTES ahead along nb grouped weight rows, once per cache line of group g. */
-AI void prefetch_group(const int kind, const int nb, const void *q, int64_t rowlen, int64_t g) {
-    if (PF_Q_BYTES && (kind == K_Q8 || (g & 1) == 0))
-        for (int i = 0; i < nb; i++)
-            _mm_prefetch((const char *)q + i * rowlen + (kind == K_Q8 ? 32 : 16) * g + PF_Q_BYTES,
-                         _MM_HINT_T0);
-}
-
-/* nb W rows x mb x rows, grouped (q8 / q4). */
-AI void q_tile(const int kind, const int nb, const int mb, const float *x, const float *xs,
-               const void *q, const float *sc, const float *mn, float *y, int64_t K,
-               int64_t ldy) {
-    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+/* nb W rows x mb x rows of q8 with float32 activations (the header's q8 arithmetic), each W row
+ * prefetched PF_Q_BYTES ahead once per group. */
+AI void q8_tile(const int nb, const int mb, const float *x, const int8_t *q, const float *sc,
+                float *y, int64_t K, int64_t ldy) {
+    const int64_t G = K / 32;
     __m256 acc[NBMAX][MBMAX];
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
@@ -380,24 +376,20 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
         __m256 gs[NBMAX][MBMAX];
         for (int i = 0; i < nb; i++)
             for (int j = 0; j < mb; j++) gs[i][j] = _mm256_setzero_ps();
-        prefetch_group(kind, nb, q, rowlen, g);
+        if (PF_Q_BYTES)
+            for (int i = 0; i < nb; i++)
+                _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
             __m256 wv[NBMAX];
-            for (int i = 0; i < nb; i++) wv[i] = load_q(kind, q, i * rowlen, g, c);
+            for (int i = 0; i < nb; i++) wv[i] = load_q8(q + i * K, g, c);
             for (int j = 0; j < mb; j++) {
                 __m256 xv = _mm256_loadu_ps(x + j * K + 32 * g + 8 * c);
                 for (int i = 0; i < nb; i++) gs[i][j] = _mm256_fmadd_ps(wv[i], xv, gs[i][j]);
             }
         }
         for (int i = 0; i < nb; i++) {
-            __m256 s = _mm256_set1_ps(sc[i * G + g]);
-            for (int j = 0; j < mb; j++) acc[i][j] = _mm256_fmadd_ps(gs[i][j], s, acc[i][j]);
-            if (kind == K_Q4) {
-                __m256 mv = _mm256_set1_ps(mn[i * G + g]);
-                for (int j = 0; j < mb; j++)
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + (j * G + g) * 8), mv,
-                                                acc[i][j]);
-            }
+            __m256 sv = _mm256_set1_ps(sc[i * G + g]);
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm256_fmadd_ps(gs[i][j], sv, acc[i][j]);
         }
     }
     for (int i = 0; i < nb; i++)
@@ -407,9 +399,10 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
 #ifdef EXITLM_ZMM
 /* ------------------------------------------------------------------ Multi-row tiles (AVX-512)
  *
- * Products of M > 1 x rows in builds with AVX-512 F/VL/VNNI, and dense products of one x row:
- * the same operations per pair as above, in wider registers, with each weight vector loaded (and
- * converted) once per tile.  The dense tiles prefetch their weight rows (prefetch_dense).
+ * Dense (f32 / f16) products, and q8 products of M > 1 rows with float32 activations, in builds
+ * with AVX-512 F/VL/VNNI: the same operations per pair as above, in wider registers, with each
+ * weight vector loaded (and converted) once per tile.  The dense tiles prefetch their weight
+ * rows (prefetch_dense).
  *
  * Dense (f32 / f16): a pair's four 8-lane chains live in two 16-lane registers, (acc_0 | acc_1)
  * and (acc_2 | acc_3): one 16-float load of a weight row covers chunks c and c + 1 of a 32-float
@@ -417,23 +410,12 @@ AI void q_tile(const int kind, const int nb, const int mb, const float *x, const
  * the header, lane for lane.  The chunks of K % 32 and the final sums run on the 8-lane halves,
  * as in dense_tile.  32 registers hold nb * mb * 2 accumulators.
  *
- * Int8 activations (q8a8 / q4a8) have their own tiles, for every M ("int8 activations: W rows
- * in lanes" below). */
+ * q8 with float32 activations: two x rows per 16-lane register (q8_ztile).  q4, and every int8
+ * activation product, have their own tiles, for every M ("W rows in lanes" below). */
 
 /* The upper 8 lanes of a 16-lane register (the lower ones: _mm512_castps512_ps256). */
 AI __m256 hi256(__m512 v) {
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
-/* y of the row pairs' tiles: acc[i][p] holds weight row i against x rows 2p (lanes 0-7) and
- * 2p + 1 (lanes 8-15, present when 2p + 1 < rows); each half is summed by hsum8. */
-AI void store_pairs(__m512 acc[NBMAX][MBMAX / 2], int nb, int mp, int rows, float *y,
-                    int64_t ldy) {
-    for (int i = 0; i < nb; i++)
-        for (int p = 0; p < mp; p++) {
-            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
-            if (2 * p + 1 < rows) y[(2 * p + 1) * ldy + i] = hsum8(hi256(acc[i][p]));
-        }
 }
 
 AI __m512 load_wz(int kind, const void *w, int64_t off) {
@@ -480,37 +462,31 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
         }
 }
 
-/* q8 / q4 with float32 activations, M > 1: two x rows per 16-lane register, as above (the x
- * rows interleaved per call, job_t.x2); chunk c of a weight group, converted once, fills both
- * halves; per pair the group sum gs and acc follow the header's operations lane by lane. */
-AI __m512 load_qz(int kind, const void *q, int64_t rowoff, int64_t g, int c) {
+/* q8 with float32 activations, M > 1: two x rows per 16-lane register (the x rows interleaved
+ * per call, job_t.x2); chunk c of a weight group, converted once, fills both halves; per pair the
+ * group sum gs and acc follow the header's operations lane by lane. */
+AI __m512 load_q8z(const int8_t *q, int64_t g, int c) {
     int64_t b8;
-    if (kind == K_Q8) {
-        memcpy(&b8, (const int8_t *)q + rowoff + 32 * g + 8 * c, 8);
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set1_epi64x(b8)));
-    }
-    memcpy(&b8, (const uint8_t *)q + rowoff + 16 * g + 8 * (c & 1), 8);
-    __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(b8));
-    b = c < 2 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
-    return _mm512_cvtepi32_ps(b);
+    memcpy(&b8, q + 32 * g + 8 * c, 8);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set1_epi64x(b8)));
 }
 
-AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, const float *x2,
-                 const float *xs2, const void *q, const float *sc, const float *mn, float *y,
-                 int64_t K, int64_t ldy) {
-    const int64_t G = K / 32, rowlen = kind == K_Q8 ? K : K / 2;
+AI void q8_ztile(const int nb, const int mp, const int rows, const float *x2, const int8_t *q,
+                 const float *sc, float *y, int64_t K, int64_t ldy) {
+    const int64_t G = K / 32;
     __m512 acc[NBMAX][MBMAX / 2];
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        prefetch_group(kind, nb, q, rowlen, g);
+        if (PF_Q_BYTES)
+            _Pragma("GCC unroll 4") for (int i = 0; i < nb; i++)
+                _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
         __m512 gs[NBMAX][MBMAX / 2];
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
             _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) gs[i][p] = _mm512_setzero_ps();
         _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
             __m512 wv[NBMAX];
-            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
-                wv[i] = load_qz(kind, q, i * rowlen, g, c);
+            _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) wv[i] = load_q8z(q + i * K, g, c);
             _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
                 const __m512 xv = _mm512_loadu_ps(x2 + p * 2 * K + (4 * g + c) * 16);
                 _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
@@ -521,15 +497,14 @@ AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, con
             const __m512 sv = _mm512_set1_ps(sc[i * G + g]);
             _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
                 acc[i][p] = _mm512_fmadd_ps(gs[i][p], sv, acc[i][p]);
-            if (kind == K_Q4) {
-                const __m512 mv = _mm512_set1_ps(mn[i * G + g]);
-                _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++)
-                    acc[i][p] = _mm512_fmadd_ps(_mm512_loadu_ps(xs2 + (p * G + g) * 16), mv,
-                                                acc[i][p]);
-            }
         }
     }
-    store_pairs(acc, nb, mp, rows, y, ldy);
+    /* acc[i][p]: W row i against x rows 2p (lanes 0-7) and 2p + 1 (lanes 8-15, when present) */
+    _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+        _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) {
+            y[2 * p * ldy + i] = hsum8(_mm512_castps512_ps256(acc[i][p]));
+            if (2 * p + 1 < rows) y[(2 * p + 1) * ldy + i] = hsum8(hi256(acc[i][p]));
+        }
 }
 
 #define DZ_FN(KIND, NB, MB)                                                                     \
@@ -540,42 +515,33 @@ AI void qf_ztile(const int kind, const int nb, const int mp, const int rows, con
 #define MB8Z(FN, KIND, NB)                                                                  \
     FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
         FN(KIND, NB, 6) FN(KIND, NB, 7) FN(KIND, NB, 8)
-#define MP4Z(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4)
 #define ALL_ZTILES(FN, KIND) MB8Z(FN, KIND, 1) MB8Z(FN, KIND, 2) MB8Z(FN, KIND, 4)
 ALL_ZTILES(DZ_FN, 0)
 ALL_ZTILES(DZ_FN, 1)
-#define ALL_QZTILES(FN, KIND) MP4Z(FN, KIND, 1) MP4Z(FN, KIND, 2) MP4Z(FN, KIND, 4)
-#define QFZ_FN(KIND, NB, MP)                                                                    \
-    static void qfz_##KIND##_##NB##_##MP(int rows, const float *x2, const float *xs2,           \
-                                         const void *q, const float *sc, const float *mn,       \
-                                         float *y, int64_t K, int64_t ldy) {                    \
-        qf_ztile(KIND, NB, MP, rows, x2, xs2, q, sc, mn, y, K, ldy);                            \
-    }
-ALL_QZTILES(QFZ_FN, 2)
-ALL_QZTILES(QFZ_FN, 3)
-typedef void (*qfz_fn)(int, const float *, const float *, const void *, const float *,
-                       const float *, float *, int64_t, int64_t);
 typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
-#define ROW4Z(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4}
-#define TABLEQZ(P, KIND) {ROW4Z(P, KIND, 1), ROW4Z(P, KIND, 2), ROW4Z(P, KIND, 4)}
 #define ROW8Z(P, KIND, NB)                                                                  \
     {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
-static const qfz_fn QFZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qfz_, 2), TABLEQZ(qfz_, 3)};
-#endif /* EXITLM_ZMM */
-
+#define Q8Z_FN(NB, MP)                                                                        \
+    static void q8z_##NB##_##MP(int rows, const float *x2, const int8_t *q, const float *sc, \
+                                float *y, int64_t K, int64_t ldy) {                           \
+        q8_ztile(NB, MP, rows, x2, q, sc, y, K, ldy);                                        \
+    }
+#define Q8Z_MP(NB) Q8Z_FN(NB, 1) Q8Z_FN(NB, 2) Q8Z_FN(NB, 3) Q8Z_FN(NB, 4)
+Q8Z_MP(1)
+Q8Z_MP(2)
+Q8Z_MP(4)
+typedef void (*q8z_fn)(int, const float *, const int8_t *, const float *, float *, int64_t,
+                       int64_t);
+#define Q8Z_ROW(NB) {q8z_##NB##_1, q8z_##NB##_2, q8z_##NB##_3, q8z_##NB##_4}
+static const q8z_fn Q8Z_TABLE[3][MBMAX / 2] = {Q8Z_ROW(1), Q8Z_ROW(2), Q8Z_ROW(4)};
+#else
 #define DENSE_FN(KIND, NB, MB)                                                                  \
     static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
                                            int64_t ldy) {                                       \
         dense_tile(KIND, NB, MB, x, w, y, K, ldy);                                              \
-    }
-#define Q_FN(KIND, NB, MB)                                                                      \
-    static void q_##KIND##_##NB##_##MB(const float *x, const float *xs, const void *q,          \
-                                       const float *sc, const float *mn, float *y, int64_t K,   \
-                                       int64_t ldy) {                                           \
-        q_tile(KIND, NB, MB, x, xs, q, sc, mn, y, K, ldy);                                      \
     }
 /* Instantiated tiles: nb = 4 or 2 with mb <= 3, nb = 1 with mb <= 8 (tile_cfg picks among them). */
 #define MB3(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3)
@@ -585,18 +551,32 @@ static const qfz_fn QFZ_TABLE[2][3][MBMAX / 2] = {TABLEQZ(qfz_, 2), TABLEQZ(qfz_
 #define ALL_TILES(FN, KIND) MB8(FN, KIND, 1) MB3(FN, KIND, 2) MB3(FN, KIND, 4)
 ALL_TILES(DENSE_FN, 0)
 ALL_TILES(DENSE_FN, 1)
-ALL_TILES(Q_FN, 2)
-ALL_TILES(Q_FN, 3)
 typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
-typedef void (*q_fn)(const float *, const float *, const void *, const float *, const float *,
-                     float *, int64_t, int64_t);
 #define ROW3(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3}
 #define ROW8(P, KIND, NB)                                                                   \
     {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLE(P, KIND) {ROW8(P, KIND, 1), ROW3(P, KIND, 2), ROW3(P, KIND, 4)}
 static const dense_fn DENSE_TABLE[2][3][MBMAX] = {TABLE(dense_, 0), TABLE(dense_, 1)};
-static const q_fn Q_TABLE[2][3][MBMAX] = {TABLE(q_, 2), TABLE(q_, 3)};
+#endif /* EXITLM_ZMM */
+
+/* The 256-bit q8 tiles (float32 activations: every M in AVX2 builds, M == 1 with AVX-512):
+ * nb = 4 or 2 with mb <= 3, nb = 1 with mb <= 8 (tile_cfg picks among them). */
+#define Q8_FN(NB, MB)                                                                         \
+    static void q8_##NB##_##MB(const float *x, const int8_t *q, const float *sc, float *y,   \
+                               int64_t K, int64_t ldy) {                                     \
+        q8_tile(NB, MB, x, q, sc, y, K, ldy);                                                \
+    }
+#define Q8_MB3(NB) Q8_FN(NB, 1) Q8_FN(NB, 2) Q8_FN(NB, 3)
+Q8_MB3(1) Q8_FN(1, 4) Q8_FN(1, 5) Q8_FN(1, 6) Q8_FN(1, 7) Q8_FN(1, 8)
+Q8_MB3(2)
+Q8_MB3(4)
+typedef void (*q8_fn)(const float *, const int8_t *, const float *, float *, int64_t, int64_t);
+static const q8_fn Q8_TABLE[3][MBMAX] = {
+    {q8_1_1, q8_1_2, q8_1_3, q8_1_4, q8_1_5, q8_1_6, q8_1_7, q8_1_8},
+    {q8_2_1, q8_2_2, q8_2_3},
+    {q8_4_1, q8_4_2, q8_4_3},
+};
 
 /* ------------------------------------------------------------------ int8 activations: W rows in lanes
  *
@@ -737,20 +717,30 @@ AI void a8_prefetch_next(const int kind, const job_t *j, int64_t n0, int64_t g) 
 }
 
 #ifdef EXITLM_ZMM
-/* Group g of 16 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r (c < 4: low
- * nibbles of bytes 4c..4c+3; c >= 4: high nibbles of bytes 4(c-4)..). */
-AI void a8_w4(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
+/* The 16 bytes at off of 16 rows, transposed: T[c] lane r = bytes off + 4c .. off + 4c + 3 of
+ * row r (q4: group g at off = 16g, byte j holding element j in the low nibble, 16 + j in the
+ * high one). */
+AI void a8_t16(const uint8_t *const rw[16], int64_t off, __m512i T[4]) {
     __m512i R[4];
     _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) { /* 128-bit lane L: row k + 4L */
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rw[k] + 16 * g)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 4] + 16 * g)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 8] + 16 * g)), 2);
-        R[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 12] + 16 * g)), 3);
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rw[k] + off)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 4] + off)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 8] + off)), 2);
+        R[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rw[k + 12] + off)), 3);
     }
     const __m512i t0 = _mm512_unpacklo_epi32(R[0], R[1]), t1 = _mm512_unpackhi_epi32(R[0], R[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(R[2], R[3]), t3 = _mm512_unpackhi_epi32(R[2], R[3]);
-    const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    T[0] = _mm512_unpacklo_epi64(t0, t2);
+    T[1] = _mm512_unpackhi_epi64(t0, t2);
+    T[2] = _mm512_unpacklo_epi64(t1, t3);
+    T[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* Group g of 16 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r (c < 4: low
+ * nibbles of bytes 4c..4c+3; c >= 4: high nibbles of bytes 4(c-4)..). */
+AI void a8_w4(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
+    __m512i T[4];
+    a8_t16(rw, 16 * g, T);
     const __m512i m4 = _mm512_set1_epi8(15);
     _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
         W[c] = _mm512_and_si512(T[c], m4);
@@ -841,11 +831,18 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
         _mm512_mask_storeu_ps(j->y + (m0 + m) * N + n0, keep, acc[m]);
 }
 #else
+/* The 16 bytes at off of 8 rows, transposed: T[c] lane r = bytes off + 4c .. off + 4c + 3 of
+ * row r. */
+AI void a8_t16(const uint8_t *const rw[8], int64_t off, __m256i T[4]) {
+    __m256i R[4];
+    for (int k = 0; k < 4; k++) R[k] = load_halves(rw[k] + off, rw[k + 4] + off);
+    t4x4_epi32(R, T);
+}
+
 /* Group g of 8 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r. */
 AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
-    __m256i R[4], T[4];
-    for (int k = 0; k < 4; k++) R[k] = load_halves(rw[k] + 16 * g, rw[k + 4] + 16 * g);
-    t4x4_epi32(R, T);
+    __m256i T[4];
+    a8_t16(rw, 16 * g, T);
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         W[c] = _mm256_and_si256(T[c], m4);
@@ -943,120 +940,232 @@ typedef void (*a8_fn)(const job_t *, int64_t, int64_t, int64_t);
                       a8_##KIND##_6, a8_##KIND##_7, a8_##KIND##_8}
 static const a8_fn A8_TABLE[2][MBMAX] = {A8_ROW(2), A8_ROW(3)};
 
-/* Output rows n0..n1 of an int8-activation job: tiles of A8_LANES W rows x a8_cfg x rows. */
-static void a8_range(const job_t *j, int64_t n0, int64_t n1) {
-    const int kind = j->kind;
+/* ------------------------------------------------------------------ q4, float32 activations: W rows in lanes
+ *
+ * q4 with float32 x rows (the header's q4 arithmetic) in the int8-activation tiles' layout:
+ * A8_LANES consecutive W rows in the lanes of a register (past N the last row repeats and its
+ * results are dropped), a group's 16 bytes transposed by a8_t16 (T[c] lane r = bytes 4c..4c+3
+ * of row r: elements 4c + b in the low nibbles, 16 + 4c + b in the high ones).  Each weight
+ * vector e (element e of every W row of the tile) is converted to float once per group, and
+ * each x row of the tile meets it in four chains: s_{e % 4} = fma(w_e, x_e broadcast, s_{e % 4})
+ * lane by lane, QF_ROWS x rows at a time so that their chains stay in registers (more rows:
+ * the vectors converted once into wf, in L1, for every pass); then, per lane, y = fma((s_0 +
+ * s_1) + (s_2 + s_3), scale_g, y) and y = fma(X_g, min_g, y).  Every float operation of a pair
+ * happens in its own lane, in the header's order, whatever the tile, build or thread count.
+ *
+ * Why: the per-row layout (q8's tiles above) converts each nibble once per W row and sums every
+ * pair horizontally, with the min term on top; here conversion, scale and min are one
+ * instruction per A8_LANES pairs, so the FMAs of the extra x rows are most of what several rows
+ * add.  (q8 keeps the per-row layout: its bytes convert in one sign-extending load there, and
+ * on AVX2 the lanes made one-row q8 products 4-10% slower.) */
+#ifdef EXITLM_ZMM
+#define QF_ROWS 4 /* x rows sharing each converted weight vector: 16 chains in registers */
+typedef __m512 vf_t;
+typedef __m512i vi_t;
+AI vf_t vf_zero(void) { return _mm512_setzero_ps(); }
+AI vf_t vf_set1(float a) { return _mm512_set1_ps(a); }
+AI vf_t vf_load(const float *p) { return _mm512_loadu_ps(p); }
+AI vf_t vf_add(vf_t a, vf_t b) { return _mm512_add_ps(a, b); }
+AI vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm512_fmadd_ps(a, b, c); }
+AI vf_t vi_float(vi_t v) { return _mm512_cvtepi32_ps(v); }
+AI vi_t vi_srli(vi_t v, const int n) { return _mm512_srli_epi32(v, n); }
+AI vi_t vi_and15(vi_t v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+#else
+#define QF_ROWS 2 /* 8 chains: AVX2 has 16 registers */
+typedef __m256 vf_t;
+typedef __m256i vi_t;
+AI vf_t vf_zero(void) { return _mm256_setzero_ps(); }
+AI vf_t vf_set1(float a) { return _mm256_set1_ps(a); }
+AI vf_t vf_load(const float *p) { return _mm256_loadu_ps(p); }
+AI vf_t vf_add(vf_t a, vf_t b) { return _mm256_add_ps(a, b); }
+AI vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm256_fmadd_ps(a, b, c); }
+AI vf_t vi_float(vi_t v) { return _mm256_cvtepi32_ps(v); }
+AI vi_t vi_srli(vi_t v, const int n) { return _mm256_srli_epi32(v, n); }
+AI vi_t vi_and15(vi_t v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+#endif
+
+/* Weight vector e = 16h + 4c + b of the group (lane r: element e of row r) as floats: the low
+ * (h = 0) or high nibble of byte b of T[c]. */
+AI vf_t qf_weight(const vi_t T[4], const int h, const int c, const int b) {
+    const int sh = 8 * b + 4 * h;
+    return vi_float(sh == 28 ? vi_srli(T[c], 28) : vi_and15(sh == 0 ? T[c] : vi_srli(T[c], sh)));
+}
+
+/* x rows row0 .. row0 + nr - 1 (nr <= QF_ROWS) against group g (T: its transposed bytes; wf:
+ * its weight vectors, converted, or NULL to convert them here); then each row's y takes the
+ * group (see above). */
+AI void qf_rows(const int nr, const job_t *j, int64_t row0, int64_t g, const vi_t T[4],
+                const vf_t *wf, vf_t sv, vf_t mv, vf_t *acc) {
+    const int64_t K = j->K, G = K / 32;
+    vf_t s[QF_ROWS][4];
+    const float *xp[QF_ROWS];
+    _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+        xp[r] = j->x + (row0 + r) * K + 32 * g;
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) s[r][t] = vf_zero();
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+            _Pragma("GCC unroll 4") for (int b = 0; b < 4; b++) {
+                const int e = 16 * h + 4 * c + b;
+                const vf_t w = wf != NULL ? wf[e] : qf_weight(T, h, c, b);
+                _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)
+                    s[r][b] = vf_fma(w, vf_set1(xp[r][e]), s[r][b]);
+            }
+    _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+        const vf_t gs = vf_add(vf_add(s[r][0], s[r][1]), vf_add(s[r][2], s[r][3]));
+        acc[r] = vf_fma(gs, sv, acc[r]);
+        acc[r] = vf_fma(vf_set1(j->xg[(row0 + r) * G + g]), mv, acc[r]);
+    }
+}
+
+AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
+    const int64_t K = j->K, G = K / 32, N = j->N;
+    const uint8_t *rw[A8_LANES];
+    const float *sr[A8_LANES], *mr[A8_LANES];
+    a8_rows(K_Q4, j, n0, n1, rw, sr, mr);
+    vf_t acc[MBMAX];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = vf_zero();
+    float scT[A8_GB * A8_LANES], mnT[A8_GB * A8_LANES];
+    for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
+        const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
+        a8_scales(sr, g0, gb, scT);
+        a8_scales(mr, g0, gb, mnT);
+        for (int gi = 0; gi < gb; gi++) {
+            const int64_t g = g0 + gi;
+            a8_prefetch_next(K_Q4, j, n0, g);
+            vi_t T[4];
+            a8_t16(rw, 16 * g, T);
+            const vf_t sv = vf_load(scT + gi * A8_LANES), mv = vf_load(mnT + gi * A8_LANES);
+            if (mb <= QF_ROWS) { /* one pass: each weight vector converted as it is used */
+                qf_rows(mb, j, m0, g, T, NULL, sv, mv, acc);
+            } else { /* converted once into wf (L1) for the passes of QF_ROWS rows */
+                vf_t wf[32];
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+                    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+                        _Pragma("GCC unroll 4") for (int b = 0; b < 4; b++)
+                            wf[16 * h + 4 * c + b] = qf_weight(T, h, c, b);
+                _Pragma("GCC unroll 8") for (int m = 0; m < mb; m += QF_ROWS)
+                    qf_rows(mb - m < QF_ROWS ? mb - m : QF_ROWS, j, m0 + m, g, T, wf, sv, mv,
+                            acc + m);
+            }
+        }
+    }
+#ifdef EXITLM_ZMM
+    const __mmask16 keep = n1 - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n0)) - 1u);
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++)
+        _mm512_mask_storeu_ps(j->y + (m0 + m) * N + n0, keep, acc[m]);
+#else
+    for (int m = 0; m < mb; m++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[m]);
+        for (int r = 0; r < 8 && n0 + r < n1; r++) j->y[(m0 + m) * N + n0 + r] = out[r];
+    }
+#endif
+}
+
+#define QF_FN(MB)                                                                           \
+    static void qf_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {              \
+        qf_tile(MB, j, n0, n1, m0);                                                         \
+    }
+QF_FN(1) QF_FN(2) QF_FN(3) QF_FN(4) QF_FN(5) QF_FN(6) QF_FN(7) QF_FN(8)
+static const a8_fn QF_TABLE[MBMAX] = {qf_1, qf_2, qf_3, qf_4, qf_5, qf_6, qf_7, qf_8};
+
+static int tile_rows(int64_t M) { return M == 1 ? 0 : (M <= 4 ? 1 : 2); }
+
+/* x rows per q4 float32-activation tile (1..8) per tile_rows(M). */
+static int qf_cfg[3] = {1, 4, 8};
+
+/* Output rows n0..n1 of a job on the W-rows-in-lanes tiles (int8 activations; q4 with float32
+ * ones): tiles of A8_LANES W rows x a8_cfg or qf_cfg x rows. */
+static void lanes_range(const job_t *j, int64_t n0, int64_t n1) {
+    const int a8 = j->xq != NULL, q4 = j->kind == K_Q4, r = tile_rows(j->M);
     const int64_t M = j->M;
-    const int mbt = a8_cfg[kind - K_Q8][M == 1 ? 0 : (M <= 4 ? 1 : 2)];
+    const int mbt = a8 ? a8_cfg[q4][r] : qf_cfg[r];
+    const a8_fn *table = a8 ? A8_TABLE[q4] : QF_TABLE;
     for (int64_t n = n0; n < n1; n += A8_LANES)
         for (int64_t m = 0; m < M;) {
             const int mb = M - m >= mbt ? mbt : (int)(M - m);
-            A8_TABLE[kind - K_Q8][mb - 1](j, n, n1 - n < A8_LANES ? n1 : n + A8_LANES, m);
+            table[mb - 1](j, n, n1 - n < A8_LANES ? n1 : n + A8_LANES, m);
             m += mb;
         }
 }
 
-/* 256-bit tile shape (W rows nb x x rows mb) of the dense kinds and of q8 / q4 with fp32
- * activations (int8 activations: a8_cfg), for M == 1 and for M > 1.  Speed only: the
- * arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb = 1 with
- * mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC).  Dense kinds read one
- * weight row at a time: on that Zen 1 core a one-row fp32 product streamed ~27 GB/s with four
- * rows interleaved (one accumulator each) and ~39 GB/s row after row with four accumulators
- * (llama.cpp's order of access).  For 5+ x rows two weight rows share the x loads (f32, M = 8:
- * 36 ms per 30 SmolLM2 layers against 45-50 with one). */
-static int tile_cfg[4][3][2] = {
+/* 256-bit tile shape (W rows nb x x rows mb) of the dense kinds (AVX2 builds) and of q8 with
+ * float32 activations (AVX2 builds; one x row with AVX-512), for M == 1 and for M > 1.  Speed
+ * only: the arithmetic of a pair is the same in every tile.  nb in {2, 4} with mb <= 3, or nb =
+ * 1 with mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC).  Dense kinds read
+ * one weight row at a time: on that Zen 1 core a one-row fp32 product streamed ~27 GB/s with
+ * four rows interleaved (one accumulator each) and ~39 GB/s row after row with four
+ * accumulators (llama.cpp's order of access).  For 5+ x rows two weight rows share the x loads
+ * (f32, M = 8: 36 ms per 30 SmolLM2 layers against 45-50 with one). */
+static int tile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {2, 3}},
     /* f16 */ {{1, 1}, {1, 4}, {2, 3}},
     /* q8  */ {{4, 1}, {1, 8}, {1, 8}},
-    /* q4  */ {{4, 1}, {1, 8}, {1, 8}},
 };
-static int tile_rows(int64_t M) { return M == 1 ? 0 : (M <= 4 ? 1 : 2); }
-static int tile_nb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][0]; }
-static int tile_mb(int kind, int64_t M) { return tile_cfg[kind][tile_rows(M)][1]; }
 
 #ifdef EXITLM_ZMM
-/* The 512-bit tiles of M > 1 (q8 / q4 with fp32 activations, dense kinds) and of dense M == 1:
- * nb W rows in {1, 2, 4} x mb <= 8 x rows (q8, q4: x rows in pairs, mb rounded up to even), per
- * tile_rows (row 0, M == 1: dense kinds only, nb 1, 2 and 4 measured the same; the grouped
- * kinds run the 256-bit tiles).  Measured on SmolLM2's shapes, weights streaming from DRAM, on a
- * Sapphire Rapids core (docs/measurements/multirow_2026-11-26.md, cpu_kernels_2026-11-27.md):
- * since the dense rows are prefetched (prefetch_dense), f32 too streams one weight row at a
- * time for all its x rows (4 rows: 1.06-1.14x one row against 1.08-1.35 for nb 4 x mb 2; 8
- * rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its conversion shared by all x rows. */
-static int ztile_cfg[4][3][2] = {
+/* The 512-bit tiles: nb W rows in {1, 2, 4} x mb <= 8 x rows (q8: x rows in pairs, mb rounded
+ * up to even), per tile_rows (row 0, M == 1: the dense kinds only, nb 1, 2 and 4 measured the
+ * same; q8 runs the 256-bit tiles).  Measured on SmolLM2's shapes, weights streaming from DRAM,
+ * on a Sapphire Rapids core (docs/measurements/multirow_2026-11-26.md,
+ * cpu_kernels_2026-11-27.md): since the dense rows are prefetched (prefetch_dense), f32 too
+ * streams one weight row at a time for all its x rows (4 rows: 1.06-1.14x one row against
+ * 1.08-1.35 for nb 4 x mb 2; 8 rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its
+ * conversion shared by all x rows. */
+static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
-    /* q8 */ {{1, 1}, {1, 4}, {2, 8}},
-    /* q4 */ {{1, 1}, {4, 4}, {2, 8}},
+    /* q8  */ {{1, 1}, {1, 4}, {2, 8}},
 };
-
-static void zrun_range(const job_t *j, int64_t n0, int64_t n1) {
-    const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
-    const int kind = j->kind, r = tile_rows(M);
-    const int nbt = ztile_cfg[kind][r][0], mbt = ztile_cfg[kind][r][1];
-    const int mpt = (mbt + 1) / 2; /* x rows in pairs */
-    for (int64_t n = n0; n < n1;) {
-        int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
-        int nbi = nb == 4 ? 2 : nb - 1;
-        if (j->x2 != NULL) {
-            const int64_t rowlen = kind == K_Q8 ? K : K / 2;
-            const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
-            for (int64_t p = 0; 2 * p < M;) {
-                int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
-                int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
-                QFZ_TABLE[kind - 2][nbi][mp - 1](
-                    rows, j->x2 + p * 2 * K, kind == K_Q4 ? j->xs2 + p * G * 16 : NULL,
-                    (const char *)j->w + n * rowlen, j->scales + n * G, mn,
-                    j->y + 2 * p * N + n, K, N);
-                p += mp;
-            }
-        } else {
-            const int64_t esz = kind == K_F32 ? 4 : 2;
-            for (int64_t m = 0; m < M;) {
-                int mb = M - m >= mbt ? mbt : (int)(M - m);
-                DZ_TABLE[kind][nbi][mb - 1](j->x + m * K, (const char *)j->w + n * K * esz,
-                                            j->y + m * N + n, K, N);
-                m += mb;
-            }
-        }
-        n += nb;
-    }
-}
 #endif
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
-    const int kind = j->kind;
-    if (j->xq != NULL) {
-        a8_range(j, n0, n1);
+    const int kind = j->kind, r = tile_rows(M);
+    if (kind == K_Q4 || j->xq != NULL) {
+        lanes_range(j, n0, n1);
         return;
     }
 #ifdef EXITLM_ZMM
-    if (kind <= K_F16 || (M > 1 && j->x2 != NULL)) {
-        zrun_range(j, n0, n1);
-        return;
-    }
+    const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
+    const int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
+    const int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
+#else
+    const int nbt = tile_cfg[kind][r][0], mbt = tile_cfg[kind][r][1];
 #endif
-    const int nbt = tile_nb(kind, M), mbt = tile_mb(kind, M);
-    int64_t n = n0;
-    while (n < n1) {
-        int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
-        int nbi = nb == 4 ? 2 : nb - 1;
+    for (int64_t n = n0; n < n1;) {
+        const int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
+        const int nbi = nb == 4 ? 2 : nb - 1;
+#ifdef EXITLM_ZMM
+        if (kind == K_Q8 && z) {
+            const int mpt = (mbt + 1) / 2; /* x rows in pairs */
+            for (int64_t p = 0; 2 * p < M;) {
+                const int mp = (M - 2 * p + 1) / 2 >= mpt ? mpt : (int)((M - 2 * p + 1) / 2);
+                const int rows = M - 2 * p >= 2 * mp ? 2 * mp : (int)(M - 2 * p);
+                Q8Z_TABLE[nbi][mp - 1](rows, j->x2 + p * 2 * K, (const int8_t *)j->w + n * K,
+                                       j->scales + n * G, j->y + 2 * p * N + n, K, N);
+                p += mp;
+            }
+            n += nb;
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < M;) {
-            int mb = M - m >= mbt ? mbt : (int)(M - m);
-            float *y = j->y + m * N + n;
+            const int mb = M - m >= mbt ? mbt : (int)(M - m);
             const float *x = j->x + m * K;
-            if (kind == K_F32 || kind == K_F16) {
-                int64_t esz = kind == K_F32 ? 4 : 2;
-                DENSE_TABLE[kind][nbi][mb - 1](x, (const char *)j->w + n * K * esz, y, K, N);
+            float *y = j->y + m * N + n;
+            if (kind == K_Q8) {
+                Q8_TABLE[nbi][mb - 1](x, (const int8_t *)j->w + n * K, j->scales + n * G, y, K, N);
             } else {
-                int64_t rowlen = kind == K_Q8 ? K : K / 2;
-                const float *xs = kind == K_Q4 ? j->xs + m * G * 8 : NULL;
-                const float *mn = kind == K_Q4 ? j->mins + n * G : NULL;
-                Q_TABLE[kind - 2][nbi][mb - 1](x, xs, (const char *)j->w + n * rowlen,
-                                               j->scales + n * G, mn, y, K, N);
+                const void *w = (const char *)j->w + n * K * (kind == K_F32 ? 4 : 2);
+#ifdef EXITLM_ZMM
+                DZ_TABLE[kind][nbi][mb - 1](x, w, y, K, N);
+#else
+                DENSE_TABLE[kind][nbi][mb - 1](x, w, y, K, N);
+#endif
             }
             m += mb;
         }
@@ -1239,18 +1348,21 @@ int exitlm_cpu_features(void) {
 int exitlm_pool_workers(void) { return n_workers; }
 
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
- * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4): nb in {1, 2, 4} W rows x mb x rows,
- * mb <= 8, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds (rows 1, 2;
- * and row 0 of the dense kinds), which take any mb <= 8.  Int8 activations: nb = 1 (a tile is
- * A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row). */
+ * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4).  f32, f16, q8: nb in {1, 2, 4} W
+ * rows x mb <= 8 x rows, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds
+ * (rows 1, 2; and row 0 of the dense kinds), which take any mb <= 8.  q4 and int8 activations:
+ * nb = 1 (a tile is A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row). */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
         mb < 1 || mb > MBMAX)
         return -1;
-    if (kind >= 4) {
+    if (kind >= K_Q4) {
         if (nb != 1 || (rows == 0 && mb != 1)) return -1;
-        a8_cfg[kind - 4][rows] = mb;
+        if (kind == K_Q4)
+            qf_cfg[rows] = mb;
+        else
+            a8_cfg[kind - 4][rows] = mb;
         return 0;
     }
 #ifdef EXITLM_ZMM
@@ -1275,7 +1387,7 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -1283,7 +1395,7 @@ int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL};
     run_job(&j, nthreads);
     return 0;
 }
@@ -1298,7 +1410,7 @@ typedef struct {
     float *xd;  /* (M, K/32) */
     int8_t stack_q[STACK_BYTES_X];
     float stack_d[STACK_FLOATS];
-    void *aux; /* job_t's xg (q4) or xu (q8, EXITLM_ZMM), malloc'd; else NULL */
+    void *aux; /* job_t's xu (q8, EXITLM_ZMM), malloc'd; else NULL */
 } act8_t;
 
 static void act8_free(act8_t *a) {
@@ -1307,9 +1419,8 @@ static void act8_free(act8_t *a) {
     free(a->aux);
 }
 
-/* Round the M rows of j's x into a and set j's int8-activation fields (xq, xd; q4: xg, the
- * group sums hsum8(xs); q8 with EXITLM_ZMM: xu = xq + 128); 0, or -1 (nothing held) when
- * memory is short. */
+/* Round the M rows of j's x into a and set j's int8-activation fields (xq, xd; q8 with
+ * EXITLM_ZMM: xu = xq + 128); 0, or -1 (nothing held) when memory is short. */
 static int act8_init(act8_t *a, job_t *j) {
     const int64_t M = j->M, K = j->K, G = K / 32;
     size_t nq = (size_t)M * (size_t)K, nd = (size_t)M * (size_t)G;
@@ -1319,19 +1430,15 @@ static int act8_init(act8_t *a, job_t *j) {
 #ifdef EXITLM_ZMM
     xu = j->kind == K_Q8;
 #endif
-    a->aux = j->kind == K_Q4 ? malloc(nd * sizeof(float)) : (xu ? malloc(nq) : NULL);
-    if (a->xq == NULL || a->xd == NULL || ((j->kind == K_Q4 || xu) && a->aux == NULL)) {
+    a->aux = xu ? malloc(nq) : NULL;
+    if (a->xq == NULL || a->xd == NULL || (xu && a->aux == NULL)) {
         act8_free(a);
         return -1;
     }
     for (int64_t m = 0; m < M; m++) quantize_x(j->x + m * K, K, a->xq + m * K, a->xd + m * G);
     j->xq = a->xq;
     j->xd = a->xd;
-    if (j->kind == K_Q4) {
-        float *xg = (float *)a->aux;
-        for (size_t i = 0; i < nd; i++) xg[i] = hsum8_scalar(j->xs + 8 * i);
-        j->xg = xg;
-    } else if (a->aux != NULL) {
+    if (a->aux != NULL) {
         uint8_t *xu = (uint8_t *)a->aux;
         for (size_t i = 0; i < nq; i++) xu[i] = (uint8_t)((uint8_t)a->xq[i] ^ 0x80u);
         j->xu = xu;
@@ -1340,27 +1447,19 @@ static int act8_init(act8_t *a, job_t *j) {
 }
 
 #ifdef EXITLM_ZMM
-/* x's rows in pairs for the float32-activation tiles of q8 / q4 (job_t.x2, xs2), set in j;
- * returns the allocation to free, or NULL (memory short: j runs on the 256-bit tiles). */
+/* x's rows in pairs for the float32-activation tiles of q8 (job_t.x2), set in j; returns the
+ * allocation to free, or NULL (memory short: j runs on the 256-bit tiles). */
 static float *float_pairs(job_t *j) {
-    const int64_t M = j->M, K = j->K, G = K / 32, P = (M + 1) / 2;
-    const int q4 = j->kind == K_Q4;
-    float *buf = (float *)malloc(((size_t)P * (size_t)K * 2 + (q4 ? (size_t)P * G * 16 : 0)) *
-                                 sizeof(float));
+    const int64_t M = j->M, K = j->K, P = (M + 1) / 2;
+    float *buf = (float *)malloc((size_t)P * (size_t)K * 2 * sizeof(float));
     if (buf == NULL) return NULL;
-    float *xs2 = q4 ? buf + P * K * 2 : NULL;
     for (int64_t m = 0; m < 2 * P; m++) {
         const int64_t p = m / 2, h = m % 2;
         for (int64_t c = 0; c < K / 8; c++)
             for (int l = 0; l < 8; l++)
                 buf[p * 2 * K + c * 16 + h * 8 + l] = m < M ? j->x[m * K + 8 * c + l] : 0.0f;
-        if (q4)
-            for (int64_t g = 0; g < G; g++)
-                for (int l = 0; l < 8; l++)
-                    xs2[(p * G + g) * 16 + h * 8 + l] = m < M ? j->xs[(m * G + g) * 8 + l] : 0.0f;
     }
     j->x2 = buf;
-    j->xs2 = xs2;
     return buf;
 }
 #endif
@@ -1369,7 +1468,7 @@ static float *float_pairs(job_t *j) {
 static int run_grouped(job_t *j, int nthreads, int act8) {
     if (!act8) {
 #ifdef EXITLM_ZMM
-        float *pairs = j->M > 1 ? float_pairs(j) : NULL; /* NULL: the 256-bit tiles */
+        float *pairs = j->kind == K_Q8 && j->M > 1 ? float_pairs(j) : NULL;
         run_job(j, nthreads);
         free(pairs);
 #else
@@ -1388,7 +1487,7 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
                    int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
+    job_t j = {K_Q8, x, q, scales, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL};
     return run_grouped(&j, nthreads, act8);
 }
 
@@ -1396,14 +1495,14 @@ static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const 
                    float *y, int64_t M, int64_t N, int64_t K, int nthreads, int act8) {
     if (K % 32 != 0) return -2;
     if (M <= 0 || N <= 0) return 0;
-    float stack_xs[STACK_FLOATS];
-    size_t need = (size_t)M * (size_t)(K / 4);
-    float *xs = need <= STACK_FLOATS ? stack_xs : (float *)malloc(need * sizeof(float));
-    if (xs == NULL) return -1;
-    for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, xs + m * (K / 4));
-    job_t j = {K_Q4, x, q, scales, mins, xs, y, M, N, K, NULL, NULL, NULL, NULL, NULL, NULL};
+    float stack_xg[STACK_FLOATS];
+    const size_t need = (size_t)M * (size_t)(K / 32);
+    float *xg = need <= STACK_FLOATS ? stack_xg : (float *)malloc(need * sizeof(float));
+    if (xg == NULL) return -1;
+    for (int64_t m = 0; m < M; m++) group_totals(x + m * K, K, xg + m * (K / 32));
+    job_t j = {K_Q4, x, q, scales, mins, xg, y, M, N, K, NULL, NULL, NULL, NULL};
     int rc = run_grouped(&j, nthreads, act8);
-    if (xs != stack_xs) free(xs);
+    if (xg != stack_xg) free(xg);
     return rc;
 }
 
