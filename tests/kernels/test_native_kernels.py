@@ -78,7 +78,7 @@ def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(KERNELS))
-@pytest.mark.parametrize("k", [32, 64, 576, 1536])
+@pytest.mark.parametrize("k", [32, 64, 576, 1536, 2080])  # 2080: q4's scales past a block of 64
 @pytest.mark.parametrize("n", [1, 7, 33, 1000])
 def test_kernel_values_and_row_invariance(kind: str, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(k * 7919 + n)
