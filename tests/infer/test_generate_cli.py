@@ -20,6 +20,12 @@ def test_generate_json_on_preset(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["prompts"] == ["Hello", "a longer prompt"]
     assert [len(s["token_ids"]) for s in out["sequences"]] == [5, 5]
     assert out["timings"]["new_tokens"] == 10 and "decode_tokens_per_s" in out["timings"]
+    # -p / --prompt add prompts after the PROMPT arguments (and --prompt is not taken for an
+    # abbreviation of --prompts-file)
+    rc = main(["generate", "Hello", "--prompt", "a longer prompt", "-p", "third", "--model",
+               "debug", "--max-new-tokens", "2", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == ["Hello", "a longer prompt", "third"]
 
 
 @pytest.fixture

@@ -71,6 +71,9 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (repeatable)")
+    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompt_flags",
+                   metavar="TEXT", help="a prompt, as a PROMPT argument is (repeatable; "
+                                        "PROMPTs come first)")
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="file with one prompt per line (blank lines skipped), added to PROMPTs")
     p.add_argument("--model", default="default",
@@ -382,7 +385,7 @@ def _print_piece(_index: int, piece: str) -> None:
 
 
 def _collect_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompts)
+    prompts = [*args.prompts, *args.prompt_flags]
     if args.prompts_file is not None:
         try:
             lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
@@ -391,7 +394,7 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
                               f"text ({err.__class__.__name__}: {err})") from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
-        raise ConfigError("no prompt given: pass PROMPT arguments or --prompts-file")
+        raise ConfigError("no prompt given: pass PROMPT arguments, --prompt or --prompts-file")
     return prompts
 
 
