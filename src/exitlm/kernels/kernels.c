@@ -608,6 +608,25 @@ static const q8_fn Q8_TABLE[3][MBMAX] = {
 #endif
 #define A8_GB 64 /* groups per block of transposed scales */
 
+/* Output of a lanes tile: y[m0 + m, n0 + r] = lane r of acc[m] for m < mb, n0 + r < n1. */
+#ifdef EXITLM_ZMM
+AI void lanes_store(const job_t *j, const __m512 *acc, const int mb, int64_t n0, int64_t n1,
+                    int64_t m0) {
+    const __mmask16 keep = n1 - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n0)) - 1u);
+    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++)
+        _mm512_mask_storeu_ps(j->y + (m0 + m) * j->N + n0, keep, acc[m]);
+}
+#else
+AI void lanes_store(const job_t *j, const __m256 *acc, const int mb, int64_t n0, int64_t n1,
+                    int64_t m0) {
+    for (int m = 0; m < mb; m++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[m]);
+        for (int r = 0; r < 8 && n0 + r < n1; r++) j->y[(m0 + m) * j->N + n0 + r] = out[r];
+    }
+}
+#endif
+
 /* x rows per tile (1..8) per tile_rows(M), for q8 and q4: A8_LANES W rows x mb x rows (8 x rows
  * per tile measured faster than 4 for M = 8 on AVX2 as on AVX-512: the weights' transposition is
  * shared by more rows). */
@@ -776,7 +795,7 @@ AI void a8_w8(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
 
 AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
                 int64_t m0) {
-    const int64_t K = j->K, G = K / 32, N = j->N;
+    const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[16];
     const float *sr[16], *mr[16];
     a8_rows(kind, j, n0, n1, rw, sr, mr);
@@ -826,9 +845,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
             }
         }
     }
-    const __mmask16 keep = n1 - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n0)) - 1u);
-    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++)
-        _mm512_mask_storeu_ps(j->y + (m0 + m) * N + n0, keep, acc[m]);
+    lanes_store(j, acc, mb, n0, n1, m0);
 }
 #else
 /* The 16 bytes at off of 8 rows, transposed: T[c] lane r = bytes off + 4c .. off + 4c + 3 of
@@ -862,7 +879,7 @@ AI void a8_w8(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
 
 AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
                 int64_t m0) {
-    const int64_t K = j->K, G = K / 32, N = j->N;
+    const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[8];
     const float *sr[8], *mr[8];
     a8_rows(kind, j, n0, n1, rw, sr, mr);
@@ -919,11 +936,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
             }
         }
     }
-    for (int m = 0; m < mb; m++) {
-        float out[8];
-        _mm256_storeu_ps(out, acc[m]);
-        for (int r = 0; r < 8 && n0 + r < n1; r++) j->y[(m0 + m) * N + n0 + r] = out[r];
-    }
+    lanes_store(j, acc, mb, n0, n1, m0);
 }
 #endif
 
@@ -1019,7 +1032,7 @@ AI void qf_rows(const int nr, const job_t *j, int64_t row0, int64_t g, const vi_
 }
 
 AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
-    const int64_t K = j->K, G = K / 32, N = j->N;
+    const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[A8_LANES];
     const float *sr[A8_LANES], *mr[A8_LANES];
     a8_rows(K_Q4, j, n0, n1, rw, sr, mr);
@@ -1050,17 +1063,7 @@ AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0
             }
         }
     }
-#ifdef EXITLM_ZMM
-    const __mmask16 keep = n1 - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n0)) - 1u);
-    _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++)
-        _mm512_mask_storeu_ps(j->y + (m0 + m) * N + n0, keep, acc[m]);
-#else
-    for (int m = 0; m < mb; m++) {
-        float out[8];
-        _mm256_storeu_ps(out, acc[m]);
-        for (int r = 0; r < 8 && n0 + r < n1; r++) j->y[(m0 + m) * N + n0 + r] = out[r];
-    }
-#endif
+    lanes_store(j, acc, mb, n0, n1, m0);
 }
 
 #define QF_FN(MB)                                                                           \
