@@ -215,6 +215,12 @@ static float pair_q8(const float *x, const int8_t *qrow, const float *sc, int64_
     return hsum8_scalar(acc);
 }
 
+/* Element e of q4 group g of the row at q: byte e % 16's low nibble for e < 16, else its high. */
+static int nibble(const uint8_t *q, int64_t g, int e) {
+    const uint8_t b = q[16 * g + (e & 15)];
+    return e < 16 ? (b & 15) : (b >> 4);
+}
+
 /* One (x row, W row) pair of q4 with float32 activations (the header's arithmetic). */
 static float pair_q4(const float *x, const float *xg, const uint8_t *qrow, const float *sc,
                      const float *mn, int64_t K) {
@@ -222,10 +228,8 @@ static float pair_q4(const float *x, const float *xg, const uint8_t *qrow, const
     int64_t G = K / 32;
     for (int64_t g = 0; g < G; g++) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int e = 0; e < 32; e++) {
-            uint8_t b = qrow[16 * g + (e & 15)];
-            s[e & 3] = fmaf((float)(e < 16 ? (b & 15) : (b >> 4)), x[32 * g + e], s[e & 3]);
-        }
+        for (int e = 0; e < 32; e++)
+            s[e & 3] = fmaf((float)nibble(qrow, g, e), x[32 * g + e], s[e & 3]);
         y = fmaf((s[0] + s[1]) + (s[2] + s[3]), sc[g], y);
         y = fmaf(xg[g], mn[g], y);
     }
@@ -240,13 +244,8 @@ static float pair_a8(int kind, const int8_t *xq, const float *xd, const float *x
     for (int64_t g = 0; g < G; g++) {
         int32_t isum = 0;
         for (int e = 0; e < 32; e++) {
-            int32_t w;
-            if (kind == K_Q8) {
-                w = ((const int8_t *)qrow)[32 * g + e];
-            } else {
-                uint8_t b = ((const uint8_t *)qrow)[16 * g + (e & 15)];
-                w = e < 16 ? (b & 15) : (b >> 4);
-            }
+            const int32_t w = kind == K_Q8 ? ((const int8_t *)qrow)[32 * g + e]
+                                           : nibble((const uint8_t *)qrow, g, e);
             isum += w * (int32_t)xq[32 * g + e];
         }
         float d = sc[g] * xd[g];
@@ -364,6 +363,13 @@ AI __m256 load_q8(const int8_t *q, int64_t g, int c) {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * c))));
 }
 
+/* Prefetch PF_Q_BYTES ahead along nb q8 weight rows of length K, at group g. */
+AI void prefetch_q8(const int nb, const int8_t *q, int64_t K, int64_t g) {
+    if (PF_Q_BYTES)
+        for (int i = 0; i < nb; i++)
+            _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
+}
+
 /* nb W rows x mb x rows of q8 with float32 activations (the header's q8 arithmetic), each W row
  * prefetched PF_Q_BYTES ahead once per group. */
 AI void q8_tile(const int nb, const int mb, const float *x, const int8_t *q, const float *sc,
@@ -376,9 +382,7 @@ AI void q8_tile(const int nb, const int mb, const float *x, const int8_t *q, con
         __m256 gs[NBMAX][MBMAX];
         for (int i = 0; i < nb; i++)
             for (int j = 0; j < mb; j++) gs[i][j] = _mm256_setzero_ps();
-        if (PF_Q_BYTES)
-            for (int i = 0; i < nb; i++)
-                _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
+        prefetch_q8(nb, q, K, g);
         for (int c = 0; c < 4; c++) {
             __m256 wv[NBMAX];
             for (int i = 0; i < nb; i++) wv[i] = load_q8(q + i * K, g, c);
@@ -478,9 +482,7 @@ AI void q8_ztile(const int nb, const int mp, const int rows, const float *x2, co
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) acc[i][p] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        if (PF_Q_BYTES)
-            _Pragma("GCC unroll 4") for (int i = 0; i < nb; i++)
-                _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
+        prefetch_q8(nb, q, K, g);
         __m512 gs[NBMAX][MBMAX / 2];
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
             _Pragma("GCC unroll 8") for (int p = 0; p < mp; p++) gs[i][p] = _mm512_setzero_ps();
@@ -997,10 +999,10 @@ AI vi_t vi_srli(vi_t v, const int n) { return _mm256_srli_epi32(v, n); }
 AI vi_t vi_and15(vi_t v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 #endif
 
-/* Weight vector e = 16h + 4c + b of the group (lane r: element e of row r) as floats: the low
- * (h = 0) or high nibble of byte b of T[c]. */
-AI vf_t qf_weight(const vi_t T[4], const int h, const int c, const int b) {
-    const int sh = 8 * b + 4 * h;
+/* Weight vector e of the group (lane r: element e of row r) as floats: for e = 16h + 4c + b,
+ * the low (h = 0) or high nibble of byte b of T[c]. */
+AI vf_t qf_weight(const vi_t T[4], const int e) {
+    const int c = (e >> 2) & 3, sh = 8 * (e & 3) + 4 * (e >> 4);
     return vi_float(sh == 28 ? vi_srli(T[c], 28) : vi_and15(sh == 0 ? T[c] : vi_srli(T[c], sh)));
 }
 
@@ -1016,14 +1018,11 @@ AI void qf_rows(const int nr, const job_t *j, int64_t row0, int64_t g, const vi_
         xp[r] = j->x + (row0 + r) * K + 32 * g;
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) s[r][t] = vf_zero();
     }
-    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
-            _Pragma("GCC unroll 4") for (int b = 0; b < 4; b++) {
-                const int e = 16 * h + 4 * c + b;
-                const vf_t w = wf != NULL ? wf[e] : qf_weight(T, h, c, b);
-                _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)
-                    s[r][b] = vf_fma(w, vf_set1(xp[r][e]), s[r][b]);
-            }
+    _Pragma("GCC unroll 32") for (int e = 0; e < 32; e++) {
+        const vf_t w = wf != NULL ? wf[e] : qf_weight(T, e);
+        _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)
+            s[r][e & 3] = vf_fma(w, vf_set1(xp[r][e]), s[r][e & 3]);
+    }
     _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
         const vf_t gs = vf_add(vf_add(s[r][0], s[r][1]), vf_add(s[r][2], s[r][3]));
         acc[r] = vf_fma(gs, sv, acc[r]);
@@ -1053,10 +1052,7 @@ AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0
                 qf_rows(mb, j, m0, g, T, NULL, sv, mv, acc);
             } else { /* converted once into wf (L1) for the passes of QF_ROWS rows */
                 vf_t wf[32];
-                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
-                    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
-                        _Pragma("GCC unroll 4") for (int b = 0; b < 4; b++)
-                            wf[16 * h + 4 * c + b] = qf_weight(T, h, c, b);
+                _Pragma("GCC unroll 32") for (int e = 0; e < 32; e++) wf[e] = qf_weight(T, e);
                 _Pragma("GCC unroll 8") for (int m = 0; m < mb; m += QF_ROWS)
                     qf_rows(mb - m < QF_ROWS ? mb - m : QF_ROWS, j, m0 + m, g, T, wf, sv, mv,
                             acc + m);
