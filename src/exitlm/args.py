@@ -8,17 +8,18 @@ import math
 from collections.abc import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``low`` (a one-line error otherwise)."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (and <= ``high`` when given; a one-line
+    error otherwise)."""
+    want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}"
-                                             ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {value}")
         return value
 
     return parse

@@ -40,6 +40,7 @@ def test_help_and_argument_errors_import_no_torch() -> None:
         ["generate", "hi", "--max-new-tokens", "x"],
         ["train", "--config", "tiny", "--bogus"],
         ["serve", "--port", "-5"],
+        ["serve", "--port", "99999"],  # would wrap around to port 34463
         ["bench", "--threads", "0"],
         ["nope"],
     ]
@@ -56,3 +57,4 @@ def test_help_and_argument_errors_import_no_torch() -> None:
         assert rc == expected, (argv, rc, proc.stderr[-2000:])
     assert len(got["runs"]) > len(cases) + 8  # every sub-command's help ran
     assert "exitlm generate: error:" in proc.stderr  # argument errors are still reported
+    assert "--port: expected an integer in [0, 65535], got 99999" in proc.stderr

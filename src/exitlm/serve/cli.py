@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
                    help="decoding strategy")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int_at_least(0), default=8000,
+    p.add_argument("--port", type=int_at_least(0, 65535), default=8000,
                    help="port to listen on (0: any free port)")
     p.add_argument("--max-batch", type=int_at_least(1), default=8,
                    help="the most requests decoded together (continuous batching)")
