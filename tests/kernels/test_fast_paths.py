@@ -102,3 +102,27 @@ def test_pack_keeps_a_valid_copy_and_replaces_a_stale_one() -> None:
     w.add_(1)
     again = pack(w, first, rows=True)
     assert again is not first and again is not None and again.valid(w)
+
+
+def test_fp16_products_of_few_rows_are_row_invariant() -> None:
+    """fp16 products of fewer than F16_NATIVE_ROWS rows run on the native kernel: each row's
+    output has the bits of its one-row product (batches and verification agree with plain
+    steps), close to fp32 arithmetic; more rows take torch's fp32 GEMM."""
+    from exitlm.kernels import native
+    from exitlm.kernels.linear import F16_NATIVE_ROWS
+
+    if not native.available():
+        pytest.skip("no native library")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 64, generator=gen).half()
+    b = torch.randn(70, generator=gen).half()
+    x = torch.randn(F16_NATIVE_ROWS + 5, 64, generator=gen).half()
+    with torch.no_grad():
+        few = linear(x[: F16_NATIVE_ROWS - 1], w, b)
+        assert few.dtype is torch.float16
+        for i in (0, 7, F16_NATIVE_ROWS - 2):
+            assert torch.equal(few[i], linear(x[i : i + 1], w, b)[0])
+        ref = (F.linear(x.float(), w.float()).half() + b).float()
+        torch.testing.assert_close(few.float(), ref[: F16_NATIVE_ROWS - 1], rtol=2e-3, atol=2e-3)
+        many = linear(x, w, b)
+        torch.testing.assert_close(many.float(), ref, rtol=2e-3, atol=2e-3)
