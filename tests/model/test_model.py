@@ -159,3 +159,23 @@ def test_layer_dropout_rows_skip_layers_and_get_gradients() -> None:
     out.sum().backward()
     assert model.layers[3].mlp.w_out.weight.grad is not None
     assert model.layers[2].mlp.w_out.weight.grad is None
+
+
+def test_cache_row_views_are_kept_until_the_cache_is_reallocated() -> None:
+    """``rows(lo, hi)`` gives the same view (a runner keys what it prepared by its tensors)
+    writing through to the pool, until ``resize`` reallocates; then a view of the new storage
+    that kept the rows' contents."""
+    from exitlm.model.kv_cache import KVCache
+
+    cache = KVCache(2, 4, 16, 2, 8)
+    view = cache.rows(1, 3)
+    assert cache.rows(1, 3) is view and cache.rows(0, 2) is not view
+    view.keys[0][0, :, 5] = 1.5
+    view.lengths = torch.tensor([6, 2])
+    assert bool((cache.keys[0][1, :, 5] == 1.5).all())
+    assert cache.lengths.tolist() == [0, 6, 2, 0]
+    cache.resize(4, 32)
+    again = cache.rows(1, 3)
+    assert again is not view and again.max_seq_len == 32
+    assert again.keys[0].data_ptr() == cache.keys[0][1:3].data_ptr()
+    assert bool((again.keys[0][0, :, 5] == 1.5).all()) and again.lengths.tolist() == [6, 2]

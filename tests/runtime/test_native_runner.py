@@ -310,6 +310,129 @@ def test_moved_weights_rebuild_the_call_and_hooks_take_the_torch_path() -> None:
         handle.remove()
 
 
+@pytest.mark.parametrize("kind", CHAIN_KINDS)
+@torch.no_grad()
+def test_a_short_prompt_is_prefilled_through_the_blocks(kind: str | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short prompt goes through the native blocks without the eager layers: hidden
+    states and keys/values equal those of one-position steps bit for bit (every row's
+    arithmetic is that of a step); so do a batch of short prompts, each row's real positions
+    with its own bits; long prompts (96 rows here) take the eager layers."""
+    from exitlm.model.transformer import EarlyExitLM
+
+    runner = _runner(kind)
+    eager: list[int] = []
+    real = EarlyExitLM.run_layers
+    monkeypatch.setattr(EarlyExitLM, "run_layers",
+                        lambda self, *a, **k: eager.append(1) or real(self, *a, **k))
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    cache = runner.new_cache(1, 96)
+    h = runner.prefill(tokens, torch.tensor([6]), cache)
+    assert not eager and cache.lengths.tolist() == [6]
+    ref = runner.new_cache(1, 96)
+    steps = []
+    for i in range(6):
+        pos = torch.tensor([[i]])
+        steps.append(runner.layers(runner.embed(tokens[:, i : i + 1], pos), 0, 4, pos, ref))
+    assert torch.equal(h, torch.cat(steps, 1))
+    for a, b in zip((*cache.keys, *cache.values), (*ref.keys, *ref.values), strict=True):
+        assert torch.equal(a[:, :, :6], b[:, :, :6])
+    pair = runner.new_cache(2, 96)
+    both = runner.prefill(torch.tensor([[3, 1, 4, 1, 5, 9], [2, 7, 1, 0, 0, 0]]),
+                          torch.tensor([6, 3]), pair)
+    assert not eager and pair.lengths.tolist() == [6, 3]
+    assert torch.equal(both[0], h[0])
+    short = runner.prefill(torch.tensor([[2, 7, 1]]), torch.tensor([3]), runner.new_cache(1, 96))
+    assert torch.equal(both[1, :3], short[0])
+    runner.prefill(torch.randint(0, 40, (2, 48)), torch.tensor([48, 48]), runner.new_cache(2, 96))
+    assert eager
+
+
+@pytest.mark.parametrize("kind", CHAIN_KINDS)
+@torch.no_grad()
+def test_a_batch_steps_through_the_blocks_with_each_sequences_bits(
+        kind: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows of a batch (each at its own positions of its own cache row) go through the
+    native blocks in one call per run of layers: each row's hidden states and keys/values
+    are those of its sequence alone, bit for bit, so batched decoding - plain and
+    self-speculative - gives every sequence the tokens it gets alone."""
+    runner = _runner(kind)
+    dim = runner.model.config.dim
+    gen = torch.Generator().manual_seed(5)
+    starts, t = [7, 2, 11], 3
+    alone = [_caches(runner, s, seed=s)[0] for s in starts]
+    pool = runner.new_cache(len(starts), 96)
+    for b, c in enumerate(alone):  # the same history in row b of a batch's cache
+        for u, v in zip((*pool.keys, *pool.values), (*c.keys, *c.values), strict=True):
+            u[b] = v[0]
+    h = torch.randn(len(starts), t, dim, generator=gen).to(runner.dtype)
+    pos = torch.tensor([[s + j for j in range(t)] for s in starts])
+    calls: list[Any] = []
+    real = native_runner.run_chain
+    monkeypatch.setattr(native_runner, "run_chain",
+                        lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    got = runner.layers(h, 0, 4, pos, pool)
+    assert len(calls) == 1 and calls[0] is not None  # one batched native call
+    for b, c in enumerate(alone):
+        want = runner.layers(h[b : b + 1], 0, 4, pos[b : b + 1], c)
+        assert torch.equal(got[b], want[0])
+        for u, v in zip((*pool.keys, *pool.values), (*c.keys, *c.values), strict=True):
+            assert torch.equal(u[b, :, : starts[b] + t], v[0, :, : starts[b] + t])
+        assert pool.fill[:, b].tolist() == [starts[b] + t] * 4
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [9, 9]]
+    kw = {"max_new_tokens": 10, "threads": 1, "ignore_eos": True}
+    single = [generate(runner, None, p, **kw).token_ids[0] for p in prompts]
+    calls.clear()
+    assert generate(runner, None, prompts, **kw).token_ids == single
+    assert any(c is not None for c in calls)
+    assert generate(runner, None, prompts, strategy="self-spec", exit_layer=2,
+                    num_speculations=3, **kw).token_ids == single
+
+
+@torch.no_grad()
+def test_a_prepared_run_notices_changes_between_steps() -> None:
+    """A step reuses the run of native calls made for its layers after one check of the whole
+    run (``_intact_run``); a hook added, a weight's storage replaced, a layer swapped for
+    another between two steps each fail that check, and the step then gives what a runner
+    prepared afresh for the changed model gives, bit for bit."""
+    import copy
+
+    runner = _runner(None)
+    model = runner.model
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 2, model.config.dim, generator=gen)
+
+    def step(start: int) -> None:
+        mine, fresh = _caches(runner, start, seed=start)
+        pos = torch.tensor([[start, start + 1]])
+        got = runner.layers(h, 0, 4, pos, mine)
+        want = prepare(model, backend="native").layers(h, 0, 4, pos, fresh)
+        assert torch.equal(got, want)
+        _same_caches(mine, fresh)
+
+    cache = runner.new_cache(1, 96)
+    runner.layers(h, 0, 4, torch.tensor([[0, 1]]), cache)
+    assert runner._intact_run(0, 4, cache) is not None
+    seen: list[int] = []
+    handle = model.layers[2].mlp.register_forward_hook(lambda *_: seen.append(1))
+    assert runner._intact_run(0, 4, cache) is None
+    step(5)
+    assert seen  # the hooked layer ran through the module
+    handle.remove()
+    assert runner._intact_run(0, 4, cache) is not None
+    lin = model.layers[1].attn.wo
+    lin.weight.data = lin.weight.data.clone() * 0.5  # same module, new storage
+    assert runner._intact_run(0, 4, cache) is None
+    step(7)
+    layer = copy.deepcopy(model.layers[3])
+    layer.mlp.w_out.weight.mul_(-1.0)
+    model.layers[3] = layer
+    assert runner._intact_run(0, 4, cache) is None
+    step(9)
+    runner.layers(h, 0, 4, torch.tensor([[11, 12]]), cache)
+    assert runner._intact_run(0, 4, cache) is not None  # rebuilt for the changed model
+
+
 def test_threads_decode_with_their_own_scratch() -> None:
     """Two threads decoding at once (PPD's branch threads) each use their own scratch."""
     import threading
@@ -353,9 +476,10 @@ def test_fp16_model_decodes_through_the_native_blocks() -> None:
 
 
 def test_row_products_are_packed_only_where_eager_products_of_rows_run() -> None:
-    """One sequence's verification runs in the native blocks: no packed copies (twice the
-    weight memory, ~0.7 s per engine for SmolLM2); batches, and layers without a native
-    block, still get them - with the same tokens either way."""
+    """One sequence's verification and batches' steps run in the native blocks: no packed
+    copies of the blocks' weights (twice the weight memory, ~0.7 s per engine for SmolLM2);
+    for batches the weights outside the blocks get them, and with a layer the native block
+    does not take, that layer's - with the same tokens either way."""
     runner = _runner(None)
     prompt = [3, 7, 1, 9, 4]
     kw = {"max_new_tokens": 12, "threads": 1, "ignore_eos": True}
@@ -364,8 +488,10 @@ def test_row_products_are_packed_only_where_eager_products_of_rows_run() -> None
                     num_speculations=3, **kw)
     assert spec.token_ids == ar
     assert runner.products is not None and not runner.products.pack_rows
-    runner.enable_row_products(2)  # a batch of two sequences steps through eager products
+    runner.enable_row_products(2)  # a batch of two sequences
     assert runner.products.pack_rows
+    inside = [m.weight for m in runner.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert inside and all(runner.products.pack_of(w) is None for w in inside)
     both = generate(runner, None, [prompt, prompt[:3]], strategy="self-spec", exit_layer=2,
                     num_speculations=3, **kw)
     assert both.token_ids[0] == ar[0]

@@ -31,7 +31,7 @@ __all__ = [
 HEADER = Path(__file__).with_name("exitlm_native.h")
 """The C header this module mirrors (shipped with the package)."""
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """``EXITLM_ABI_VERSION`` of the header: a library reporting another value is refused."""
 
 CPU_AVX2 = 1
@@ -113,6 +113,7 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "exitlm_llama_block": (_INT, (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
                                   _I64, _I64, _P, _INT, _P)),
     "exitlm_llama_blocks": (_INT, (_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT, _INT)),
+    "exitlm_llama_blocks_rows": (_INT, (_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT, _INT)),
     "exitlm_chain": (_INT, (_I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _F32, _P, _P, _F32,
                             _P, _P, _P, _P, _P, _INT)),
     "exitlm_segments": (_INT, (_P, _I64, _P, _P, _I64, _INT, _F32, _P, _P, _P, _P, _F32, _P,

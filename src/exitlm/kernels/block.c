@@ -204,19 +204,20 @@ int64_t exitlm_block_scratch(const exitlm_block_dims *d, int64_t M, int64_t posi
     return floats * (int64_t)sizeof(float);
 }
 
-/* h (M, dim) <- block(h) for positions start .. start+M-1 of one sequence.
- * cos_t, ssin: (M, head_dim) rotary tables of those positions. kc, vc: this sequence's cache
- * for this layer, (kv_heads, positions_capacity, head_dim) with `head_stride` floats between
- * kv heads; the block writes positions start .. start+M-1 and reads 0 .. start+M-1.
- * red: NULL, or a tensor-parallel rank's shard (its heads, its MLP rows; EE-LLM Sec. 3.1 /
- * Megatron-LM): the output and MLP-out partial products are summed over the ranks
- * (reduce.c) before their residuals. */
-int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const float *norm1,
-                       const float *norm2, const exitlm_weight *wqkv, const exitlm_weight *wo,
-                       const exitlm_weight *w_in, const exitlm_weight *w_out,
-                       const float *cos_t, const float *ssin, float *kc, float *vc,
-                       int64_t head_stride, int64_t start, float *scratch, int nthreads,
-                       struct exitlm_reduce *red) {
+/* h (M, dim) <- block(h) for M rows: row m at position pos[m] of the cache row that starts
+ * off[m] floats after kc / vc (pos NULL: positions start .. start+M-1; off NULL: one cache row,
+ * as exitlm_llama_block).  Rows of several sequences (a batch) each attend to positions
+ * 0 .. pos[m] of their own cache row; the rows of one sequence are consecutive, in order, and
+ * every row's keys/values are written before any row attends, so row m also sees the rows
+ * before it of its sequence.  Every row's arithmetic is that of exitlm_llama_block whatever
+ * rows share the call: a batch's rows get the bits of their sequences decoded alone. */
+static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const float *norm1,
+                      const float *norm2, const exitlm_weight *wqkv, const exitlm_weight *wo,
+                      const exitlm_weight *w_in, const exitlm_weight *w_out,
+                      const float *cos_t, const float *ssin, float *kc, float *vc,
+                      int64_t head_stride, int64_t start, const int64_t *pos,
+                      const int64_t *off, float *scratch, int nthreads,
+                      struct exitlm_reduce *red) {
     const int64_t D = d->dim, H = d->heads, Hkv = d->kv_heads, hd = d->head_dim;
     const int64_t F = d->hidden, QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
     float *xn = scratch;
@@ -232,19 +233,22 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
     if ((rc = product(wqkv, xn, qkv, M, nthreads)) != 0) return rc;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * QKV;
-        const int64_t pos = start + m;
+        const int64_t p = pos != NULL ? pos[m] : start + m, o = off != NULL ? off[m] : 0;
         for (int64_t j = 0; j < H + Hkv; j++) rope(row + j * hd, cos_t + m * hd, ssin + m * hd, hd);
         for (int64_t j = 0; j < Hkv; j++) {
-            memcpy(kc + j * head_stride + pos * hd, row + (H + j) * hd, hd * sizeof(float));
-            memcpy(vc + j * head_stride + pos * hd, row + (H + Hkv + j) * hd, hd * sizeof(float));
+            memcpy(kc + o + j * head_stride + p * hd, row + (H + j) * hd, hd * sizeof(float));
+            memcpy(vc + o + j * head_stride + p * hd, row + (H + Hkv + j) * hd,
+                   hd * sizeof(float));
         }
     }
     for (int64_t m = 0; m < M; m++) {
-        const int64_t n_pos = start + m + 1; /* attends to positions 0 .. start+m */
+        /* attends to positions 0 .. its own of its cache row */
+        const int64_t n_pos = (pos != NULL ? pos[m] : start + m) + 1;
+        const int64_t o = off != NULL ? off[m] : 0;
         const float *row = qkv + m * QKV;
         for (int64_t hh = 0; hh < H; hh++) {
-            const float *kh = kc + (hh / group) * head_stride;
-            const float *vh = vc + (hh / group) * head_stride;
+            const float *kh = kc + o + (hh / group) * head_stride;
+            const float *vh = vc + o + (hh / group) * head_stride;
             const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
             float total = 0.0f;
             int64_t t = 0;
@@ -279,6 +283,38 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
     return 0;
 }
 
+/* h (M, dim) <- block(h) for positions start .. start+M-1 of one sequence.
+ * cos_t, ssin: (M, head_dim) rotary tables of those positions. kc, vc: this sequence's cache
+ * for this layer, (kv_heads, positions_capacity, head_dim) with `head_stride` floats between
+ * kv heads; the block writes positions start .. start+M-1 and reads 0 .. start+M-1.
+ * red: NULL, or a tensor-parallel rank's shard (its heads, its MLP rows; EE-LLM Sec. 3.1 /
+ * Megatron-LM): the output and MLP-out partial products are summed over the ranks
+ * (reduce.c) before their residuals. */
+int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const float *norm1,
+                       const float *norm2, const exitlm_weight *wqkv, const exitlm_weight *wo,
+                       const exitlm_weight *w_in, const exitlm_weight *w_out,
+                       const float *cos_t, const float *ssin, float *kc, float *vc,
+                       int64_t head_stride, int64_t start, float *scratch, int nthreads,
+                       struct exitlm_reduce *red) {
+    return block_rows(h, M, d, norm1, norm2, wqkv, wo, w_in, w_out, cos_t, ssin, kc, vc,
+                      head_stride, start, NULL, NULL, scratch, nthreads, red);
+}
+
+static int blocks_rows(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
+                       const float *cos_t, const float *ssin, int64_t start, const int64_t *pos,
+                       const int64_t *off, float *scratch, int nthreads, int half_stream) {
+    for (int64_t i = 0; i < n; i++) {
+        const exitlm_layer *L = &layers[i];
+        int rc = block_rows(h, M, L->d, L->norm1, L->norm2, L->wqkv, L->wo, L->w_in, L->w_out,
+                            cos_t, ssin, L->kc, L->vc, L->head_stride, start, pos, off, scratch,
+                            nthreads, L->red);
+        if (rc != 0) return rc;
+        /* a float16 model hands each block its input rounded to float16 */
+        if (half_stream) exitlm_round_to_half(h, M * L->d->dim);
+    }
+    return 0;
+}
+
 /* h (M, dim) <- layers[n-1](...layers[0](h)): consecutive blocks of one sequence in one call,
  * each exactly as exitlm_llama_block computes it (the same function, in order), so a chain
  * gives the bits of its layers called one by one. scratch: the largest need of the layers.
@@ -287,16 +323,18 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
 int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
                         const float *cos_t, const float *ssin, int64_t start, float *scratch,
                         int nthreads, int half_stream) {
-    for (int64_t i = 0; i < n; i++) {
-        const exitlm_layer *L = &layers[i];
-        int rc = exitlm_llama_block(h, M, L->d, L->norm1, L->norm2, L->wqkv, L->wo, L->w_in,
-                                    L->w_out, cos_t, ssin, L->kc, L->vc, L->head_stride, start,
-                                    scratch, nthreads, L->red);
-        if (rc != 0) return rc;
-        /* a float16 model hands each block its input rounded to float16 */
-        if (half_stream) exitlm_round_to_half(h, M * L->d->dim);
-    }
-    return 0;
+    return blocks_rows(h, M, n, layers, cos_t, ssin, start, NULL, NULL, scratch, nthreads,
+                       half_stream);
+}
+
+/* The same for M rows of several sequences (a batch; see block_rows): row m at position pos[m]
+ * of the cache row off[m] floats after each layer's kc / vc; cos_t, ssin hold each row's
+ * rotary table row. */
+int exitlm_llama_blocks_rows(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
+                             const float *cos_t, const float *ssin, const int64_t *pos,
+                             const int64_t *off, float *scratch, int nthreads, int half_stream) {
+    return blocks_rows(h, M, n, layers, cos_t, ssin, 0, pos, off, scratch, nthreads,
+                       half_stream);
 }
 
 /* ---- Chains: n greedy steps through layers and a head, in one call -------------------- */

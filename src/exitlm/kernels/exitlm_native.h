@@ -19,7 +19,7 @@
 
 #include <stdint.h>
 
-#define EXITLM_ABI_VERSION 1
+#define EXITLM_ABI_VERSION 2
 
 /* ------------------------------------------------------------------ shared structs */
 
@@ -126,6 +126,9 @@ int exitlm_llama_block(float *h, int64_t M, const exitlm_block_dims *d, const fl
 int exitlm_llama_blocks(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
                         const float *cos_t, const float *ssin, int64_t start, float *scratch,
                         int nthreads, int half_stream);
+int exitlm_llama_blocks_rows(float *h, int64_t M, int64_t n, const exitlm_layer *layers,
+                             const float *cos_t, const float *ssin, const int64_t *pos,
+                             const int64_t *off, float *scratch, int nthreads, int half_stream);
 int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer *layers,
                  const float *cos_table, const float *ssin_table, int64_t start,
                  const exitlm_weight *embed, const float *norm, float eps,

@@ -96,10 +96,19 @@ class KVCache:
 
     # ----- a pool of rows ----------------------------------------------------------------------
     def rows(self, lo: int, hi: int) -> KVCache:
-        """A cache over rows ``[lo, hi)`` that shares this one's storage and bookkeeping."""
+        """A cache over rows ``[lo, hi)`` that shares this one's storage and bookkeeping: the
+        same view object each time until :meth:`resize` reallocates (a runner keeps what it
+        prepared for a cache's tensors, e.g. the native calls of a run of layers, while they
+        are the same objects; an engine asks for its rows at every step)."""
         if not 0 <= lo < hi <= self.batch_size:
             raise ValueError(f"rows [{lo}, {hi}) outside the cache's {self.batch_size} rows")
-        view = KVCache.__new__(KVCache)
+        views: dict[tuple[int, int], KVCache] = self.__dict__.setdefault("_views", {})
+        view = views.get((lo, hi))
+        if view is not None:
+            return view
+        if len(views) >= 64:  # batches come and go
+            views.clear()
+        view = views[(lo, hi)] = KVCache.__new__(KVCache)
         view.keys = [k[lo:hi] for k in self.keys]
         view.values = [v[lo:hi] for v in self.values]
         view.batch_size = hi - lo
@@ -155,6 +164,7 @@ class KVCache:
 
         self.keys = [grown(k) for k in self.keys]
         self.values = [grown(v) for v in self.values]
+        self.__dict__.pop("_views", None)  # views of the old storage
         lengths = torch.zeros(batch_size, dtype=torch.long)
         lengths[:b] = self._lengths[:b].clamp(max=max_seq_len)
         fill = torch.zeros(self.num_slots, batch_size, dtype=torch.long)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from exitlm.kernels import native
 from exitlm.kernels.blas import BLAS
 from exitlm.kernels.native_block import (
+    Intact,
     LayerRun,
     NativeBlock,
     Scratch,
@@ -45,7 +46,7 @@ from exitlm.kernels.native_block import (
 )
 from exitlm.kernels.quant import ROW_THRESHOLD, QuantizedWeight
 from exitlm.model.kv_cache import KVCache
-from exitlm.model.layers import Block, Norm
+from exitlm.model.layers import Block, Linear, Norm
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.runtime.products import Products, head_modules
 from exitlm.runtime.runner import Chain, Pick, Runner, Segments, commit_fill
@@ -55,11 +56,33 @@ NATIVE_ROWS = ROW_THRESHOLD - 1
 row-invariantly (fewer than :data:`~exitlm.kernels.quant.ROW_THRESHOLD` rows), so that
 verification of up to 64 drafts and long KV recomputations round exactly like plain steps,
 int8 activations included (:func:`~exitlm.kernels.native.int8_activations`)."""
+NATIVE_PREFILL = {0: 16, 1: 24, 2: ROW_THRESHOLD, 3: ROW_THRESHOLD}
+"""One prompt of fewer positions than this (by the blocks' weight format: fp32, fp16, int8,
+int4) is prefilled through the native blocks (:meth:`NativeRunner._prefill_walk`), longer ones
+through torch, whose GEMMs read each weight once for all positions. Measured on a 2-core
+Sapphire Rapids VM, one thread, prefill time through the blocks against torch: SmolLM2-135M
+fp32 4-8 positions 2.0x faster, 16 1.15x, 32 0.80x; fp16 1.5x, 1.24x, 0.94x; int8 1.7-2.4x
+at 4-95 positions; a 24-layer dim-256 model fp32 / fp16 2.4-2.9x at 4-16, 1.3x at 32, 0.95-1.05x
+at 48."""
 NATIVE_HEAD_ROWS = 64
 """The most rows of an output-embedding product the native kernels take (decoding steps,
 verification, batches); longer ones (logits over whole sequences) take the products."""
 
 _NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
+
+
+def _deref(ref: weakref.ref) -> Any:
+    return ref()
+
+
+def _advance(cache: KVCache, start: int, end: int, ends: int | torch.Tensor) -> None:
+    """Layers ``[start, end)`` now hold positions up to ``ends`` (one sequence) or
+    ``ends[b]`` (row ``b`` of a batch) of ``cache``."""
+    fill = cache.fill[start:end]
+    if isinstance(ends, int):
+        fill.clamp_(min=ends)
+    else:
+        torch.maximum(fill, ends[None, :], out=fill)
 
 
 def _threads() -> int:
@@ -84,66 +107,112 @@ class NativeRunner(Runner):
         self.blocks: list[NativeBlock | None] = [
             build_native_block(lib, layer, self.scratch) if type(layer) is Block else None
             for layer in model.layers]
-        self._runs: dict[tuple[int, int], tuple[LayerRun, list[Any], list[int]]] = {}
+        self._runs: dict[tuple[int, int], tuple[LayerRun, list[Any], list[int], Intact]] = {}
 
     def enable_row_products(self, sequences: int = 1) -> None:
-        """Packed copies only where eager products of several rows will run: for batches of
-        sequences, or layers without a native block. One sequence's verification and
-        recomputation chunks go through the native blocks and heads, which read the weights
-        as they are (the packed copies would double the weight memory - 540 MB for SmolLM2
-        in fp32 - and take ~0.7 s to make at every engine's start, for nothing)."""
-        if sequences > 1 or any(nb is None for nb in self.blocks):
-            super().enable_row_products(sequences)
+        """Packed copies only where eager products of several rows will run: outside the
+        native blocks (exit heads' own layers, layers without a native block). The blocks
+        take one sequence's verification and recomputation chunks and the steps of batches,
+        reading the weights as they are (packed copies of theirs would double the weight
+        memory - 540 MB for SmolLM2 in fp32 - and take ~0.7 s at every engine's start, for
+        the eager prefills of batches only)."""
+        if self.products is None or (sequences <= 1 and all(self.blocks)):
+            return
+        self.products.enable_rows(unpacked=frozenset(
+            id(m.weight) for nb in self.blocks if nb is not None
+            for m in nb.module.modules() if type(m) is Linear))
 
     # ----- layers ------------------------------------------------------------------------------
     def layers(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor | None,
                cache: KVCache | None, ctx: StepContext | None = None) -> torch.Tensor:
-        """Runs of consecutive native blocks of one sequence in one call each (the other
-        layers through the eager code); batches and prefills take the eager runner's."""
-        p0 = self._native_positions(h, positions, cache)
-        if p0 is None or end <= start:
+        """Runs of consecutive native blocks in one call each (the other layers through the
+        eager code): one sequence of 1..:data:`NATIVE_ROWS` consecutive positions, or a batch
+        whose row ``b`` holds consecutive positions of cache row ``b`` (decoding steps and
+        verification of several sequences, :data:`NATIVE_ROWS` rows in all: each row gets the
+        bits of its sequence decoded alone); other inputs take the eager runner's."""
+        call = None if end <= start else self._native_call(h, start, end, positions, cache)
+        if call is None:
             return super().layers(h, start, end, positions, cache, ctx)
         assert cache is not None and positions is not None
-        m = h.shape[1]
-        tables = self._tables(p0 + m - 1)
-        if tables is None:
-            return super().layers(h, start, end, positions, cache, ctx)
-        rope = (tables[0][p0 : p0 + m], tables[1][p0 : p0 + m])
+        x, rope, p0, rows, ends = call
+        run = self._intact_run(start, end, cache)
+        if run is not None:  # the common case: nothing changed since the last step
+            x = run_chain(run, x, rope, p0, _threads(), rows)
+            _advance(cache, start, end, ends)
+            return x.reshape(h.shape)
         i = start
         while i < end:
             j = i
             while j < end and self._serves(j, cache):
                 j += 1
             if j > i:  # layers [i, j) in one call
-                h = run_chain(self._layer_run(i, j, cache), h, rope, p0, _threads())
-                fill = cache.fill[i:j]
-                fill.clamp_(min=p0 + m)
+                x = run_chain(self._layer_run(i, j, cache), x, rope, p0, _threads(), rows)
+                _advance(cache, i, j, ends)
                 i = j
             else:  # a layer the native block does not serve: the eager code, with its context
                 if ctx is None:
                     ctx = self.context(positions, cache)
-                h = self.model.run_layers(h, i, i + 1, cache=cache, ctx=ctx)
+                x = self.model.run_layers(x.reshape(h.shape), i, i + 1, cache=cache,
+                                          ctx=ctx).reshape(x.shape)
                 i += 1
-        return h
+        return x.reshape(h.shape)
 
-    def _native_positions(self, h: torch.Tensor, positions: torch.Tensor | None,
-                          cache: KVCache | None) -> int | None:
-        """The first position when ``h`` can take the native blocks - one sequence of
-        1..:data:`NATIVE_ROWS` consecutive positions that fit the cache, an fp32 or fp16
-        stream, rotary positions, no gradient - else None."""
-        if (cache is None or positions is None or h.shape[0] != 1 or cache.batch_size != 1
-                or not 1 <= h.shape[1] <= NATIVE_ROWS
+    def _native_call(self, h: torch.Tensor, start: int, end: int,
+                     positions: torch.Tensor | None, cache: KVCache | None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], int,
+                                tuple[torch.Tensor, torch.Tensor] | None,
+                                int | torch.Tensor] | None:
+        """``(x, rope, p0, rows, ends)`` of a native call of layers ``[start, end)`` for
+        ``h`` ``(B, T, D)`` - the stream as one sequence of rows ``(1, B * T, D)``, each
+        row's rotary tables, the first position, :func:`run_chain`'s ``rows`` for a batch
+        (else None) and the fill after the call (per cache row for a batch) - or None when
+        the native blocks cannot take it (see :meth:`layers`)."""
+        b, t = h.shape[0], h.shape[1]
+        if (cache is None or positions is None or cache.batch_size != b
+                or not 1 <= b * t <= NATIVE_ROWS or positions.shape != (b, t)
                 or (h.dtype is not torch.float32 and h.dtype is not torch.float16)
                 or not h.is_cpu or torch.is_grad_enabled() or h.requires_grad
                 or self.model.rope_inv_freq is None):
             return None
-        m = h.shape[1]
-        p0 = int(positions[0, 0])
-        if p0 < 0 or p0 + m > cache.max_seq_len:
-            return None  # the eager code raises the cache's own error
-        if m > 1 and not torch.equal(positions[0], torch.arange(p0, p0 + m)):
+        if b == 1:
+            p0 = int(positions[0, 0])
+            if p0 < 0 or p0 + t > cache.max_seq_len:
+                return None  # the eager code raises the cache's own error
+            if t > 1 and not torch.equal(positions[0], torch.arange(p0, p0 + t)):
+                return None
+            tables = self._tables(p0 + t - 1)
+            if tables is None:
+                return None
+            return h, (tables[0][p0 : p0 + t], tables[1][p0 : p0 + t]), p0, None, p0 + t
+        pos = positions.to(device="cpu", dtype=torch.int64)
+        first = pos[:, :1]
+        if t > 1 and not torch.equal(pos, first + torch.arange(t)):
             return None
-        return p0
+        last = int(pos[:, -1].max())
+        if int(first.min()) < 0 or last >= cache.max_seq_len:
+            return None
+        # every layer's keys and values rows the same distance apart (a spliced cache may mix)
+        strides = {u.stride(0) for u in (*cache.keys[start:end], *cache.values[start:end])}
+        tables = self._tables(last)
+        if len(strides) != 1 or tables is None:
+            return None
+        flat = pos.reshape(-1).contiguous()
+        offsets = (torch.arange(b, dtype=torch.int64) * strides.pop()).repeat_interleave(t)
+        return (h.reshape(1, b * t, h.shape[-1]), (tables[0][flat], tables[1][flat]), 0,
+                (flat, offsets), pos[:, -1] + 1)
+
+    def _prefill_walk(self, h: torch.Tensor, end: int, exits: Sequence[int],
+                      positions: torch.Tensor, cache: KVCache
+                      ) -> Iterator[tuple[int, torch.Tensor, StepContext]]:
+        """Short prompts (fewer rows, prompts x padded length, than :data:`NATIVE_PREFILL`
+        gives for the blocks' weights) through :meth:`layers`, whose runs of native blocks
+        take them in one call - each prompt's positions with the bits it gets alone (the
+        padding's rows are computed too and dropped); longer prompts: the eager code."""
+        formats = {nb.structs[0].fmt for nb in self.blocks if nb is not None}
+        rows = min((NATIVE_PREFILL.get(f, 0) for f in formats), default=0)
+        if cache.batch_size == h.shape[0] and h.shape[0] * h.shape[1] < rows:
+            return self.walk(h, 0, end, exits, positions, cache)
+        return super()._prefill_walk(h, end, exits, positions, cache)
 
     def _serves(self, layer: int, cache: KVCache) -> bool:
         nb = self.blocks[layer]
@@ -154,9 +223,10 @@ class NativeRunner(Runner):
         if block is None or block._forward_hooks or block._forward_pre_hooks:
             return False
         if not nb.serves(block, cache, layer):
-            if not nb.moved():
+            if not nb.moved(block):
                 return False
-            # weights moved to other storage (shared memory): point a new call at them
+            # another layer module, or weights moved to other storage (shared memory): a new
+            # call for them
             nb = self.blocks[layer] = build_native_block(self.lib, block, self.scratch)
             return nb is not None and nb.serves(block, cache, layer)
         return True
@@ -164,29 +234,52 @@ class NativeRunner(Runner):
     def _chain_blocks(self, end: int, cache: KVCache) -> LayerRun | None:
         """The native calls of layers ``[0, end)`` on ``cache``, or None unless every one
         serves it."""
+        run = self._intact_run(0, end, cache)
+        if run is not None:
+            return run
         if not all(self._serves(i, cache) for i in range(end)):
             return None
         return self._layer_run(0, end, cache)
+
+    def _intact_run(self, a: int, b: int, cache: KVCache) -> LayerRun | None:
+        """The run made before for layers ``[a, b)`` (:meth:`_layer_run`) if it still holds:
+        the same cache tensors at the same addresses, the same native blocks, and its blocks'
+        :class:`Intact` checks pass - one check for the whole run instead of :meth:`_serves`
+        layer by layer (~200 us a step on a 24-layer model). Else None: the caller checks
+        layer by layer (which rebuilds what moved)."""
+        got = self._runs.get((a, b))
+        if got is None:
+            return None
+        run, refs, ptrs, intact = got
+        tensors = [*cache.keys[a:b], *cache.values[a:b]]
+        if not (all(map(operator.is_, map(_deref, refs), tensors))
+                and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+                and all(map(operator.is_, run.blocks, self.blocks[a:b])) and intact()):
+            return None
+        return run
 
     def _layer_run(self, a: int, b: int, cache: KVCache) -> LayerRun:
         """Layers ``[a, b)`` (each served) writing ``cache``'s row 0: the one made for them
         before while the same blocks write the same cache tensors at the same addresses
         (a decoding step would otherwise rebuild ~50 structs and tensor views)."""
+        run = self._intact_run(a, b, cache)
+        if run is not None:
+            return run
         tensors = [*cache.keys[a:b], *cache.values[a:b]]
         blocks = self.blocks[a:b]
-        ptrs = [t.data_ptr() for t in tensors]
-        got = self._runs.get((a, b))
-        if got is not None:
-            run, refs, old_ptrs = got
-            if (old_ptrs == ptrs and all(map(operator.is_, run.blocks, blocks))
-                    and all(r() is t for r, t in zip(refs, tensors, strict=True))):
-                return run
         run = LayerRun(blocks,  # type: ignore[arg-type]
                        [(k[0], v[0]) for k, v in zip(cache.keys[a:b], cache.values[a:b],
                                                      strict=True)])
+        # what _serves checked besides each block's own Intact: the layer modules themselves
+        layers = self.model.layers._modules
+        intact = Intact(children=((layers, str(i), layers.get(str(i))) for i in range(a, b)),
+                        hooked=(layers[str(i)] for i in range(a, b)))
+        for nb in blocks:
+            intact = intact + nb.intact  # type: ignore[union-attr]
         if len(self._runs) >= 32:  # ranges and caches come and go
             self._runs.clear()
-        self._runs[(a, b)] = (run, [weakref.ref(t) for t in tensors], ptrs)
+        self._runs[(a, b)] = (run, [weakref.ref(t) for t in tensors],
+                              [t.data_ptr() for t in tensors], intact)
         return run
 
     def _tables(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -41,13 +41,15 @@ class Products:
         self.model = model
         self.pack_rows = pack_rows
         self.row_major = row_major
+        self.unpacked: frozenset[int] = frozenset()
         self.packs: dict[int, Packed | None] = {}
         self._prepare()
 
-    def enable_rows(self) -> None:
-        """Add packed copies for few-row fp32 products (once)."""
+    def enable_rows(self, unpacked: frozenset[int] = frozenset()) -> None:
+        """Add packed copies for few-row fp32 products (once), except of the weights whose
+        ids are in ``unpacked`` (read as they are by other kernels)."""
         if not self.pack_rows:
-            self.pack_rows = True
+            self.pack_rows, self.unpacked = True, unpacked
             self._prepare()
 
     @torch.no_grad()
@@ -57,7 +59,8 @@ class Products:
                 restride(module.weight, row_major=id(module) in self.row_major)
         for weight in self._weights():
             key = id(weight)
-            self.packs[key] = pack(weight, self.packs.get(key), rows=self.pack_rows)
+            self.packs[key] = pack(weight, self.packs.get(key),
+                                   rows=self.pack_rows and key not in self.unpacked)
 
     def _weights(self) -> list[torch.Tensor]:
         """The weights this object multiplies: every plain linear layer's and the output

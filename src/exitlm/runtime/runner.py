@@ -257,9 +257,8 @@ class Runner:
         end = model.num_layers if end is None else end
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).expand(b, t)
-        ctx = self.context(positions, cache)
         h = self.embed(tokens, positions)
-        for layer, h_at in model.walk(h, 0, end, exits, cache=cache, ctx=ctx):
+        for layer, h_at, ctx in self._prefill_walk(h, end, exits, positions, cache):
             if layer in exits and model.exit_route(layer).has_block:
                 model.exit_features(h_at, layer, cache=cache, ctx=ctx)
             if taps is not None and layer in exits:
@@ -268,6 +267,15 @@ class Runner:
         cache.lengths = lengths
         cache.crop(lengths)
         return h
+
+    def _prefill_walk(self, h: torch.Tensor, end: int, exits: Sequence[int],
+                      positions: torch.Tensor, cache: KVCache
+                      ) -> Iterator[tuple[int, torch.Tensor, StepContext]]:
+        """A prefill's way through layers ``[0, end)``, stopping after the layers of
+        ``exits`` (as :meth:`walk`): the model's own layers, all rows at once."""
+        ctx = self.context(positions, cache)
+        for layer, h_at in self.model.walk(h, 0, end, exits, cache=cache, ctx=ctx):
+            yield layer, h_at, ctx
 
     def chain(self, tokens: torch.Tensor, cache: KVCache, n: int, depth: int, *,
               vocab: int | None = None, logits: bool = False, pick: Pick | None = None,

@@ -1,7 +1,8 @@
 """Smoke tests of the decoding benchmarks across processes, on the random ``debug`` preset with
 tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theorem 4.1) and
 ``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds),
-``benchmarks/tp_decode.py --quick`` (TP against one process per weight format). They
+``benchmarks/tp_decode.py --quick`` (TP against one process per weight format),
+``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -80,3 +81,11 @@ def test_self_spec_ceiling_accepts_every_draft() -> None:
         for r in out["results"]:
             assert r["identical"] and r["acceptance"] == 1.0, r
             assert r["ar_tokens_per_s"] > 0 and r["self_spec_tokens_per_s"] > 0
+
+
+def test_batch_decode_quick() -> None:
+    out = _run("batch_decode.py", "--model", "debug", "--quick", "--dtype", "int8")
+    assert [r["batch"] for r in out["rows"]] == [1, 2] and out["dtype"] == "int8"
+    for row in out["rows"]:
+        assert row["identical_to_alone"] is True
+        assert row["torch_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
