@@ -57,9 +57,9 @@ row-invariantly (fewer than :data:`~exitlm.kernels.quant.ROW_THRESHOLD` rows), s
 verification of up to 64 drafts and long KV recomputations round exactly like plain steps,
 int8 activations included (:func:`~exitlm.kernels.native.int8_activations`)."""
 NATIVE_PREFILL = {0: 16, 1: 24, 2: ROW_THRESHOLD, 3: ROW_THRESHOLD}
-"""One prompt of fewer positions than this (by the blocks' weight format: fp32, fp16, int8,
-int4) is prefilled through the native blocks (:meth:`NativeRunner._prefill_walk`), longer ones
-through torch, whose GEMMs read each weight once for all positions. Measured on a 2-core
+"""Prompts of fewer rows than this (prompts x padded length; by the blocks' weight format:
+fp32, fp16, int8, int4) are prefilled through the native blocks (:meth:`NativeRunner.
+_prefill_walk`), longer ones through torch, whose GEMMs read each weight once for all rows. Measured on a 2-core
 Sapphire Rapids VM, one thread, prefill time through the blocks against torch: SmolLM2-135M
 fp32 4-8 positions 2.0x faster, 16 1.15x, 32 0.80x; fp16 1.5x, 1.24x, 0.94x; int8 1.7-2.4x
 at 4-95 positions; a 24-layer dim-256 model fp32 / fp16 2.4-2.9x at 4-16, 1.3x at 32, 0.95-1.05x
