@@ -348,6 +348,36 @@ def test_a_short_prompt_is_prefilled_through_the_blocks(kind: str | None,
     assert eager
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@torch.no_grad()
+def test_a_long_prompt_of_quantized_blocks_is_prefilled_in_chunks(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than one native call takes (quantized weights) goes through the blocks
+    in chunks, each attending to those before it: the bits of one-position steps, the states
+    at an exit concatenated over the chunks, no eager layer."""
+    from exitlm.model.transformer import EarlyExitLM
+    from exitlm.runtime.native import NATIVE_ROWS
+
+    runner = _runner(kind, max_seq_len=256)
+    eager: list[int] = []
+    real = EarlyExitLM.run_layers
+    monkeypatch.setattr(EarlyExitLM, "run_layers",
+                        lambda self, *a, **k: eager.append(1) or real(self, *a, **k))
+    n = NATIVE_ROWS + 40
+    tokens = torch.randint(0, 48, (1, n), generator=torch.Generator().manual_seed(2))
+    cache = runner.new_cache(1, 256)
+    taps: dict[int, torch.Tensor] = {}
+    h = runner.prefill(tokens, torch.tensor([n]), cache, exits=(2,), taps=taps)
+    assert not eager and cache.lengths.tolist() == [n] and taps[2].shape[1] == n
+    ref = runner.new_cache(1, 256)
+    for i in range(n):
+        pos = torch.tensor([[i]])
+        x = runner.embed(tokens[:, i : i + 1], pos)
+        mid = runner.layers(x, 0, 2, pos, ref)
+        assert torch.equal(taps[2][:, i : i + 1], mid)
+        assert torch.equal(h[:, i : i + 1], runner.layers(mid, 2, 4, pos, ref))
+
+
 @pytest.mark.parametrize("kind", CHAIN_KINDS)
 @torch.no_grad()
 def test_a_batch_steps_through_the_blocks_with_each_sequences_bits(

@@ -58,12 +58,19 @@ verification of up to 64 drafts and long KV recomputations round exactly like pl
 int8 activations included (:func:`~exitlm.kernels.native.int8_activations`)."""
 NATIVE_PREFILL = {0: 16, 1: 24, 2: ROW_THRESHOLD, 3: ROW_THRESHOLD}
 """Prompts of fewer rows than this (prompts x padded length; by the blocks' weight format:
-fp32, fp16, int8, int4) are prefilled through the native blocks (:meth:`NativeRunner.
-_prefill_walk`), longer ones through torch, whose GEMMs read each weight once for all rows. Measured on a 2-core
-Sapphire Rapids VM, one thread, prefill time through the blocks against torch: SmolLM2-135M
-fp32 4-8 positions 2.0x faster, 16 1.15x, 32 0.80x; fp16 1.5x, 1.24x, 0.94x; int8 1.7-2.4x
-at 4-95 positions; a 24-layer dim-256 model fp32 / fp16 2.4-2.9x at 4-16, 1.3x at 32, 0.95-1.05x
-at 48."""
+fp32, fp16, int8, int4) are prefilled through the native blocks in one call
+(:meth:`NativeRunner._prefill_walk`), longer ones through torch, whose GEMMs read each weight
+once for all rows (one long prompt of quantized blocks: :data:`NATIVE_CHUNKED_PREFILL`).
+Measured on a 2-core Sapphire Rapids VM, one thread, prefill time through the blocks against
+torch: SmolLM2-135M fp32 4-8 positions 2.0x faster, 16 1.15x, 32 0.80x; fp16 1.5x, 1.24x,
+0.94x; int8 1.7-2.4x at 4-95 positions; a 24-layer dim-256 model fp32 / fp16 2.4-2.9x at
+4-16, 1.3x at 32, 0.95-1.05x at 48."""
+NATIVE_CHUNKED_PREFILL = 640
+"""One prompt of quantized blocks shorter than this, and too long for one call, is prefilled
+through the blocks in chunks of :data:`NATIVE_ROWS` (:meth:`NativeRunner._chunked_walk`):
+SmolLM2-135M, one thread, against torch's dequantize-and-GEMM: int8 120 positions 2.4x
+faster, 250 1.6x, 400 1.3x, 800 0.99x, 1500 0.78x (the attention over the cache grows with
+the position); int4 3.3x, 1.8x, 1.8x at 120-400."""
 NATIVE_HEAD_ROWS = 64
 """The most rows of an output-embedding product the native kernels take (decoding steps,
 verification, batches); longer ones (logits over whole sequences) take the products."""
@@ -207,12 +214,32 @@ class NativeRunner(Runner):
         """Short prompts (fewer rows, prompts x padded length, than :data:`NATIVE_PREFILL`
         gives for the blocks' weights) through :meth:`layers`, whose runs of native blocks
         take them in one call - each prompt's positions with the bits it gets alone (the
-        padding's rows are computed too and dropped); longer prompts: the eager code."""
+        padding's rows are computed too and dropped); one longer prompt of quantized blocks in
+        chunks (:meth:`_chunked_walk`); other prompts: the eager code."""
         formats = {nb.structs[0].fmt for nb in self.blocks if nb is not None}
         rows = min((NATIVE_PREFILL.get(f, 0) for f in formats), default=0)
         if cache.batch_size == h.shape[0] and h.shape[0] * h.shape[1] < rows:
             return self.walk(h, 0, end, exits, positions, cache)
+        if (h.shape[0] == cache.batch_size == 1 and rows > NATIVE_ROWS
+                and h.shape[1] < NATIVE_CHUNKED_PREFILL):
+            return self._chunked_walk(h, end, exits, positions, cache)
         return super()._prefill_walk(h, end, exits, positions, cache)
+
+    def _chunked_walk(self, h: torch.Tensor, end: int, exits: Sequence[int],
+                      positions: torch.Tensor, cache: KVCache
+                      ) -> Iterator[tuple[int, torch.Tensor, StepContext]]:
+        """One long prompt of quantized blocks (which beat torch's dequantize-and-GEMM at
+        every row count they take) in chunks of :data:`NATIVE_ROWS` positions, each attending
+        to the chunks before it in the cache: the states at every stop, concatenated."""
+        stops = sorted({s for s in exits if 0 < s <= end} | {end})
+        got: dict[int, list[torch.Tensor]] = {s: [] for s in stops}
+        for c in range(0, h.shape[1], NATIVE_ROWS):
+            part = slice(c, c + NATIVE_ROWS)
+            for stop, h_at, _ in self.walk(h[:, part], 0, end, exits, positions[:, part], cache):
+                got[stop].append(h_at)
+        ctx = self.context(positions, cache)
+        for stop in stops:
+            yield stop, torch.cat(got[stop], 1), ctx
 
     def _serves(self, layer: int, cache: KVCache) -> bool:
         nb = self.blocks[layer]
