@@ -118,16 +118,21 @@ class NativeRunner(Runner):
 
     def enable_row_products(self, sequences: int = 1) -> None:
         """Packed copies only where eager products of several rows will run: outside the
-        native blocks (exit heads' own layers, layers without a native block). The blocks
-        take one sequence's verification and recomputation chunks and the steps of batches,
-        reading the weights as they are (packed copies of theirs would double the weight
-        memory - 540 MB for SmolLM2 in fp32 - and take ~0.7 s at every engine's start, for
-        the eager prefills of batches only)."""
+        native blocks and heads (exit heads' own layers, layers without a native block). The
+        blocks take one sequence's verification and recomputation chunks and the steps of
+        batches, the native heads their output products, reading the weights as they are
+        (packed copies of theirs would double the weight memory - 540 MB for SmolLM2 in fp32 -
+        and take ~0.7 s at every engine's start, for the eager prefills of batches only)."""
         if self.products is None or (sequences <= 1 and all(self.blocks)):
             return
-        self.products.enable_rows(unpacked=frozenset(
-            id(m.weight) for nb in self.blocks if nb is not None
-            for m in nb.module.modules() if type(m) is Linear))
+        inside = {id(m.weight) for nb in self.blocks if nb is not None
+                  for m in nb.module.modules() if type(m) is Linear}
+        # fp32 / fp16 output embeddings: read by the native heads (up to NATIVE_HEAD_ROWS
+        # rows; the packed copies serve 2-32)
+        heads = {id(w) for m in head_modules(self.model)
+                 if isinstance(w := getattr(m, "weight", None), torch.Tensor)
+                 and w.dtype in _NATIVE_HEADS}
+        self.products.enable_rows(unpacked=frozenset(inside | heads))
 
     # ----- layers ------------------------------------------------------------------------------
     def layers(self, h: torch.Tensor, start: int, end: int, positions: torch.Tensor | None,
