@@ -156,6 +156,38 @@ def test_measured_rounds_price_their_shape_and_scale_the_untried_ones() -> None:
     assert planner.plan(rates, [30], [None]).exit_layer is None
 
 
+def test_two_measured_shapes_fit_a_per_round_overhead() -> None:
+    """From two measured shapes on, untried rounds are priced by the line through measured
+    against modelled times: a fixed overhead per round (the decoder's own work) carries over
+    as an overhead, not as a factor that would overprice deeper rounds; probes forget its
+    excess as they forget the ratio's."""
+    planner = _planner(FakeCosts())
+    shapes = [(2, 1), (2, 4)]
+    for e, d in shapes:
+        planner.timed_round(e, d, 1, 0.0, planner._modelled(e, d, 1) + 5.0)
+    deep = planner._modelled(6, 3, 1)
+    assert planner.round_cost(6, 3, 1, 0.0) == pytest.approx(deep + 5.0)
+    ratio = planner._ratio[1]
+    assert deep * ratio > deep + 5.0 + 1e-6  # what the ratio alone would have said
+    planner.probed(planner.plan([{2: 0.8, 4: 0.85, 6: 0.9}], [30], [None]))
+    assert planner.round_cost(6, 3, 1, 0.0) == pytest.approx(deep + 0.9 * 5.0)
+
+
+def test_planners_of_one_runner_start_from_what_the_last_one_measured() -> None:
+    """The measured step and round times live with the runner's costs: the next engine's
+    planner (a new generation) prices rounds from them at once."""
+    costs = FakeCosts()
+    costs.learned = {}  # type: ignore[attr-defined]
+    first = _planner(costs)
+    first.timed_plain(1, 7.0)
+    first.timed_round(4, 2, 1, 0.0, 42.0)
+    second = _planner(costs)
+    assert second.plain_cost(1) == 7.0
+    assert second.round_cost(4, 2, 1, 0.0) == pytest.approx(42.0)
+    other = SpecPlanner(costs, 8, (2, 4, 6), vocab=16, lazy_head=True)  # type: ignore[arg-type]
+    assert other.round_cost(4, 2, 1, 0.0) != pytest.approx(42.0)  # another draft head
+
+
 def test_probe_interval_backs_off_and_returns() -> None:
     planner = _planner(FakeCosts())
     far = planner.plan([{2: 0.0, 4: 0.0, 6: 0.0}], [30], [None])

@@ -58,6 +58,9 @@ class PrimitiveCosts:
         self._cache: KVCache | None = None
         self.measured_s = 0.0
         """Wall time spent measuring so far."""
+        self.learned: dict[object, dict] = {}
+        """What callers learned of the runner's speed while decoding (an adaptive planner's
+        measured step and round times), kept with the costs for the runner's later engines."""
 
     # ----- one sequence: the calls as decoders make them ---------------------------------------
     def chain(self, depth: int, n: int, vocab: int | None = None) -> float:
