@@ -191,6 +191,9 @@ class SpecPlanner:
         """Measured over modelled seconds of rounds, by sequences."""
         self._keep: dict[int, float] = memory.setdefault("keep", {})
         """Share of the fitted correction's excess still applied, by sequences."""
+        self._version: list[int] = memory.setdefault("version", [0])
+        """Bumped by every measured step or round (the fits below are redone after it)."""
+        self._fits: dict[int, tuple[int, tuple[float, float] | None]] = {}
         self._fixed: dict[tuple[int, int, int], float] = {}
         self._heads: dict[tuple[int, int], float] = {}
 
@@ -224,7 +227,10 @@ class SpecPlanner:
         which a ratio would carry over to dearer ones as a factor); else their
         measured/modelled ratio. Either correction's excess is forgotten at probes as the
         ratio's is (:meth:`probed`)."""
-        fit = self._fit(b)
+        got = self._fits.get(b)
+        if got is None or got[0] != self._version[0]:
+            got = self._fits[b] = (self._version[0], self._fit(b))
+        fit = got[1]
         if fit is None:
             return modelled * self._ratio.get(b, 1.0)
         a, o = fit
@@ -279,6 +285,7 @@ class SpecPlanner:
         """Note the measured time of a plain step for ``b`` sequences."""
         old = self._plain.get(b)
         self._plain[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._version[0] += 1
 
     def timed_round(self, exit_layer: int, drafts: int, b: int, tokens: float,
                     seconds: float) -> None:
@@ -294,6 +301,7 @@ class SpecPlanner:
         self._ratio[b] = ratio if old_ratio is None else (
             TIME_DECAY * old_ratio + (1 - TIME_DECAY) * ratio)
         self._keep[b] = 1.0
+        self._version[0] += 1
 
     # ----- choices ----------------------------------------------------------------------------
     def plan(self, rates: Sequence[dict[int, float]], limits: Sequence[int],
