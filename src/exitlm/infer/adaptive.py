@@ -71,7 +71,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from exitlm.runtime.costs import PrimitiveCosts
+from exitlm.runtime.costs import PrimitiveCosts, fit_line
 
 DECAY = 0.97
 """Weight kept by past agreement observations per new one (an effective window of ~33)."""
@@ -241,18 +241,13 @@ class SpecPlanner:
         sequences, from at least two shapes a tenth or more apart; None otherwise (or for a
         line that is not a cost: ``a <= 0``)."""
         pts = [(self._modelled(*k), t) for k, t in self._measured.items() if k[2] == b]
-        if len(pts) < 2:
-            return None
         xs = [x for x, _ in pts]
-        if max(xs) < 1.1 * min(xs):
+        if len(pts) < 2 or max(xs) < 1.1 * min(xs):
             return None
-        n = len(pts)
-        mx, my = sum(xs) / n, sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        a = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        if a <= 0:
+        line = fit_line(pts)
+        if line is None or line[1] <= 0:
             return None
-        return a, my - a * mx
+        return line[1], line[0]
 
     def _modelled(self, e: int, d: int, b: int) -> float:
         """The primitives' seconds of a round, without the lazily verified head."""

@@ -114,13 +114,10 @@ class PrimitiveCosts:
     def _layers_line(self, rows: int, start: int) -> float | None:
         pts = [(self.num_layers - k[1], t) for k, t in self._seen.items()
                if k[0] == "layers" and k[2] == rows]
-        if len({n for n, _ in pts}) < 2:
+        line = fit_line(pts)
+        if line is None or line[1] <= 0:
             return None
-        x = torch.tensor([[1.0, n] for n, _ in pts], dtype=torch.float64)
-        y = torch.tensor([t for _, t in pts], dtype=torch.float64)
-        a, b = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
-        if b <= 0:
-            return None
+        a, b = line
         return max(0.0, a + b * (self.num_layers - start))
 
     # ----- any batch: per layer and per head -----------------------------------------------------
@@ -223,6 +220,21 @@ class PrimitiveCosts:
                                                  cache=cache))
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of ``y = intercept + slope * x`` through
+    ``points`` ``(x, y)``; None without two distinct ``x``."""
+    n = len(points)
+    if n < 2:
+        return None
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx <= 0.0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
 _COSTS: weakref.WeakKeyDictionary[Runner, PrimitiveCosts] = weakref.WeakKeyDictionary()
 
 
@@ -235,4 +247,4 @@ def costs_of(runner: Runner) -> PrimitiveCosts:
     return got
 
 
-__all__ = ["CONTEXT", "MAX_ROWS", "PrimitiveCosts", "costs_of"]
+__all__ = ["CONTEXT", "MAX_ROWS", "PrimitiveCosts", "costs_of", "fit_line"]
