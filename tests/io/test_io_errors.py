@@ -170,3 +170,16 @@ def test_gguf_merge_outside_the_vocabulary_is_a_named_error() -> None:
     with pytest.raises(GGUFTokenizerError, match=r"'a b'.*'ab'"):
         build_bpe_tokenizer(tokens, ["a b"], None, None)
     assert build_bpe_tokenizer([*tokens, "ab"], ["a b"], None, None).encode("ab").ids == [26]
+
+
+def test_dtype_names_and_bad_dtypes(hf_dir: Path) -> None:
+    from exitlm.config import ConfigError
+    from exitlm.io.loader import parse_dtype
+
+    assert parse_dtype("fp16") is torch.float16 and parse_dtype("BF16") is torch.bfloat16
+    assert parse_dtype("float32") is torch.float32 and parse_dtype(torch.float16) is torch.float16
+    assert parse_dtype("int8") == "int8" and parse_dtype("int4") == "int4"
+    assert load_model(hf_dir, dtype="fp16").model.embed_tokens.weight.dtype == torch.float16
+    for bad in ("float8", "int2", torch.int8, torch.bool):
+        with pytest.raises(ConfigError, match=r"dtype .*expected a float dtype"):
+            load_model(hf_dir, dtype=bad)

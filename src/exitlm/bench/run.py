@@ -44,6 +44,7 @@ from exitlm.infer.self_speculative import SelfSpecStats, resolve_exit_layer
 from exitlm.io import load_model
 from exitlm.io.corpus import DataConfig, is_held_out, iter_jsonl, list_sources
 from exitlm.io.default_model import default_gguf_path
+from exitlm.io.loader import parse_dtype
 from exitlm.io.save import export_hf
 from exitlm.io.token_order import rank_model_tokens
 from exitlm.plan import ppd_theory
@@ -163,8 +164,7 @@ class Bench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        dtype: torch.dtype | str = {"float32": torch.float32, "float16": torch.float16,
-                                    "bfloat16": torch.bfloat16}.get(cfg.dtype, cfg.dtype)
+        dtype = parse_dtype(cfg.dtype)
         # transformers runs quantized models' weights in fp32 (it has no CPU int8/int4 path)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         name = cfg.model

@@ -34,13 +34,10 @@ from tqdm import tqdm
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, get_strategy
 from exitlm.infer.cli import load_for_strategy, rank_draft_vocab, tokenizer_for
+from exitlm.io.loader import parse_dtype
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime import prepare
 from exitlm.tokenizer import Tokenizer
-
-_DTYPES: dict[str, torch.dtype | str] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": "int8", "int4": "int4"}
 
 
 @register_model("exitlm")
@@ -83,9 +80,7 @@ class ExitlmLM(TemplateLM):
     ) -> None:
         super().__init__()
         if isinstance(pretrained, str):
-            if dtype not in _DTYPES:
-                raise ConfigError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-            loaded = load_for_strategy(pretrained, _DTYPES[dtype], strategy, head_dtype)
+            loaded = load_for_strategy(pretrained, parse_dtype(dtype), strategy, head_dtype)
             model, tokenizer = loaded.model, tokenizer or tokenizer_for(loaded, pretrained)
             rank_draft_vocab(model, tokenizer, options)
         else:

@@ -46,11 +46,9 @@ class _Dtypes(Mapping[str, Any]):
     def __getitem__(self, name: str) -> torch.dtype | str:
         if name not in self.NAMES:
             raise KeyError(name)
-        if name in ("int8", "int4"):  # weight-only quantized (exitlm.kernels.quantized)
-            return name
-        import torch  # lazy: --help and argument errors import no torch
+        from exitlm.io.loader import parse_dtype  # lazy: --help and argument errors import no torch
 
-        return getattr(torch, name)
+        return parse_dtype(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.NAMES)

@@ -12,9 +12,7 @@ from exitlm.args import finite_float
 from exitlm.config import ConfigError
 from exitlm.io.cache import KINDS as KIND_NAMES
 
-# --dtype names -> torch dtype names (torch is imported when the command runs)
-_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16",
-           "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # names load_model takes
 
 
 def register(subparsers: Any) -> None:
@@ -90,9 +88,7 @@ def _convert(args: argparse.Namespace) -> int:
     if (args.tp, args.pp) != (1, 1) and args.to != "megatron":
         raise ConfigError("--tp and --pp split Megatron checkpoints only; add --to megatron")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
-    import torch  # lazy: loaded when the command runs
-
-    loaded = load_model(args.src, dtype=args.quantize or getattr(torch, _DTYPES[args.dtype]),
+    loaded = load_model(args.src, dtype=args.quantize or args.dtype,
                         head_dtype=args.quantize_head)
     if args.to == "megatron":
         from exitlm.io.megatron_write import save_megatron  # lazy: loaded when the command runs

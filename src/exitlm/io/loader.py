@@ -65,6 +65,25 @@ from exitlm.io.st import PICKLE_SUFFIXES, refuse_pickle, tensor_shapes
 from exitlm.kernels.quantized import check_kind, quantize_heads, quantize_model
 from exitlm.model.transformer import EarlyExitLM
 
+DTYPE_NAMES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": "int8", "int4": "int4"}
+"""What :func:`load_model` accepts as ``dtype`` by name: float formats -> torch dtypes, the
+weight-only quantized formats (:mod:`exitlm.kernels.quantized`) -> their names."""
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A float torch dtype or a quantized format's name (``"int8"`` / ``"int4"``) from a
+    dtype or a name in :data:`DTYPE_NAMES`; anything else is a :class:`ConfigError` naming the
+    value and the choices (an integer torch dtype cannot hold trained weights)."""
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ConfigError(f"dtype {dtype!r}: expected a float dtype or one of "
+                      f"{', '.join(DTYPE_NAMES)}")
+
 
 def load_model(
     name_or_path: str,
@@ -77,8 +96,9 @@ def load_model(
     """Load a model by name or path (see the module docstring for what is accepted).
 
     Args:
-        dtype: parameter dtype (rotary frequencies stay fp32), or ``"int8"`` / ``"int4"``
-            for weight-only quantized linear layers and embedding (fp32 elsewhere).
+        dtype: parameter dtype (rotary frequencies stay fp32) or its name (``"float32"``,
+            ``"fp16"``, ``"bf16"``, ...: :func:`parse_dtype`), or ``"int8"`` / ``"int4"`` for
+            weight-only quantized linear layers and embedding (fp32 elsewhere).
         device: where the parameters end up.
         exits: replaces the checkpoint's exit configuration; heads the checkpoint lacks are
             freshly initialised, heads it has for layers/structures not requested are dropped.
@@ -89,8 +109,9 @@ def load_model(
     src = str(name_or_path)
     path = Path(src).expanduser()
     quant = None
+    dtype = parse_dtype(dtype)
     if isinstance(dtype, str):
-        quant, dtype = check_kind(dtype), torch.float32
+        quant, dtype = dtype, torch.float32
     if head_dtype is not None:
         check_kind(head_dtype)
         if quant is not None:
