@@ -12,7 +12,9 @@ communicate inside their forward) run their own forward.
 The one change made to the model is the layout of its weights (:func:`~exitlm.kernels.layout.
 restride`: the same values, the same Parameter objects, other strides): column-major for fp32
 weights with ``out > in`` that OpenBLAS multiplies by one row, row-major for those the native
-kernels read by rows. Packed copies belong to this object, never to the model.
+kernels read by rows - and, once laid out, their place: one arena of transparent huge pages
+(:func:`~exitlm.runtime.memory.place_weights`; fewer TLB misses in the weight stream of every
+token). Packed copies belong to this object, never to the model.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from exitlm.kernels.layout import Packed, pack, restride
 from exitlm.kernels.linear import linear
 from exitlm.model.layers import Linear
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime.memory import place_weights
 
 
 class Products:
     """Kernels for the linear layers and output embeddings of one model (module docstring).
 
     Args:
-        model: the model (its weights are re-strided in place, values unchanged).
+        model: the model (its weights are re-strided and placed in huge pages in place,
+            values unchanged).
         pack_rows: keep oneDNN-packed copies of fp32 weights for products of 2-32 rows
             (batches, verification, recomputation): twice the weight memory.
         row_major: ids of modules whose weights stay row-major (read by the native kernels).
@@ -57,6 +61,7 @@ class Products:
         for module in self.model.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 restride(module.weight, row_major=id(module) in self.row_major)
+        place_weights(self.model)  # after the layout (a new layout is a new allocation)
         for weight in self._weights():
             key = id(weight)
             self.packs[key] = pack(weight, self.packs.get(key),

@@ -2,7 +2,8 @@
 tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theorem 4.1) and
 ``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds),
 ``benchmarks/tp_decode.py --quick`` (TP against one process per weight format),
-``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch). They
+``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch),
+``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -89,3 +90,11 @@ def test_batch_decode_quick() -> None:
     for row in out["rows"]:
         assert row["identical_to_alone"] is True
         assert row["torch_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
+
+
+def test_huge_pages_quick() -> None:
+    out = _run("huge_pages.py", "--model", "debug", "--quick", "--min-bytes", "0")
+    [row] = out["rows"]
+    assert row["dtype"] == "float32" and row["identical"] is True
+    assert row["placed"] is out["huge_pages_available"]
+    assert row["small_pages_tokens_per_s"] > 0 and row["huge_pages_tokens_per_s"] > 0
