@@ -94,6 +94,7 @@ def test_left_alone_trained_models_shared_memory_mapped_files_and_when_turned_of
     pointers = [p.data_ptr() for p in trained.parameters()]
     assert not memory.place_weights(trained, min_bytes=0)
     assert [p.data_ptr() for p in trained.parameters()] == pointers
+    assert not memory.place_weights(_model().train(), min_bytes=0)
 
     shared = _model()
     shared.norm.weight.data.share_memory_()

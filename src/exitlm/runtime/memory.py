@@ -17,8 +17,8 @@ Left where they are: tensors off the CPU, tensors in shared memory (another proc
 them), tensors in a mapped file (a checkpoint read in place - fp32 and quantized models loaded
 from safetensors: the page cache shares them between processes, which a private copy would
 not, and recent kernels map such files with large folios already), and every tensor of a model
-with gradients (a model being trained: its optimizer and any wrapper may hold views of the
-storage). ``EXITLM_HUGE_PAGES=0`` turns placement off.
+in training mode or with gradients (a model being trained: its optimizer and any wrapper may
+hold views of the storage). ``EXITLM_HUGE_PAGES=0`` turns placement off.
 
 Measured on a 2-core Sapphire Rapids VM at one thread, SmolLM2-135M: fp16 (converted at load,
 so private memory) decodes 1.0-1.37x faster in huge pages, 1.15x on average, process against
@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from exitlm.kernels.blas import PLAIN_TENSORS
 
 HUGE_PAGE = 2 << 20
 """The size of an x86-64 / aarch64 transparent huge page (the arena's alignment)."""
@@ -79,12 +81,14 @@ def _mapped_files() -> list[tuple[int, int]]:
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     """Each private, anonymous CPU parameter and buffer of ``model`` once: tensors in shared
-    memory or in a mapped file (a safetensors checkpoint read in place) are left out."""
+    memory or in a mapped file (a safetensors checkpoint read in place) and tensor subclasses
+    (a parallel layout's DTensors) are left out."""
     files = _mapped_files()
     starts = [lo for lo, _ in files]
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in seen or t.device.type != "cpu" or t.layout != torch.strided:
+        if (id(t) in seen or type(t) not in PLAIN_TENSORS or t.device.type != "cpu"
+                or t.layout != torch.strided):
             continue
         seen.add(id(t))
         if not t.numel() or t.is_shared():
@@ -118,7 +122,8 @@ def place_weights(model: nn.Module, *, min_bytes: int = MIN_BYTES) -> bool:
     Returns whether the weights now lie in an arena; a second call on a placed model copies
     nothing. Values, dtypes, shapes, strides and shared storages are kept exactly.
     """
-    if not huge_pages_available() or any(p.grad is not None for p in model.parameters()):
+    if (not huge_pages_available() or model.training
+            or any(p.grad is not None for p in model.parameters())):
         return False
     if placed(model):
         return True
