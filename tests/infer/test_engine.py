@@ -6,6 +6,7 @@ per-request options, streaming and row bookkeeping."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -143,6 +144,24 @@ def test_per_request_options() -> None:
     spec.run()
     assert 0 < a.stats.drafted <= a.stats.rounds  # type: ignore[attr-defined]
     assert b.token_ids == generate(model, None, prompts[1], sampling=s).token_ids[0]
+
+
+def test_prompts_and_models_of_the_wrong_kind_are_named() -> None:
+    import numpy as np
+
+    from exitlm.infer.api import encode_prompts
+
+    assert encode_prompts(None, np.array([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert encode_prompts(None, torch.tensor([5, 6])) == [[5, 6]]
+    assert encode_prompts(None, [torch.tensor([1, 2]), (3, 4)]) == [[1, 2], [3, 4]]
+    for bad, shown in (([1.5], "float 1.5"), ([[1, "a"]], "list [1, 'a']"),
+                       ([[True, 2]], "list [True, 2]"), ([None], "NoneType None"),
+                       ([torch.tensor([1.0])], "Tensor")):
+        with pytest.raises(ConfigError, match=rf"prompt 0: expected a string or a list of "
+                                              rf"integer token ids, got {re.escape(shown)}"):
+            encode_prompts(None, bad)
+    with pytest.raises(ConfigError, match=r"model: expected an EarlyExitLM .* got str"):
+        generate("default", None, [[1, 2]])  # type: ignore[arg-type]
 
 
 def test_limits_and_lazy_memory() -> None:

@@ -8,9 +8,12 @@ requests' results become one :class:`~exitlm.infer.result.GenerationResult`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from exitlm.config import ConfigError
 from exitlm.infer.engine import Engine
@@ -143,8 +146,8 @@ def encode_prompts(
     items = list(prompts)
     if not items:
         raise ConfigError("no prompts given")
-    if all(isinstance(x, int) for x in items):
-        return [[int(x) for x in items]]  # type: ignore[arg-type]
+    if all(_is_id(x) for x in items):
+        return [[int(x) for x in items]]  # type: ignore[call-overload]
     out: list[list[int]] = []
     for p in items:
         if isinstance(p, str):
@@ -157,5 +160,30 @@ def encode_prompts(
         else:
             if chat:
                 raise ConfigError("chat=True needs text prompts, got token ids")
-            out.append([int(x) for x in p])  # type: ignore[union-attr]
+            ids = None if isinstance(p, bytes | Mapping) else _listed(p)
+            if ids is None or not all(_is_id(x) for x in ids):
+                raise ConfigError(f"prompt {len(out)}: expected a string or a list of integer "
+                                  f"token ids, got {_shown(p)}")
+            out.append([int(x) for x in ids])
     return out
+
+
+def _is_id(x: object) -> bool:
+    """Whether ``x`` is one token id: an integer (Python, numpy or a 0-d integer tensor)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.is_floating_point() and not x.is_complex()
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _listed(p: object) -> list[Any] | None:
+    """The items of an iterable prompt (a list, tuple, tensor or array), else None."""
+    try:
+        return list(p)  # type: ignore[call-overload]
+    except TypeError:
+        return None
+
+
+def _shown(p: object) -> str:
+    """A prompt item named in an error: its type and a short repr."""
+    text = repr(p)
+    return f"{type(p).__name__} {text[:40] + '...' if len(text) > 40 else text}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from exitlm.config import ConfigError
 from exitlm.infer.executor import Executor
 from exitlm.infer.executors.pipeline import PipelineExecutor
 from exitlm.infer.executors.ppd_worker import BranchWorkerExecutor
@@ -42,6 +43,9 @@ def executor_for(target: EarlyExitLM | Runner | Executor, strategy: Strategy, op
     choice: :class:`~exitlm.infer.executors.tp.TPExecutor`.)"""
     if isinstance(target, Executor):
         return target
+    if not isinstance(target, Runner | EarlyExitLM):
+        raise ConfigError(f"model: expected an EarlyExitLM (exitlm.io.load_model(name).model), "
+                          f"a Runner or an Executor, got {type(target).__name__}")
     runner = target if isinstance(target, Runner) else prepare(target)
     if strategy.name == "early-exit" and getattr(options, "kv", None) == "pipeline":
         return PipelineExecutor(runner, options.stages or 2)
