@@ -4,7 +4,9 @@ giving plain decoding's tokens (greedy) or its distribution (sampling)."""
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +23,7 @@ from exitlm.infer.adaptive import (
     expected_tokens,
 )
 from exitlm.runtime import prepare
-from exitlm.runtime.costs import PrimitiveCosts
+from exitlm.runtime.costs import PrimitiveCosts, costs_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,6 +188,29 @@ def test_planners_of_one_runner_start_from_what_the_last_one_measured() -> None:
     assert second.round_cost(4, 2, 1, 0.0) == pytest.approx(42.0)
     other = SpecPlanner(costs, 8, (2, 4, 6), vocab=16, lazy_head=True)  # type: ignore[arg-type]
     assert other.round_cost(4, 2, 1, 0.0) != pytest.approx(42.0)  # another draft head
+
+
+def test_costs_belong_to_the_model_and_kind_of_runner_not_to_one_runner() -> None:
+    """A new ``generate(model, ...)`` prepares a new runner: its costs - what was measured
+    and learned - are the last runner's of that model and kind, and they keep neither the
+    model nor a runner alive."""
+    from exitlm.kernels.quantized import quantize_model
+
+    model = ee_model(every_layer=True)
+    first = costs_of(prepare(model))
+    generate(model, None, [[3, 5, 7, 9]], strategy="self-spec", max_new_tokens=12,
+             ignore_eos=True)
+    runner = prepare(model)
+    again = costs_of(runner)
+    assert again is first and again.runner is runner
+    assert again.learned  # the generation's planner left its measured times
+    assert costs_of(prepare(model, backend="static")) is not first  # another kind of runner
+    quantize_model(model, "int8")
+    assert costs_of(prepare(model)) is not first  # other modules
+    gone = weakref.ref(model)
+    del model, runner
+    gc.collect()
+    assert gone() is None
 
 
 def test_probe_interval_backs_off_and_returns() -> None:

@@ -49,11 +49,14 @@ the ratio kept the planner at exit 2, 0.8x the best fixed exit). A tenth of the 
 over 1 (:data:`RATIO_KEEP`) is forgotten at every probe step, so that rounds not yet taken
 are tried again now and then.
 
-The measured step and round times are kept with the runner's costs
-(:attr:`~exitlm.runtime.costs.PrimitiveCosts.learned`), so that the next engine on the same
-runner - the next ``generate`` call - starts from them: on an 8-layer byte model, 96-token
-generations decoded 1.12x plain decoding when every planner started afresh and 1.32x when each
-started from the last one's times.
+The measured step and round times are kept with the costs
+(:attr:`~exitlm.runtime.costs.PrimitiveCosts.learned`), which belong to the model and the kind
+of runner (:func:`~exitlm.runtime.costs.costs_of`), so that the next engine on the same model -
+the next ``generate`` call, which prepares a new runner - starts from them: on an 8-layer byte
+model, 96-token generations decoded 1.12x plain decoding when every planner started afresh and
+1.32x when each started from the last one's times (``generate(model, ...)`` over 12 prompts,
+twice: 1.08-1.11x when each call started afresh, 1.20-1.27x since the costs stay with the
+model).
 
 **Within a round** a user's ``draft_threshold`` ends drafting at an unsure draft; an automatic
 threshold from costs was tried and dropped: the exits' probabilities are not calibrated to
@@ -178,9 +181,9 @@ class SpecPlanner:
         self.since_probe = 0
         """Steps since the last probe step."""
         self._probe_turn = 0
-        # what steps and rounds were measured to take, kept with the runner's costs (when
-        # they keep it) so that the runner's next engines start from it instead of from the
-        # model alone: a short generation ends before its planner has learned much
+        # what steps and rounds were measured to take, kept with the model's costs (when
+        # they keep it) so that the model's next engines start from it instead of from the
+        # cost model alone: a short generation ends before its planner has learned much
         learned = getattr(costs, "learned", None)
         memory: dict[str, dict] = ({} if learned is None
                                    else learned.setdefault(("rounds", vocab, lazy_head), {}))

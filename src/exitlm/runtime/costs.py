@@ -52,7 +52,7 @@ class PrimitiveCosts:
         if not runner.supports("local"):
             raise ValueError("PrimitiveCosts times primitives in this process; this runner's "
                              "calls pair with other processes")
-        self.runner = runner
+        self._runner: Callable[[], Runner | None] = lambda: runner  # weak once bound
         self.num_layers = runner.num_layers
         self._seen: dict[tuple[object, ...], float] = {}
         self._cache: KVCache | None = None
@@ -61,6 +61,25 @@ class PrimitiveCosts:
         self.learned: dict[object, dict] = {}
         """What callers learned of the runner's speed while decoding (an adaptive planner's
         measured step and round times), kept with the costs for the runner's later engines."""
+
+    @property
+    def runner(self) -> Runner:
+        """The runner these costs time (the latest one :func:`costs_of` was asked about)."""
+        runner = self._runner()
+        if runner is None:
+            raise RuntimeError("the runner these costs measured is gone")
+        return runner
+
+    def bind(self, runner: Runner) -> None:
+        """Time ``runner`` from now on, holding it weakly: another runner of the same model
+        and kind (a new ``generate(model, ...)`` call prepares one), whose primitives cost the
+        same."""
+        old = self._runner()
+        if runner is not old:
+            if old is not None and self._cache is not None:
+                old.release(self._cache)
+            self._cache = None
+        self._runner = weakref.ref(runner)
 
     # ----- one sequence: the calls as decoders make them ---------------------------------------
     def chain(self, depth: int, n: int, vocab: int | None = None) -> float:
@@ -235,15 +254,30 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return my - slope * mx, slope
 
 
-_COSTS: weakref.WeakKeyDictionary[Runner, PrimitiveCosts] = weakref.WeakKeyDictionary()
+_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[object, ...], PrimitiveCosts]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _kind(runner: Runner) -> tuple[object, ...]:
+    """What a runner's costs depend on besides its model's shapes: the runner's class, the
+    weights' dtype and device, and the module classes it runs (a model quantized in place
+    changes them)."""
+    modules = frozenset(type(m).__qualname__ for m in runner.model.modules())
+    return type(runner), runner.dtype, str(runner.device), modules
 
 
 def costs_of(runner: Runner) -> PrimitiveCosts:
-    """The one :class:`PrimitiveCosts` of ``runner`` (measured shapes are kept for as long as
-    the runner lives: engines and calls that share a runner measure once)."""
-    got = _COSTS.get(runner)
+    """The one :class:`PrimitiveCosts` of ``runner``'s model and kind (:func:`_kind`): measured
+    shapes and what planners learned (:attr:`PrimitiveCosts.learned`) are kept for as long as
+    the model lives, so engines, calls and the runners of later ``generate(model, ...)`` calls
+    measure once and start from what the last planner learned (held by the model weakly: the
+    costs keep neither the model nor a runner alive)."""
+    kinds = _COSTS.setdefault(runner.model, {})
+    key = _kind(runner)
+    got = kinds.get(key)
     if got is None:
-        got = _COSTS[runner] = PrimitiveCosts(runner)
+        got = kinds[key] = PrimitiveCosts(runner)
+    got.bind(runner)
     return got
 
 
