@@ -32,7 +32,8 @@ def models() -> tuple:
     return loaded, hf
 
 
-def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int = NEW
+               ) -> list[list[int]]:
     t = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), t, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -40,7 +41,7 @@ def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]
         ids[i, t - len(p):] = torch.tensor(p)
         mask[i, t - len(p):] = 1
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW,
+        out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                           eos_token_id=None, pad_token_id=0, temperature=None, top_p=None,
                           top_k=None)
     return out[:, t:].tolist()
@@ -53,6 +54,23 @@ def test_greedy_single_prompt_matches_transformers(models: tuple) -> None:
                    ignore_eos=True)
     assert got.token_ids[0] == _hf_greedy(hf, [ids])[0]
     assert "Paris" in got.text
+
+
+def test_greedy_steps_through_the_screened_head_match_transformers(models: tuple) -> None:
+    """Long enough for the int8 screen of the fp32 head (kernels/screen.py) to be made: the
+    tokens stay the fp32 head's, those of transformers."""
+    from exitlm.kernels import native, screen
+    from exitlm.runtime import native as native_runner
+
+    loaded, hf = models
+    new = screen.BUILD_TOKENS + 8
+    ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got = generate(loaded.model, loaded.tokenizer, PROMPTS, max_new_tokens=new,
+                   ignore_eos=True)
+    weight = loaded.model.output_embedding()
+    if native.library() is not None:  # the native runner screened the steps
+        assert native_runner._screen_of(weight, make=False) is not None
+    assert got.token_ids == _hf_greedy(hf, ids, new)
 
 
 def test_greedy_padded_batch_matches_transformers(models: tuple) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from exitlm.kernels import native
+from exitlm.kernels.argmax import argmax
 from exitlm.kernels.blas import BLAS
 from exitlm.kernels.native_block import (
     Intact,
@@ -45,6 +46,8 @@ from exitlm.kernels.native_block import (
     weight_struct,
 )
 from exitlm.kernels.quant import ROW_THRESHOLD, QuantizedWeight
+from exitlm.kernels.screen import BUILD_TOKENS, GreedyScreen, screens_enabled
+from exitlm.kernels.screen import MIN_ROWS as MIN_SCREEN_ROWS
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import Block, Linear, Norm
 from exitlm.model.transformer import EarlyExitLM, StepContext
@@ -76,6 +79,25 @@ NATIVE_HEAD_ROWS = 64
 verification, batches); longer ones (logits over whole sequences) take the products."""
 
 _NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
+_SCREENS: dict[int, tuple[weakref.ref[torch.Tensor], GreedyScreen]] = {}
+"""Each output embedding's screen (:meth:`NativeRunner.greedy`) by ``id``, for as long as the
+embedding lives: runners come and go with ``generate`` calls, the int8 copy takes ~0.25 s to
+make. (Tensors compare elementwise, so they cannot be weak dictionary keys.)"""
+
+
+def _screen_of(weight: torch.Tensor, make: bool = True) -> GreedyScreen | None:
+    """``weight``'s screen, made (again, when ``make``) when it has none or was changed
+    since."""
+    got = _SCREENS.get(id(weight))
+    if got is not None and got[0]() is weight and got[1].current(weight):
+        return got[1]
+    if not make:
+        return None
+    screen = GreedyScreen(weight)
+    if got is None or got[0]() is not weight:
+        weakref.finalize(weight, _SCREENS.pop, id(weight), None)
+    _SCREENS[id(weight)] = (weakref.ref(weight), screen)
+    return screen
 
 
 def _deref(ref: weakref.ref) -> Any:
@@ -338,6 +360,31 @@ class NativeRunner(Runner):
             out = _NATIVE_HEADS[weight.dtype](flat, weight.detach(), _threads())
             return out.to(h.dtype).reshape(*h.shape[:-1], weight.shape[0])
         return super().project(h, weight)
+
+    def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
+               cache: KVCache | None = None, ahead: int = 0) -> list[int]:
+        """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of
+        its fp32 output embedding (an int8 copy and an error bound: the same tokens as
+        the argmax of :meth:`logits`, a quarter of the head's bytes read); other heads, and
+        rows the screen cannot decide, through the logits."""
+        model = self.model
+        if (not screens_enabled() or model.output_layout is not None or not h.is_cpu
+                or torch.is_grad_enabled() or h.shape[0] > NATIVE_HEAD_ROWS):
+            return super().greedy(h, layer, positions=positions, cache=cache, ahead=ahead)
+        feats, weight = model.exit_features(h[:, -1:], layer, positions, cache, None,
+                                            ops=self.products)
+        if (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype is torch.float32
+                and feats.dtype is weight.dtype and weight.is_cpu and weight.is_contiguous()
+                and weight.shape[0] >= MIN_SCREEN_ROWS and weight.shape[1] % 32 == 0):
+            screen = _screen_of(weight, make=ahead >= BUILD_TOKENS)
+        else:
+            screen = None
+        if screen is not None:
+            flat = feats.reshape(-1, feats.shape[-1]).float().contiguous()
+            tokens = screen.argmax(flat, weight.detach(), _threads())
+            if tokens is not None:
+                return tokens
+        return argmax(self.project(feats, weight)[:, -1]).tolist()
 
     def _shared_head(self, vocab: int
                      ) -> tuple[torch.Tensor, float, tuple[Any, tuple[torch.Tensor, ...]]] | None:

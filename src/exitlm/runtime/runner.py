@@ -9,6 +9,8 @@ primitives, and every backend implements the primitives, never a strategy's roun
 * :meth:`Runner.embed` - token (+ learned position) embeddings;
 * :meth:`Runner.layers` - layers ``[a, b)`` over a KV cache at given positions;
 * :meth:`Runner.logits` - an exit's head (full or truncated vocabulary);
+* :meth:`Runner.greedy` - the argmax of an exit's logits, for callers that need nothing else
+  (greedy plain decoding; :class:`~exitlm.kernels.screen.GreedyScreen` on the native runner);
 * :meth:`Runner.prefill` - right-padded prompts through layers ``[0, end)``, filling the cache;
 * :meth:`Runner.chain` - a *chain* of ``n`` greedy steps through layers ``[0, depth)`` and exit
   ``depth``: what a plain decoding step (``n = 0``), self-speculative drafting (LayerSkip Sec.
@@ -210,6 +212,16 @@ class Runner:
                 or not isinstance(weight, torch.Tensor)):
             return self.model.project(h, weight)
         return self.products.project(h, weight)
+
+    def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
+               cache: KVCache | None = None, ahead: int = 0) -> list[int]:
+        """The argmax token of exit ``layer``'s logits for each row of ``h`` ``(B, 1, D)``
+        (first index on ties, what greedy decoding of :meth:`logits` takes), for callers that
+        need no logits: a runner may compute it without them (the native runner's
+        :class:`~exitlm.kernels.screen.GreedyScreen`, made once ``ahead`` - the most tokens
+        a row may still take - makes it pay)."""
+        logits = self.logits(h, layer, positions=positions, cache=cache)[:, -1]
+        return argmax(logits).tolist()
 
     def probe(self, h: torch.Tensor, layer: int, thresholds: Sequence[float | None], *,
               positions: torch.Tensor | None = None, cache: KVCache | None = None,

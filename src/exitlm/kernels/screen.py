@@ -1,0 +1,131 @@
+"""The exact argmax of an output embedding's logits from an int8 copy: :class:`GreedyScreen`.
+
+Greedy decoding needs one number per step from the LM head - the index of the largest logit -
+yet reads the whole head to get it (SmolLM2's tied 49152 x 576 embedding: 113 MB of a 538 MB
+fp32 token, ~30% of its time). A screen reads an int8 copy of the head instead (a quarter of
+the bytes; Q8_0 groups of 32, :func:`~exitlm.kernels.quant.quantize`) and bounds, row by row,
+how far each approximate logit ``a_v`` can lie from the logit ``e_v`` the full head computes:
+
+    |a_v - e_v| <= (S_v / 2) ||x||_1  +  2 gamma_K R_v ||x||_2  =  Delta_v
+
+(the int8 rounding of the weights, ``|w - q s| <= s / 2`` per element of a group with scale
+``s``, at most ``S_v``, the row's largest scale; and float32 summation, ``gamma_K ~ (K + K/32 +
+8) u`` (Higham, *Accuracy and Stability of Numerical Algorithms*, Sec. 3.1), of both products,
+``sum |w| |x| <= R_v ||x||_2`` by Cauchy-Schwarz with ``R_v`` the larger of the row's two
+norms). Every row whose interval ``[a_v - Delta_v, a_v + Delta_v]`` reaches the largest lower
+bound is a candidate; the argmax is among them, and the full head's own kernel computes their
+logits - the same bits as in the full product, since every output element of the native
+products is a fixed function of its weight row and input row. The token is therefore always the
+full head's argmax (first index on ties; a float16 model's logits are rounded to float16 first,
+as its head does, so candidates within two float16 ulps of the maximum are kept).
+
+On SmolLM2's head 1-6 rows are candidates per step (a bound per group, ``sum_g (s_vg / 2)
+||x_g||_1``, is tighter - 1-5 - but reading the scales costs ~0.7 ms, a fifth of the screen).
+Only float32 heads are screened: against a float16 head the int8 copy reads half the bytes,
+which its kernel (float32 activations, so that the bound stays simple) does not turn into time.
+A step whose activations are not finite, or with more than :data:`MAX_CANDIDATES` candidates,
+returns None: the caller takes the full head. (float16 heads are handled - their logits
+rounded to float16 first, as their head does, candidates within two float16 ulps of the
+maximum kept - for callers that want them.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from exitlm.kernels import native
+from exitlm.kernels.quant import GROUP, quantize
+
+MAX_CANDIDATES = 256
+"""More candidates than this: the full head is as cheap (the step returns None)."""
+MIN_ROWS = 4096
+"""Heads with fewer rows are read whole (a screen saves nothing worth its copy)."""
+BUILD_TOKENS = 32
+"""A screen is made for a greedy step that has at least this many tokens ahead: making it
+takes ~0.1 s (SmolLM2), what ~30 of its steps save."""
+_U = 2.0 ** -24  # float32 unit roundoff
+_CHUNK = 1024  # rows quantized at a time (0.09 s instead of 0.24 for SmolLM2's head)
+_HALF_MAX = 60000.0  # float16 logits beyond this may round to inf: take the full head
+
+
+class GreedyScreen:
+    """An int8 copy of a float32 (or float16) output embedding ``(N, K)`` and the constants of
+    its error bound (module docstring). It keeps no reference to the weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        w = weight.detach().float()
+        parts = [quantize(w[i : i + _CHUNK], "int8") for i in range(0, n, _CHUNK)]  # in cache
+        self.q = torch.cat([p.q for p in parts])
+        self.scales = torch.cat([p.scales for p in parts])
+        self.half = weight.dtype is torch.float16
+        self.n, self.k = n, k
+        largest = self.scales.amax(dim=1)
+        # ||q s||_2 <= ||w||_2 + sqrt(K) max |q s - w|; float32 norms within K u of exact
+        norms = torch.linalg.vector_norm(w, dim=1) * 1.001 + largest * (0.5001 * k ** 0.5)
+        gamma = (k + k // GROUP + 8) * _U * 1.01  # the terms of one sum, group scales too
+        self.radius = (2.0 * gamma * 1.001) * norms
+        """Per row, what float32 summation may add per unit of ``||x||_2``."""
+        self.rounding = largest * 0.5001
+        """Per row, the int8 rounding's error per unit of ``||x||_1``."""
+        self.version = (weight.data_ptr(), weight._version)
+
+    def current(self, weight: torch.Tensor) -> bool:
+        """Whether this screen was made from ``weight`` as it is now."""
+        return (weight.data_ptr(), weight._version) == self.version
+
+    def argmax(self, x: torch.Tensor, weight: torch.Tensor, threads: int = 1
+               ) -> list[int] | None:
+        """The full head's argmax for each row of ``x`` ``(M, K)`` float32 (what the head's
+        native product would get: ``weight`` float32 / float16, the weight this screen was made
+        from), or None when a row cannot be screened (module docstring)."""
+        m = x.shape[0]
+        approx = native.gemm_q8(x, self.q, self.scales, threads)
+        l1 = (x.double().abs().sum(dim=1) * 1.0001).float()
+        norm2 = (x.double().norm(dim=1) * 1.0001).float()
+        delta = torch.outer(l1, self.rounding).addr_(norm2, self.radius)
+        delta.mul_(1.0001)
+        delta.add_(approx.abs(), alpha=4 * _U)  # the rounding of a +- delta below
+        a, d = approx.numpy(), delta.numpy()
+        if not (np.isfinite(a).all() and np.isfinite(d).all()):
+            return None
+        kernel = native.gemm_f16 if self.half else native.gemm_f32
+        tokens = []
+        for i in range(m):
+            floor = float((a[i] - d[i]).max())
+            if self.half:
+                if abs(floor) > _HALF_MAX:
+                    return None
+                floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
+            cand = np.flatnonzero(a[i] + d[i] >= floor)
+            if not 0 < len(cand) <= MAX_CANDIDATES:
+                return None
+            rows = weight[torch.from_numpy(cand)]
+            exact = kernel(x[i : i + 1], rows, 1)[0]
+            if self.half:
+                exact = exact.half()
+            tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
+        return tokens
+
+
+_SWITCH = {"on": True}
+
+
+def screens_enabled() -> bool:
+    """Whether runners screen greedy heads (``EXITLM_SCREEN=0`` or :func:`set_screens` turns
+    it off)."""
+    import os
+
+    return _SWITCH["on"] and os.environ.get("EXITLM_SCREEN", "1") != "0"
+
+
+def set_screens(on: bool) -> bool:
+    """Turn screening on or off in this process (benchmarks compare both); returns the old
+    setting."""
+    old, _SWITCH["on"] = _SWITCH["on"], on
+    return old
+
+
+__all__ = ["BUILD_TOKENS", "MAX_CANDIDATES", "MIN_ROWS", "GreedyScreen", "screens_enabled",
+           "set_screens"]
