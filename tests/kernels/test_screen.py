@@ -46,6 +46,8 @@ def test_the_rows_of_a_product_are_the_same_bits_alone() -> None:
     for rows in ([5], [0, 1, 2], list(range(17, 60, 3)), list(range(N - 70, N))):
         part = native.gemm_f32(x, w[rows].contiguous(), 1)
         assert torch.equal(part, full[:, rows])
+        alone = native.gemm_f32(x[1:2].contiguous(), w[rows].contiguous(), 1)  # one x row
+        assert torch.equal(alone, full[1:2, rows])
     half = w.half()
     full16 = native.gemm_f16(x, half, 2)
     assert torch.equal(native.gemm_f16(x, half[[3, 9, 2999]].contiguous(), 1),

@@ -37,8 +37,9 @@ class DepthDecoder(Decoder):
 
     def step(self, batch: Batch) -> list[Emit]:
         e = self.depth
-        if all(s.sampling.greedy and not s.wants_logprobs for s in batch.seqs):
-            # only the argmax is needed: the runner may find it without the logits
+        if self.runner.supports("argmax") and all(
+                s.sampling.greedy and not s.wants_logprobs for s in batch.seqs):
+            # only the argmax is needed, and the runner finds it without the logits
             out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, e)
             pos = batch.cache.lengths[:, None].to(self.device)
             tokens = self.runner.greedy(out.hidden[:, -1:], e, positions=pos,

@@ -361,6 +361,12 @@ class NativeRunner(Runner):
             return out.to(h.dtype).reshape(*h.shape[:-1], weight.shape[0])
         return super().project(h, weight)
 
+    def supports(self, feature: str) -> bool:
+        """As the eager runner's; ``argmax`` while greedy screens are on (:meth:`greedy`)."""
+        if feature == "argmax":
+            return screens_enabled()
+        return super().supports(feature)
+
     def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
                cache: KVCache | None = None, ahead: int = 0) -> list[int]:
         """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of

@@ -61,12 +61,14 @@ row either way), so a caller that may stop early multiplies one position at a ti
 :meth:`Runner.supports`, ``batched_head``; ~50 us of Python per call against a 4 MiB read,
 ~0.1 ms at ~40 GB/s)."""
 
-FEATURES = ("streams", "batched_head", "local")
-"""What :meth:`Runner.supports` answers: ``streams`` - primitives called on other CUDA streams
-run concurrently with the current one; ``batched_head`` - a head product over several
-positions costs less than one product per position; ``local`` - the primitives run in this
-process alone (no collective pairs them with another rank's calls), so a caller may run them on
-scratch state and let their timings steer its choices (:mod:`exitlm.runtime.costs`)."""
+FEATURES = ("streams", "batched_head", "local", "argmax")
+"""What :meth:`Runner.supports` answers: ``streams`` - primitives called on other CUDA streams run
+concurrently with the current one; ``argmax`` - :meth:`Runner.greedy` finds an exit's argmax for
+less than its logits cost (so a greedy step should ask for it, not for the logits);
+``batched_head`` - a head product over several positions costs less than one product per
+position; ``local`` - the primitives run in this process alone (no collective pairs them with
+another rank's calls), so a caller may run them on scratch state and let their timings steer its
+choices (:mod:`exitlm.runtime.costs`)."""
 
 
 @dataclass
@@ -128,6 +130,8 @@ class Runner:
             return self.device.type == "cuda"
         if feature == "local":
             return self.model.output_layout is None
+        if feature == "argmax":
+            return False
         weight = self.model.output_embedding()
         nbytes = (weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor)
                   else weight.nbytes())
