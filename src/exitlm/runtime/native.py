@@ -81,7 +81,7 @@ verification, batches); longer ones (logits over whole sequences) take the produ
 _NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
 _SCREENS: dict[int, tuple[weakref.ref[torch.Tensor], GreedyScreen]] = {}
 """Each output embedding's screen (:meth:`NativeRunner.greedy`) by ``id``, for as long as the
-embedding lives: runners come and go with ``generate`` calls, the int8 copy takes ~0.25 s to
+embedding lives: runners come and go with ``generate`` calls, the int8 copy takes ~0.1 s to
 make. (Tensors compare elementwise, so they cannot be weak dictionary keys.)"""
 
 
