@@ -31,15 +31,17 @@ class DepthDecoder(Decoder):
         runner, e = self.runner, self.depth
         h, lens = prefill_hidden(runner, batch, end=e, exits=(e,))
         pos = (lens - 1).to(self.device)[:, None]
-        logits = runner.logits(last_positions(h, lens)[:, None], e, positions=pos,
-                               cache=batch.cache)[:, 0]
-        return [Emit([t], [e], e) for t in batch.choose(logits)]
+        last = last_positions(h, lens)[:, None]
+        if self._argmax_only(batch):
+            tokens = runner.greedy(last, e, positions=pos, cache=batch.cache,
+                                   ahead=max(s.remaining for s in batch.seqs))
+        else:
+            tokens = batch.choose(runner.logits(last, e, positions=pos, cache=batch.cache)[:, 0])
+        return [Emit([t], [e], e) for t in tokens]
 
     def step(self, batch: Batch) -> list[Emit]:
         e = self.depth
-        if self.runner.supports("argmax") and all(
-                s.sampling.greedy and not s.wants_logprobs for s in batch.seqs):
-            # only the argmax is needed, and the runner finds it without the logits
+        if self._argmax_only(batch):
             out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, e)
             pos = batch.cache.lengths[:, None].to(self.device)
             tokens = self.runner.greedy(out.hidden[:, -1:], e, positions=pos,
@@ -51,3 +53,9 @@ class DepthDecoder(Decoder):
         batch.cache.lengths += 1
         assert out.logits is not None
         return [Emit([t], [e], e) for t in batch.choose(out.logits)]
+
+    def _argmax_only(self, batch: Batch) -> bool:
+        """Whether only the argmax is needed (every row greedy, no log-probabilities) and the
+        runner finds it for less than the logits (:meth:`Runner.greedy`)."""
+        return self.runner.supports("argmax") and all(
+            s.sampling.greedy and not s.wants_logprobs for s in batch.seqs)
