@@ -13,7 +13,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "exitlm"
 
 LAYERS: list[list[str]] = [
-    ["errors", "lazy", "paths"],
+    ["errors", "lazy", "paths", "env"],
     ["args", "schema", "progress", "table"],
     ["config", "chat_template"],
     ["tokenizer"],

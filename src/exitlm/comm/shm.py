@@ -32,12 +32,12 @@ from exitlm.comm.native_reduce import (
     processes_visible,
     region_bytes,
 )
+from exitlm.env import switched_off
 from exitlm.kernels import native
 
 _NAME_BYTES = 512
 _TOKEN_AT = 64  # byte offset of the token: a word that neither protocol uses (reduce.c's
 # flags[8], channel 0's header word 8)
-_OFF = ("0", "false", "no", "off")
 T = TypeVar("T")
 
 
@@ -45,7 +45,7 @@ def shm_wanted() -> bool:
     """Whether shared memory may be used: the native library loads and neither
     ``EXITLM_SHM`` nor ``EXITLM_TP_SHM`` says off."""
     for name in ("EXITLM_SHM", "EXITLM_TP_SHM"):
-        if os.environ.get(name, "1").strip().lower() in _OFF:
+        if switched_off(name):
             return False
     return native.library() is not None
 

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from exitlm.env import OFF
 from exitlm.errors import warn
 from exitlm.kernels import abi
 from exitlm.paths import cache_root
@@ -80,7 +81,6 @@ DEV_CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=off", "-fP
 """Flags of the developer build (``EXITLM_NATIVE=build``); never ``-ffast-math``, which would
 let the compiler reorder the sums."""
 
-_OFF = ("0", "false", "no", "off")
 _AUTO = ("", "1", "true", "yes", "on", "auto")
 
 
@@ -240,7 +240,7 @@ def build_dev(cc: str | None = None) -> Path:
 def _choose() -> tuple[ctypes.CDLL | None, KernelPath]:
     """Find and load the library the environment asks for (see the module docstring)."""
     mode = os.environ.get("EXITLM_NATIVE", "1").strip().lower()
-    if mode in _OFF:
+    if mode in OFF:
         return None, KernelPath("torch", None, None, None, None,
                                 "disabled by EXITLM_NATIVE=0")
     if mode != "build" and mode not in _AUTO and mode not in ISAS:

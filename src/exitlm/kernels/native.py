@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from exitlm.env import OFF
 from exitlm.errors import warn
 from exitlm.kernels import loader
 
@@ -42,7 +43,6 @@ __all__ = [
     "unavailable_reason",
 ]
 
-_OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on", "")
 
 
@@ -51,7 +51,7 @@ def _env_int8_activations() -> bool:
     counts as on."""
     raw = os.environ.get("EXITLM_INT8_ACTIVATIONS", "1")
     value = raw.strip().lower()
-    if value in _OFF:
+    if value in OFF:
         return False
     if value not in _ON:
         warn(f"EXITLM_INT8_ACTIVATIONS={raw!r}: expected 1 or 0 (on/off, true/false, yes/no); "

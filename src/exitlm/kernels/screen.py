@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from exitlm.env import switched_off
 from exitlm.kernels import native
 from exitlm.kernels.quant import GROUP, quantize
 
@@ -115,9 +116,7 @@ _SWITCH = {"on": True}
 def screens_enabled() -> bool:
     """Whether runners screen greedy heads (``EXITLM_SCREEN=0`` or :func:`set_screens` turns
     it off)."""
-    import os
-
-    return _SWITCH["on"] and os.environ.get("EXITLM_SCREEN", "1") != "0"
+    return _SWITCH["on"] and not switched_off("EXITLM_SCREEN")
 
 
 def set_screens(on: bool) -> bool:

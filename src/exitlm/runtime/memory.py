@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import mmap
-import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from exitlm.env import switched_off
 from exitlm.kernels.blas import PLAIN_TENSORS
 
 HUGE_PAGE = 2 << 20
@@ -53,7 +53,7 @@ _arenas: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDic
 def huge_pages_available() -> bool:
     """Whether :func:`place_weights` can get huge pages here: Linux with transparent huge
     pages not set to ``never``, and ``EXITLM_HUGE_PAGES`` not ``0``."""
-    if os.environ.get("EXITLM_HUGE_PAGES", "1") == "0":
+    if switched_off("EXITLM_HUGE_PAGES"):
         return False
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
@@ -108,12 +108,17 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 def placed(model: nn.Module) -> bool:
     """Whether every weight :func:`place_weights` would move lies in ``model``'s arena."""
+    return _inside(model, list(_tensors(model)))
+
+
+def _inside(model: nn.Module, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` all lie in ``model``'s arena."""
     arena = _arenas.get(model)
     if arena is None:
         return False
     base = arena.data_ptr()
     end = base + arena.numel()
-    return all(base <= t.data_ptr() < end for t in _tensors(model))
+    return all(base <= t.data_ptr() < end for t in tensors)
 
 
 def place_weights(model: nn.Module, *, min_bytes: int = MIN_BYTES) -> bool:
@@ -125,10 +130,11 @@ def place_weights(model: nn.Module, *, min_bytes: int = MIN_BYTES) -> bool:
     if (not huge_pages_available() or model.training
             or any(p.grad is not None for p in model.parameters())):
         return False
-    if placed(model):
+    tensors = list(_tensors(model))
+    if _inside(model, tensors):
         return True
     groups: dict[int, list[torch.Tensor]] = {}
-    for t in _tensors(model):
+    for t in tensors:
         groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     spans: list[tuple[list[torch.Tensor], int, int, int]] = []  # tensors, lo, hi, arena offset
     total = 0
