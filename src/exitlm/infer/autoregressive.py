@@ -41,18 +41,18 @@ class DepthDecoder(Decoder):
 
     def step(self, batch: Batch) -> list[Emit]:
         e = self.depth
-        if self._argmax_only(batch):
-            out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, e)
+        argmax_only = self._argmax_only(batch)
+        out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, e,
+                                logits=not argmax_only)
+        if argmax_only:
             pos = batch.cache.lengths[:, None].to(self.device)
-            tokens = self.runner.greedy(out.hidden[:, -1:], e, positions=pos,
-                                        cache=batch.cache,
+            tokens = self.runner.greedy(out.hidden[:, -1:], e, positions=pos, cache=batch.cache,
                                         ahead=max(s.remaining for s in batch.seqs))
-            batch.cache.lengths += 1
-            return [Emit([t], [e], e) for t in tokens]
-        out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, e, logits=True)
+        else:
+            assert out.logits is not None
+            tokens = batch.choose(out.logits)
         batch.cache.lengths += 1
-        assert out.logits is not None
-        return [Emit([t], [e], e) for t in batch.choose(out.logits)]
+        return [Emit([t], [e], e) for t in tokens]
 
     def _argmax_only(self, batch: Batch) -> bool:
         """Whether only the argmax is needed (every row greedy, no log-probabilities) and the

@@ -33,7 +33,7 @@ import torch
 
 from exitlm.kernels import native
 from exitlm.kernels.argmax import argmax
-from exitlm.kernels.blas import BLAS
+from exitlm.kernels.blas import BLAS, PLAIN_TENSORS
 from exitlm.kernels.native_block import (
     Intact,
     LayerRun,
@@ -45,7 +45,7 @@ from exitlm.kernels.native_block import (
     segments,
     weight_struct,
 )
-from exitlm.kernels.quant import ROW_THRESHOLD, QuantizedWeight
+from exitlm.kernels.quant import GROUP, ROW_THRESHOLD, QuantizedWeight
 from exitlm.kernels.screen import BUILD_TOKENS, GreedyScreen, screens_enabled
 from exitlm.kernels.screen import MIN_ROWS as MIN_SCREEN_ROWS
 from exitlm.model.kv_cache import KVCache
@@ -379,9 +379,9 @@ class NativeRunner(Runner):
             return super().greedy(h, layer, positions=positions, cache=cache, ahead=ahead)
         feats, weight = model.exit_features(h[:, -1:], layer, positions, cache, None,
                                             ops=self.products)
-        if (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype is torch.float32
+        if (type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
                 and feats.dtype is weight.dtype and weight.is_cpu and weight.is_contiguous()
-                and weight.shape[0] >= MIN_SCREEN_ROWS and weight.shape[1] % 32 == 0):
+                and weight.shape[0] >= MIN_SCREEN_ROWS and weight.shape[1] % GROUP == 0):
             screen = _screen_of(weight, make=ahead >= BUILD_TOKENS)
         else:
             screen = None
