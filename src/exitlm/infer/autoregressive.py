@@ -27,9 +27,12 @@ class DepthDecoder(Decoder):
         self.depth = runner.num_layers if depth is None else depth
         self.model.exit_route(self.depth, setting="exit_layer")
 
+    def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
+        return self.depth, (self.depth,)
+
     def prefill(self, batch: Batch) -> list[Emit]:
         runner, e = self.runner, self.depth
-        h, lens = prefill_hidden(runner, batch, end=e, exits=(e,))
+        h, lens = prefill_hidden(runner, batch, *self.prefill_span())
         pos = (lens - 1).to(self.device)[:, None]
         last = last_positions(h, lens)[:, None]
         if self._argmax_only(batch):

@@ -144,6 +144,9 @@ class Decoder:
     """The most sequences one step may hold (``None``: any)."""
     multi_row: ClassVar[bool] = False
     """Whether a step multiplies several rows per sequence (verification, recomputation)."""
+    fills_in_parts: ClassVar[bool] = True
+    """Whether :meth:`fill` may prefill the start of a long prompt in parts before
+    :meth:`prefill` takes the rest (the engine's chunked prefill)."""
 
     def __init__(self, runner: Runner, options: Any) -> None:
         self.runner = runner
@@ -188,10 +191,24 @@ class Decoder:
     def close(self) -> None:
         """Release what the decoder holds beyond the engine's pool (threads, streams)."""
 
-    # ----- the two calls ---------------------------------------------------------------------
+    def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
+        """What :meth:`prefill` fills: the cache of layers ``[0, end)`` (``None``: all) and of
+        the exits of the tuple whose head is a transformer block (:meth:`Runner.prefill`)."""
+        return None, ()
+
+    # ----- the calls ----------------------------------------------------------------------------
     def prefill(self, batch: Batch) -> list[Emit]:
-        """Run the prompts of ``batch`` (fresh rows) and choose each sequence's first token."""
+        """Run the prompts of ``batch`` and choose each sequence's first token. The rows are
+        fresh, or hold the start of their prompts that :meth:`fill` wrote."""
         raise NotImplementedError
+
+    def fill(self, batch: Batch, stop: int) -> None:
+        """Prefill the prompt positions ``[held, stop)`` of ``batch``'s rows (``held``: the
+        positions they hold, the same in every row) into the cache as :meth:`prefill` would,
+        without choosing a token: the engine's chunked prefill runs a long prompt in parts
+        between decoding steps, :meth:`prefill` taking the last part."""
+        end, exits = self.prefill_span()
+        prefill_hidden(self.runner, batch, end=end, exits=exits, stop=stop)
 
     def step(self, batch: Batch) -> list[Emit]:
         """Advance every sequence of ``batch`` by at least one token."""
@@ -200,29 +217,45 @@ class Decoder:
 
 # ----- helpers shared by the decoders ----------------------------------------------------------
 
-def padded_prompts(batch: Batch, pad: int, device: torch.device
+def padded_prompts(batch: Batch, pad: int, device: torch.device, stop: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt tokens ``(B, T)`` on ``device`` and their lengths ``(B,)``."""
-    lens = [len(s.prompt) for s in batch.seqs]
+    """Right-padded prompt tokens ``(B, T)`` on ``device`` and their lengths ``(B,)``
+    (``stop``: the prompts' first ``stop`` tokens)."""
+    prompts = [s.prompt if stop is None else s.prompt[:stop] for s in batch.seqs]
+    lens = [len(p) for p in prompts]
     tokens = torch.full((len(lens), max(lens)), pad, dtype=torch.long)
-    for i, s in enumerate(batch.seqs):
-        tokens[i, : lens[i]] = torch.tensor(s.prompt, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : lens[i]] = torch.tensor(p, dtype=torch.long)
     return tokens.to(device), torch.tensor(lens, dtype=torch.long)
 
 
 def prefill_hidden(runner: Runner, batch: Batch, end: int | None = None,
-                   exits: tuple[int, ...] = (), taps: dict[int, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   exits: tuple[int, ...] = (), taps: dict[int, torch.Tensor] | None = None,
+                   stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``batch``'s prompts through layers ``[0, end)`` (:meth:`Runner.prefill`), filling its
-    cache rows; returns the hidden states ``(B, T, D)`` after layer ``end`` and the prompt
-    lengths (``taps``: see :meth:`Runner.prefill`)."""
+    cache rows; returns the hidden states after layer ``end`` and the prompt lengths
+    (``taps``: see :meth:`Runner.prefill`).
+
+    Rows that already hold the start of their prompts (:meth:`Decoder.fill`: all the same
+    number of positions) continue from there: the states then cover the positions from it
+    on, ``(B, T - start, D)`` (:func:`last_positions` and :func:`prefilled_offset` account
+    for it). ``stop``: only the prompts' first ``stop`` tokens (a part of a long prompt)."""
     cfg = runner.config
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    tokens, lens = padded_prompts(batch, pad, runner.device)
-    return runner.prefill(tokens, lens, batch.cache, end, exits, taps), lens
+    tokens, lens = padded_prompts(batch, pad, runner.device, stop)
+    start = int(batch.cache.lengths.min()) if len(batch) else 0
+    return runner.prefill(tokens[:, start:], lens, batch.cache, end, exits, taps,
+                          start=start), lens
+
+
+def prefilled_offset(h: torch.Tensor, lengths: torch.Tensor) -> int:
+    """The prompt position of ``h[:, 0]`` for states :func:`prefill_hidden` returned for
+    prompts of ``lengths`` (right-padded to the longest): 0 unless the rows held a start."""
+    return int(lengths.max()) - h.shape[1]
 
 
 def last_positions(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``h[b, lengths[b] - 1]`` for every row: ``(B, D)``."""
+    """Every row's state at its last prompt position, ``(B, D)``, from the states
+    :func:`prefill_hidden` returned for prompts of ``lengths``."""
     rows = torch.arange(h.shape[0], device=h.device)
-    return h[rows, lengths.to(h.device) - 1]
+    return h[rows, lengths.to(h.device) - 1 - prefilled_offset(h, lengths)]

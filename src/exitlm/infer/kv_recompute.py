@@ -71,8 +71,11 @@ class RecomputeDecoder(Decoder):
     def resolved_options(self) -> dict[str, object]:
         return {**super().resolved_options(), "exit_layers": list(self.checks)}
 
+    def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
+        return None, tuple(self.checks)
+
     def prefill(self, batch: Batch) -> list[Emit]:
-        h, lens = prefill_hidden(self.runner, batch, exits=self.checks)
+        h, lens = prefill_hidden(self.runner, batch, *self.prefill_span())
         logits = self.runner.logits(last_positions(h, lens), self.num_layers)
         return [Emit([t], [self.num_layers], self.num_layers) for t in batch.choose(logits)]
 

@@ -163,9 +163,12 @@ class PPDDecoder(Decoder):
     def close(self) -> None:
         self.branches.close()
 
+    def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
+        return None, (self.d_bar,) if self.block else ()
+
     def prefill(self, batch: Batch) -> list[Emit]:
         runner = self.runner
-        h, lens = prefill_hidden(runner, batch, exits=(self.d_bar,) if self.block else ())
+        h, lens = prefill_hidden(runner, batch, *self.prefill_span())
         seq, main = batch.seqs[0], batch.cache
         capacity = len(seq.prompt) + seq.sampling.max_new_tokens + 2
         self.branches.start(main, int(lens[0]), capacity)

@@ -57,7 +57,15 @@ from exitlm.infer.adaptive import (
     SpecPlanner,
     candidate_exits,
 )
-from exitlm.infer.decoder import Batch, Decoder, Emit, Seq, last_positions, prefill_hidden
+from exitlm.infer.decoder import (
+    Batch,
+    Decoder,
+    Emit,
+    Seq,
+    last_positions,
+    prefill_hidden,
+    prefilled_offset,
+)
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.result import DecodeStats
 from exitlm.infer.sampling import probabilities
@@ -210,13 +218,16 @@ class SelfSpecDecoder(Decoder):
     def max_lookahead(self) -> int:
         return MAX_SPECULATIONS + 1
 
+    def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
+        if self.planner is not None:
+            return None, tuple(self.planner.candidates)
+        return None, (self.e,) if self.block else ()
+
     def prefill(self, batch: Batch) -> list[Emit]:
         num_layers = self.model.num_layers
-        taps: dict[int, torch.Tensor] | None = None
-        exits: tuple[int, ...] = (self.e,) if self.block else ()
-        if self.planner is not None:
-            taps, exits = {}, tuple(self.planner.candidates)
-        h, lens = prefill_hidden(self.runner, batch, exits=exits, taps=taps)
+        end, exits = self.prefill_span()
+        taps: dict[int, torch.Tensor] | None = {} if self.planner is not None else None
+        h, lens = prefill_hidden(self.runner, batch, end, exits, taps)
         logits = self.runner.logits(last_positions(h, lens), num_layers)
         emits = [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
         if taps is not None:
@@ -341,10 +352,11 @@ class SelfSpecDecoder(Decoder):
         """Agreement of the candidate exits with the final layer over the last
         :data:`PROMPT_PROBES` prompt positions of every sequence (one product per exit)."""
         rows, cols = [], []
+        held = prefilled_offset(h, lens)  # positions a chunked prefill wrote before
         for i, n in enumerate(lens.tolist()):
-            for p in range(max(0, n - PROMPT_PROBES), n):
+            for p in range(max(held, n - PROMPT_PROBES), n):
                 rows.append(i)
-                cols.append(p)
+                cols.append(p - held)
         r = torch.tensor(rows, device=self.device)
         c = torch.tensor(cols, device=self.device)
         final = self.runner.logits(h[r, c], self.model.num_layers)

@@ -262,17 +262,24 @@ class Runner:
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
                 end: int | None = None, exits: Sequence[int] = (),
-                taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                taps: dict[int, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
         """Run right-padded prompts ``tokens`` ``(B, T)`` of ``lengths`` ``(B,)`` through
         layers ``[0, end)`` (default: all), filling ``cache``; returns the hidden states
         ``(B, T, D)`` after layer ``end``. Exits of ``exits`` whose head is a transformer block
         get their cache slot filled too. ``taps``, when given, receives the hidden states
         after every layer of ``exits`` (keyed by layer). Afterwards ``cache.lengths`` holds
-        the prompt lengths and ``fill`` no slot past them (pad positions hold nothing)."""
+        the prompt lengths and ``fill`` no slot past them (pad positions hold nothing).
+
+        ``start``: ``tokens`` are positions ``start .. start + T - 1`` of prompts whose first
+        ``start`` positions every row of ``cache`` already holds (a long prompt prefilled in
+        parts, :meth:`~exitlm.infer.decoder.Decoder.fill`); they attend to those."""
         model = self.model
         end = model.num_layers if end is None else end
         b, t = tokens.shape
-        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        if start and bool((cache.lengths != start).any()):
+            raise ValueError(f"a prefill from position {start} needs every cache row to hold "
+                             f"{start} positions, they hold {cache.lengths.tolist()}")
+        positions = torch.arange(start, start + t, device=tokens.device).expand(b, t)
         h = self.embed(tokens, positions)
         for layer, h_at, ctx in self._prefill_walk(h, end, exits, positions, cache):
             if layer in exits and model.exit_route(layer).has_block:

@@ -231,6 +231,7 @@ class PipelineDecoder(Decoder):
 
     name = "early-exit"
     stats_type = EarlyExitStats
+    fills_in_parts = False  # a prompt's parts would have to travel down the stages too
 
     def __init__(self, runner: Runner, options: Any, checks: tuple[int, ...],
                  group: PipelineGroup) -> None:
