@@ -6,10 +6,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from _ee_models import ee_model, one_thread  # noqa: F401
+from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, generate
 from exitlm.infer.engine import prefill_groups
+from exitlm.infer.strategies import get_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,3 +53,113 @@ def test_mixed_lengths_admitted_together_equal_alone(strategy: str) -> None:
     for p, r in zip(prompts, reqs, strict=True):
         assert r.token_ids == generate(model, None, p, strategy=strategy,
                                        sampling=sampling).token_ids[0]
+
+
+# ----- long prompts in parts (prefill_chunk) -------------------------------------------------
+
+CHUNKED = [("ar", {}), ("self-spec", {"exit_layer": 2, "num_speculations": 3}),
+           ("early-exit", {"threshold": 1.0}), ("early-exit", {"exit_layer": 3}), ("ppd", {})]
+
+
+@pytest.mark.parametrize(("strategy", "opts"), CHUNKED)
+@pytest.mark.parametrize("head", ["linear", "block"])
+def test_long_prompt_in_parts_while_others_decode(strategy: str, opts: dict, head: str) -> None:
+    """A 41-token prompt fills in parts of 8 (one per step) while the running request gains
+    a token every step; every request gets the tokens it gets alone, whole prefill."""
+    model = ee_model(head, every_layer=head == "linear")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (5, 41, 7, 30, 3)]
+    sampling = SamplingOptions(max_new_tokens=12, ignore_eos=True)
+    engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
+                    max_batch=3, prefill_chunk=8)
+    fills: list[int] = []
+    real = engine.decoder.fill
+
+    def spy(batch, stop):  # type: ignore[no-untyped-def]
+        fills.append(stop)
+        return real(batch, stop)
+
+    engine.decoder.fill = spy  # type: ignore[method-assign]
+    reqs = [engine.submit(prompts[0], sampling)]
+    engine.step()
+    reqs += [engine.submit(p, sampling) for p in prompts[1:]]
+    first = len(reqs[0].token_ids)
+    while strategy == "ppd" and not reqs[0].done:  # PPD holds one sequence at a time
+        engine.step()
+    for k in range(5):  # parts ending at 8, 16, 24, 32, 40; the sixth is the prefill
+        engine.step()
+        assert engine.filling is reqs[1]
+        assert len(reqs[1].token_ids) == 0
+        if strategy != "ppd":
+            assert len(reqs[0].token_ids) > first + k  # the running one went on
+    engine.run()
+    assert fills[:5] == [8, 16, 24, 32, 40] and 24 in fills  # the 30-token prompt: 8 .. 24
+    for req, p in zip(reqs, prompts, strict=True):
+        alone = generate(model, None, p, strategy=strategy, sampling=sampling, **opts)
+        assert req.token_ids == alone.token_ids[0]
+    cache = engine.pool.cache
+    assert not engine.running and engine.filling is None
+    assert cache is not None and int(cache.lengths.sum()) == 0 and int(cache.fill.sum()) == 0
+
+
+def _keeping_cache(prefill, n: int, into: list):  # type: ignore[no-untyped-def]
+    """``prefill`` that also keeps the first ``n`` positions of every cache tensor of row 0
+    afterwards (the prompt's last part: every position is in the cache then)."""
+    def spy(batch):  # type: ignore[no-untyped-def]
+        out = prefill(batch)
+        assert int(batch.cache.lengths[0]) == n
+        into.append([t[0, :, :n].clone() for t in (*batch.cache.keys, *batch.cache.values)])
+        return out
+
+    return spy
+
+
+def test_parts_fill_the_cache_as_one_prefill() -> None:
+    """The keys and values of a prompt prefilled in parts equal those of one prefill (up to
+    float rounding of the split products), block exits' slots included."""
+    model = ee_model("block")
+    prompt = torch.randint(0, 23, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    caches = []
+    for chunk in (None, 10):
+        engine = Engine(model, None, "self-spec", get_strategy("self-spec").options(
+            exit_layer=2, num_speculations=2), max_batch=2, prefill_chunk=chunk)
+        engine.decoder.prefill = _keeping_cache(engine.decoder.prefill, 37, caches)  # type: ignore[method-assign]
+        engine.submit(prompt, SamplingOptions(max_new_tokens=3, ignore_eos=True))
+        engine.run()
+    for a, b in zip(*caches, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    written = [bool(a.abs().sum() > 0) for a in caches[1]]
+    assert sum(written) == 2 * (model.num_layers + 1)  # every layer's and exit 2's block's
+
+
+def test_cancel_while_filling_and_rows_moving_under_it() -> None:
+    """A request cancelled mid-fill frees its row; a decoding request leaving moves the
+    filling row down; the next long prompt then fills and decodes like it does alone."""
+    model = ee_model(every_layer=True)
+    g = torch.Generator().manual_seed(3)
+    short, long1, long2 = ([int(t) for t in torch.randint(0, 23, (n,), generator=g)]
+                           for n in (4, 50, 33))
+    engine = Engine(model, None, "ar", max_batch=4, prefill_chunk=6)
+    quick = engine.submit(short, SamplingOptions(max_new_tokens=2, ignore_eos=True))
+    slow = engine.submit(short, SamplingOptions(max_new_tokens=30, ignore_eos=True))
+    engine.step()
+    doomed = engine.submit(long1, SamplingOptions(max_new_tokens=5, ignore_eos=True))
+    later = engine.submit(long2, SamplingOptions(max_new_tokens=6, ignore_eos=True))
+    engine.step()  # quick finishes (row 0 freed: the others move down), long1's first part
+    assert quick.done and engine.filling is doomed
+    assert engine.running == [slow, doomed]
+    engine.step()
+    engine.cancel(doomed)
+    engine.step()
+    assert doomed.finish_reason == "cancelled" and doomed.token_ids == []
+    engine.run()
+    for req, p, n in ((slow, short, 30), (later, long2, 6)):
+        sampling = SamplingOptions(max_new_tokens=n, ignore_eos=True)
+        assert req.token_ids == generate(model, None, p, sampling=sampling).token_ids[0]
+    cache = engine.pool.cache
+    assert cache is not None and int(cache.lengths.sum()) == 0 and int(cache.fill.sum()) == 0
+
+
+def test_prefill_chunk_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="prefill_chunk must be >= 1"):
+        Engine(ee_model(), None, "ar", prefill_chunk=0)

@@ -11,7 +11,11 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
 1. drops cancelled requests (freeing their rows);
 2. admits waiting requests while rows are free and prefills them in padded batches of
    similar prompt lengths (:func:`prefill_groups`; their first token comes out of the
-   prefill);
+   prefill). With ``prefill_chunk``, a prompt longer than that is prefilled in parts of at
+   most ``prefill_chunk`` positions, one part per step between the decoding steps of the
+   others (vLLM's chunked prefill, Sarathi-Serve's "stall-free" batching): one long prompt
+   no longer holds every running stream for its whole prefill. One such prompt fills at a
+   time, and no other request is admitted until its last part has run;
 3. runs one decoder step over every running sequence - each accepts, exits and stops on
    its own - and records the tokens: stop tokens, stop strings and ``max_new_tokens`` end a
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
@@ -112,6 +116,9 @@ class Engine:
             :class:`EngineFull` beyond it (``None``: unbounded).
         threads: CPU threads per step; ``None`` lets :class:`~exitlm.infer.threads.
             ThreadPolicy` measure what is fastest on this machine right now.
+        prefill_chunk: prompts longer than this are prefilled in parts of at most this many
+            positions, one part per step (see the module docstring; ``None``: whole, in one
+            step). Ignored by decoders that cannot (:attr:`Decoder.fills_in_parts`).
     """
 
     def __init__(
@@ -125,9 +132,13 @@ class Engine:
         max_seq_len: int | None = None,
         max_queue: int | None = None,
         threads: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1 (positions per part), got "
+                              f"{prefill_chunk}")
         self.tokenizer = tokenizer
         self.strategy = get_strategy(strategy)
         self.options = self.strategy.options(options)
@@ -135,7 +146,7 @@ class Engine:
         self.executor = executor_for(model, self.strategy, self.options)
         try:
             self.executor.start(EngineSpec(self.strategy.name, self.options, tokenizer,
-                                           max_batch, max_seq_len, threads))
+                                           max_batch, max_seq_len, threads, prefill_chunk))
         except BaseException:
             if self._own_executor:
                 self.executor.close()
@@ -164,6 +175,12 @@ class Engine:
         self._events: list[Event] = []  # submissions and cancellations for the next step
         self._broken: str | None = None
         self.running: list[Request] = []
+        """The requests holding pool rows, in row order: the decoding ones, then the one
+        whose prompt is being prefilled in parts (:attr:`filling`), if any."""
+        self.prefill_chunk = prefill_chunk if self.decoder.fills_in_parts else None
+        self.filling: Request | None = None
+        """The request whose long prompt is prefilled in parts (the last of ``running``)."""
+        self._filled = 0  # the positions of its prompt already in its row
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.startup_s = 0.0
@@ -289,7 +306,7 @@ class Engine:
             with torch.inference_mode():
                 self._reap_cancelled(updates)
                 self._admit(updates)
-                if self.running:
+                if self._decoding:
                     self._decode(updates)
         except Exception as err:
             why = self.executor.failure()  # another process's exit explains any error
@@ -311,7 +328,7 @@ class Engine:
         ``error``; no update is sent) and start the pool afresh, since a failed step may have
         left its rows half-written. Waiting requests stay queued. Returns the ended requests,
         so that their owners can be told."""
-        failed, self.running = self.running, []
+        failed, self.running, self.filling = self.running, [], None
         if self.executor.fatal_failures:  # the processes may disagree now: serve no more
             why = self.executor.failure()
             self._broken = (f"the {self.executor.name} processes failed during a step; "
@@ -357,26 +374,63 @@ class Engine:
             updates.append(self._finish(self.running[i], "cancelled"))
         self._release(rows)
 
+    @property
+    def _decoding(self) -> int:
+        """How many of ``running`` (the first ones) decode: all but :attr:`filling`."""
+        return len(self.running) - (self.filling is not None)
+
     def _admit(self, updates: list[Update]) -> None:
+        if self.filling is not None:  # the next part of the long prompt; no one else yet
+            self._fill(updates)
+            return
         with self._lock:
             new: list[Request] = []
             while self._waiting and len(self.running) + len(new) < self.max_batch:
                 new.append(self._waiting.popleft())
+            new, long = self._first_long(new)
         empty = [r for r in new if r.sampling.max_new_tokens == 0]
         for r in empty:
             updates.append(self._finish(r, "length"))
         new = sorted((r for r in new if r.sampling.max_new_tokens > 0),
                      key=lambda r: len(r.prompt_ids))
-        if not new:
+        if not new and long is None:
             return
         t0 = time.perf_counter()
         started = self.decoder.startup_s
         lo = len(self.running)
-        for r in new:  # running before anything can fail (abort_running finds them)
-            r.status, r.t_admit = "running", t0
+        for r in (*new, *([long] if long else [])):  # running before anything can fail
+            r.status, r.t_admit = "running", t0  # (abort_running finds them)
         self.running.extend(new)
+        if long is not None:  # the last row: it fills in parts, from this step on
+            self.running.append(long)
+            self.filling, self._filled = long, 0
         look = max(self.decoder.lookahead(r.seq) for r in self.running)
-        self.pool.ensure(lo + len(new), len(new[-1].prompt_ids) + look)
+        longest = max(len(r.prompt_ids) for r in self.running[lo:])
+        self.pool.ensure(len(self.running), longest + look)
+        self._prefill_new(lo, new, t0, started, updates)
+        if long is not None:
+            self._fill(updates)
+
+    def _first_long(self, new: list[Request]) -> tuple[list[Request], Request | None]:
+        """Split the requests just taken from the queue into those prefilled whole and the
+        first whose prompt is longer than ``prefill_chunk`` (prefilled in parts); other long
+        ones go back to the queue's front, in order (one long prompt fills at a time)."""
+        chunk = self.prefill_chunk
+        if chunk is None:
+            return new, None
+        longs = [r for r in new if len(r.prompt_ids) > chunk and r.sampling.max_new_tokens > 0]
+        if not longs:
+            return new, None
+        for r in reversed(longs[1:]):
+            self._waiting.appendleft(r)
+        later = {id(r) for r in longs}
+        return [r for r in new if id(r) not in later], longs[0]
+
+    def _prefill_new(self, lo: int, new: list[Request], t0: float, started: float,
+                     updates: list[Update]) -> None:
+        """Prefill ``new`` (rows ``lo ..``, sorted by prompt length) whole, in groups."""
+        if not new:
+            return
         emits: list[Emit] = []
         for a, b in prefill_groups([len(r.prompt_ids) for r in new]):
             with self.threads.split("torch"):
@@ -390,21 +444,46 @@ class Engine:
         self.prefill_s += time.perf_counter() - t0 - startup
         self._record(lo, new, emits, updates)
 
+    def _fill(self, updates: list[Update]) -> None:
+        """The next part of :attr:`filling`'s prompt: up to ``prefill_chunk`` positions into
+        its row; the last part is the decoder's prefill, whose token starts its decoding."""
+        r, chunk = self.filling, self.prefill_chunk
+        assert r is not None and chunk is not None
+        row, stop = len(self.running) - 1, self._filled + chunk
+        batch = self.pool.batch(row, row + 1, [r.seq])
+        t0 = time.perf_counter()
+        started = self.decoder.startup_s
+        if stop < len(r.prompt_ids):
+            with self.threads.split("torch"):
+                self.decoder.fill(batch, stop)
+            self._filled = stop
+            self.prefill_s += time.perf_counter() - t0
+            return
+        self.filling = None  # a decoding row from here on, whatever the prefill does
+        with self.threads.split("torch"):
+            emits = self.decoder.prefill(batch)
+        r.t_first = time.perf_counter()
+        startup = self.decoder.startup_s - started
+        self.startup_s += startup
+        self.prefill_s += r.t_first - t0 - startup
+        self._record(row, [r], emits, updates)
+
     def _decode(self, updates: list[Update]) -> None:
         t0 = time.perf_counter()
-        n = len(self.running)
+        n = self._decoding
         cache = self.pool.cache
         assert cache is not None
         longest = int(cache.lengths[:n].max())
-        self.pool.ensure(n, longest + max(self.decoder.lookahead(r.seq) for r in self.running))
+        self.pool.ensure(n, longest + max(self.decoder.lookahead(r.seq)
+                                          for r in self.running[:n]))
         # one sequence: its one-row products run on the backend's threads (OpenBLAS' GEMVs or
         # the native kernels); several: few-row products through oneDNN (threads to torch) -
         # measured best for each
         kind = "gemv" if self._gemv and n == 1 else "torch"
         with self.threads.step(kind, key=(kind, n)) as rec:
-            emits = self.decoder.step(self.pool.batch(0, n, [r.seq for r in self.running]))
+            emits = self.decoder.step(self.pool.batch(0, n, [r.seq for r in self.running[:n]]))
             rec.tokens = sum(len(e.tokens) for e in emits)
-        self._record(0, list(self.running), emits, updates)
+        self._record(0, self.running[:n], emits, updates)
         self.decode_s += time.perf_counter() - t0
 
     def _record(self, lo: int, reqs: list[Request], emits: list[Emit],
@@ -440,11 +519,17 @@ class Engine:
         return len(em.tokens), None
 
     def _release(self, rows: list[int]) -> None:
-        """Remove the requests in ``rows``; the last running rows move into the gaps."""
+        """Remove the requests in ``rows``; the last decoding rows move into the gaps, and
+        :attr:`filling`'s row, which stays last, after them."""
         if not rows:
             return
         gone = set(rows)
-        keep = [i for i in range(len(self.running)) if i not in gone]
+        last = len(self.running) - 1
+        if self.filling is not None and last in gone:  # cancelled while it filled
+            self.filling = None
+        filling = self.filling
+        decoding = self._decoding
+        keep = [i for i in range(decoding) if i not in gone]
         n = len(keep)
         holes = sorted(i for i in gone if i < n)
         movers = [i for i in keep if i >= n]
@@ -452,9 +537,14 @@ class Engine:
         for dst, src in zip(holes, movers, strict=True):
             self.pool.move_row(src, dst)
             order[dst] = self.running[src]
-        for i in range(n, len(self.running)):
+        order = order[:n]
+        if filling is not None:
+            if last != n:
+                self.pool.move_row(last, n)
+            order.append(filling)
+        for i in range(len(order), len(self.running)):
             self.pool.clear_row(i)
-        self.running = order[:n]
+        self.running = order
 
     # ----- requests -------------------------------------------------------------------------------
     def _finish(self, r: Request, why: FinishReason, tokens: list[int] | None = None,

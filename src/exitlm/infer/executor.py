@@ -55,6 +55,7 @@ class EngineSpec:
     max_batch: int
     max_seq_len: int | None
     threads: int | None
+    prefill_chunk: int | None = None
 
 
 class Executor:

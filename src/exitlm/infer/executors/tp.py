@@ -171,7 +171,8 @@ class TPExecutor(Executor):
                                    "options": _to_json(dataclasses.asdict(spec.options)),
                                    "max_batch": spec.max_batch,
                                    "max_seq_len": spec.max_seq_len,
-                                   "threads": self.threads}])
+                                   "threads": self.threads,
+                                   "prefill_chunk": spec.prefill_chunk}])
 
     def admit(self, sampling: SamplingOptions) -> SamplingOptions:
         """Sampling without a seed gets one here, the same on every rank."""
@@ -248,7 +249,7 @@ def _replay(shard: EarlyExitLM, tokenizer: Any, timeout_s: float) -> None:
                 engine = Engine(runner, tokenizer, strategy.name,
                                 strategy.options(None, **_from_json(spec["options"])),
                                 max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"],
-                                threads=spec["threads"])
+                                threads=spec["threads"], prefill_chunk=spec["prefill_chunk"])
                 continue
             assert engine is not None, "rank 0 steps before it starts an engine"
             if kind == SCORE:
