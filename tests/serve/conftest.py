@@ -14,8 +14,11 @@ from _serve_util import API_KEY, Reference, Server, build_checkpoint, start_all
 HERE = Path(__file__).resolve().parent
 SPECS: dict[str, tuple[list[str], Path | None]] = {
     "ar": (["--max-batch", "8"], None),
-    "early-exit": (["--strategy", "early-exit", "--max-batch", "8"], None),
-    "self-spec": (["--strategy", "self-spec", "--exit-layer", "2", "--max-batch", "8"], None),
+    # prompts over 5 tokens prefilled in parts, between the others' steps
+    "early-exit": (["--strategy", "early-exit", "--max-batch", "8", "--prefill-chunk", "5"],
+                   None),
+    "self-spec": (["--strategy", "self-spec", "--exit-layer", "2", "--max-batch", "8",
+                   "--prefill-chunk", "5"], None),
     "ppd": (["--strategy", "ppd", "--ppd-layer", "2", "--ppd-k", "2", "--no-parallel",
              "--api-key", API_KEY], None),
     # small request limits (tests/serve/test_serve_limits.py)

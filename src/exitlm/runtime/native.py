@@ -242,13 +242,15 @@ class NativeRunner(Runner):
         gives for the blocks' weights) through :meth:`layers`, whose runs of native blocks
         take them in one call - each prompt's positions with the bits it gets alone (the
         padding's rows are computed too and dropped); one longer prompt of quantized blocks in
-        chunks (:meth:`_chunked_walk`); other prompts: the eager code."""
+        chunks (:meth:`_chunked_walk`) while it ends before :data:`NATIVE_CHUNKED_PREFILL`
+        (a part of a prompt prefilled in parts counts the positions before it: the blocks'
+        attention reads them all); other prompts: the eager code."""
         formats = {nb.structs[0].fmt for nb in self.blocks if nb is not None}
         rows = min((NATIVE_PREFILL.get(f, 0) for f in formats), default=0)
         if cache.batch_size == h.shape[0] and h.shape[0] * h.shape[1] < rows:
             return self.walk(h, 0, end, exits, positions, cache)
         if (h.shape[0] == cache.batch_size == 1 and rows > NATIVE_ROWS
-                and h.shape[1] < NATIVE_CHUNKED_PREFILL):
+                and int(positions[0, -1]) < NATIVE_CHUNKED_PREFILL - 1):  # the prompt so far
             return self._chunked_walk(h, end, exits, positions, cache)
         return super()._prefill_walk(h, end, exits, positions, cache)
 

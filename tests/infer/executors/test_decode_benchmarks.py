@@ -3,7 +3,8 @@ tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theor
 ``benchmarks/dist_decode.py --quick`` (KV recomputation, pipeline, TP over thresholds),
 ``benchmarks/tp_decode.py --quick`` (TP against one process per weight format),
 ``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch),
-``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages). They
+``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages),
+``benchmarks/chunked_prefill.py --quick`` (a long prompt whole or in parts). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -98,3 +99,12 @@ def test_huge_pages_quick() -> None:
     assert row["dtype"] == "float32" and row["identical"] is True
     assert row["placed"] is out["huge_pages_available"]
     assert row["small_pages_tokens_per_s"] > 0 and row["huge_pages_tokens_per_s"] > 0
+
+
+def test_chunked_prefill_quick() -> None:
+    out = _run("chunked_prefill.py", "--model", "debug", "--quick")
+    whole, parts = out["settings"]["whole"], out["settings"]["32"]
+    assert whole["tokens_while_it_filled"] == 0  # the whole prefill holds the others
+    assert parts["tokens_while_it_filled"] == 2 * out["streams"]  # 96 = 3 parts: 2 steps between
+    for s in (whole, parts):
+        assert s["long_tokens_equal_whole"] is True and s["max_gap_s"] > 0
