@@ -15,9 +15,10 @@ from _dist import free_port, run_processes
 from _ee_models import ee_model, random_prompts
 from exitlm.comm.launch import join_group
 from exitlm.config import ConfigError
-from exitlm.infer import generate
+from exitlm.infer import Engine, SamplingOptions, generate
 from exitlm.infer.executors.tp import TPExecutor
 from exitlm.infer.executors.tp_shard import check_strategy, shard_model
+from exitlm.infer.strategies import get_strategy
 from exitlm.plan.sharding import check_whole_heads as check_tp
 
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -79,7 +80,16 @@ def test_self_started_ranks_serve_one_engine_after_another() -> None:
         got = generate(ranks, None, prompts, strategy="early-exit", threshold=0.7,
                        max_new_tokens=12, ignore_eos=True)
         again = generate(ranks, None, prompts[:2], strategy="ar", max_new_tokens=6)
+        # prompts over 4 tokens in parts: the ranks replay the parts in step
+        engine = Engine(ranks, None, "self-spec", get_strategy("self-spec").options(
+            exit_layer=2), prefill_chunk=4)
+        sampling = SamplingOptions(max_new_tokens=7, ignore_eos=True)
+        parts = [engine.submit(p, sampling) for p in prompts]
+        engine.run()
+        engine.close()
     assert again.token_ids == generate(model, None, prompts[:2], max_new_tokens=6).token_ids
+    assert [r.token_ids for r in parts] == generate(
+        model, None, prompts, strategy="self-spec", exit_layer=2, sampling=sampling).token_ids
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in ref.sequences]
     # the caller's model is left whole
     assert model.layers[0].attn.num_heads == 4
