@@ -163,3 +163,27 @@ def test_cancel_while_filling_and_rows_moving_under_it() -> None:
 def test_prefill_chunk_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="prefill_chunk must be >= 1"):
         Engine(ee_model(), None, "ar", prefill_chunk=0)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "self-spec"])
+def test_short_prompts_join_while_a_long_one_fills(strategy: str) -> None:
+    """A short prompt arriving mid-fill is admitted at once and decodes beside the filling
+    one (whose row moves after it); a long one waits for the fill to end."""
+    model = ee_model(every_layer=True)
+    g = torch.Generator().manual_seed(4)
+    long1, short, long2 = ([int(t) for t in torch.randint(0, 23, (n,), generator=g)]
+                           for n in (50, 4, 20))
+    sampling = SamplingOptions(max_new_tokens=9, ignore_eos=True)
+    engine = Engine(model, None, strategy, max_batch=4, prefill_chunk=6)
+    first = engine.submit(long1, sampling)
+    engine.step()
+    engine.step()
+    assert engine.filling is first
+    joined, waits = engine.submit(short, sampling), engine.submit(long2, sampling)
+    engine.step()
+    assert engine.running == [joined, first] and engine.filling is first
+    assert len(joined.token_ids) >= 2 and waits.status == "waiting"
+    engine.run()
+    for req, p in ((first, long1), (joined, short), (waits, long2)):
+        assert req.token_ids == generate(model, None, p, strategy=strategy,
+                                         sampling=sampling).token_ids[0]

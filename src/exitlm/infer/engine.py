@@ -15,7 +15,7 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
    most ``prefill_chunk`` positions, one part per step between the decoding steps of the
    others (vLLM's chunked prefill, Sarathi-Serve's "stall-free" batching): one long prompt
    no longer holds every running stream for its whole prefill. One such prompt fills at a
-   time, and no other request is admitted until its last part has run;
+   time (its row the last one); shorter prompts are admitted meanwhile, long ones wait;
 3. runs one decoder step over every running sequence - each accepts, exits and stops on
    its own - and records the tokens: stop tokens, stop strings and ``max_new_tokens`` end a
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
@@ -380,9 +380,6 @@ class Engine:
         return len(self.running) - (self.filling is not None)
 
     def _admit(self, updates: list[Update]) -> None:
-        if self.filling is not None:  # the next part of the long prompt; no one else yet
-            self._fill(updates)
-            return
         with self._lock:
             new: list[Request] = []
             while self._waiting and len(self.running) + len(new) < self.max_batch:
@@ -393,38 +390,42 @@ class Engine:
             updates.append(self._finish(r, "length"))
         new = sorted((r for r in new if r.sampling.max_new_tokens > 0),
                      key=lambda r: len(r.prompt_ids))
-        if not new and long is None:
-            return
-        t0 = time.perf_counter()
-        started = self.decoder.startup_s
-        lo = len(self.running)
-        for r in (*new, *([long] if long else [])):  # running before anything can fail
-            r.status, r.t_admit = "running", t0  # (abort_running finds them)
-        self.running.extend(new)
-        if long is not None:  # the last row: it fills in parts, from this step on
-            self.running.append(long)
-            self.filling, self._filled = long, 0
-        look = max(self.decoder.lookahead(r.seq) for r in self.running)
-        longest = max(len(r.prompt_ids) for r in self.running[lo:])
-        self.pool.ensure(len(self.running), longest + look)
-        self._prefill_new(lo, new, t0, started, updates)
-        if long is not None:
+        if new or long is not None:
+            t0 = time.perf_counter()
+            started = self.decoder.startup_s
+            lo = self._decoding
+            joining = [*new, *([long] if long is not None else [])]
+            for r in joining:  # running before anything can fail (abort_running finds them)
+                r.status, r.t_admit = "running", t0
+            look = max(self.decoder.lookahead(r.seq) for r in (*self.running, *joining))
+            self.pool.ensure(len(self.running) + len(joining),
+                             max(len(r.prompt_ids) for r in joining) + look)
+            if self.filling is not None and new:  # its row goes after the new ones
+                self.pool.move_row(lo, lo + len(new))
+            self.running[lo:lo] = new
+            if long is not None:  # the last row: it fills in parts, from this step on
+                self.running.append(long)
+                self.filling, self._filled = long, 0
+            self._prefill_new(lo, new, t0, started, updates)
+        if self.filling is not None:
             self._fill(updates)
 
     def _first_long(self, new: list[Request]) -> tuple[list[Request], Request | None]:
         """Split the requests just taken from the queue into those prefilled whole and the
-        first whose prompt is longer than ``prefill_chunk`` (prefilled in parts); other long
-        ones go back to the queue's front, in order (one long prompt fills at a time)."""
+        first whose prompt is longer than ``prefill_chunk``, prefilled in parts unless
+        another one is (then it stays in the queue); later long ones go back to the queue's
+        front, in order: one long prompt fills at a time."""
         chunk = self.prefill_chunk
         if chunk is None:
             return new, None
         longs = [r for r in new if len(r.prompt_ids) > chunk and r.sampling.max_new_tokens > 0]
         if not longs:
             return new, None
-        for r in reversed(longs[1:]):
+        first = longs[0] if self.filling is None else None
+        for r in reversed(longs[1:] if first is not None else longs):
             self._waiting.appendleft(r)
         later = {id(r) for r in longs}
-        return [r for r in new if id(r) not in later], longs[0]
+        return [r for r in new if id(r) not in later], first
 
     def _prefill_new(self, lo: int, new: list[Request], t0: float, started: float,
                      updates: list[Update]) -> None:
