@@ -41,7 +41,6 @@ the eager runner's code.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from exitlm.env import switched_off
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import attention_dtype
 from exitlm.model.transformer import EarlyExitLM, StepContext
@@ -66,8 +66,9 @@ Body = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
 def graphs_wanted() -> bool:
-    """Whether CUDA models decode through graphs (``EXITLM_CUDA_GRAPHS=0`` turns it off)."""
-    return os.environ.get("EXITLM_CUDA_GRAPHS", "1") != "0"
+    """Whether CUDA models decode through graphs (``EXITLM_CUDA_GRAPHS=0`` turns it off, as
+    ``false`` / ``no`` / ``off`` do: :func:`exitlm.env.switched_off`)."""
+    return not switched_off("EXITLM_CUDA_GRAPHS")
 
 
 def attended_slots(last_position: int, capacity: int) -> int:
