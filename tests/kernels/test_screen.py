@@ -119,3 +119,30 @@ def test_greedy_decoding_through_the_screen_is_plain_decoding(
     finally:
         screen.set_screens(True)
     assert generate(runner, None, prompts, **kw).token_ids == changed
+
+
+def test_self_speculation_plain_steps_go_through_the_screen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive self-speculation's first token and plain steps take the screened argmax, as
+    plain decoding's do (its rounds verify with the logits): one screened call per step."""
+    monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
+    calls = []
+    real = GreedyScreen.argmax
+
+    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(GreedyScreen, "argmax", counting)
+    model = sharp_byte_model(num_layers=3, max_seq_len=96)
+    runner = prepare(model)
+    prompt = [3, 7, 11, 5]
+    kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
+    plain = generate(runner, None, prompt, **kw).token_ids
+    calls.clear()
+    res = generate(runner, None, prompt, strategy="self-spec", **kw)
+    assert res.token_ids == plain
+    stats = res.sequences[0].stats
+    assert stats.plain_steps > 0 and all(calls)
+    assert len(calls) == 1 + stats.plain_steps  # the first token, then every plain step

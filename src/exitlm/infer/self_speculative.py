@@ -57,12 +57,12 @@ from exitlm.infer.adaptive import (
     SpecPlanner,
     candidate_exits,
 )
+from exitlm.infer.autoregressive import first_tokens, plain_step
 from exitlm.infer.decoder import (
     Batch,
     Decoder,
     Emit,
     Seq,
-    last_positions,
     prefill_hidden,
     prefilled_offset,
 )
@@ -228,8 +228,8 @@ class SelfSpecDecoder(Decoder):
         end, exits = self.prefill_span()
         taps: dict[int, torch.Tensor] | None = {} if self.planner is not None else None
         h, lens = prefill_hidden(self.runner, batch, end, exits, taps)
-        logits = self.runner.logits(last_positions(h, lens), num_layers)
-        emits = [Emit([t], [num_layers], num_layers) for t in batch.choose(logits)]
+        tokens = first_tokens(self.runner, batch, h, lens, num_layers)
+        emits = [Emit([t], [num_layers], num_layers) for t in tokens]
         if taps is not None:
             self._observe_prompts(batch, h, lens, taps)
         return emits
@@ -287,15 +287,13 @@ class SelfSpecDecoder(Decoder):
         return seq.state
 
     def _plain_step(self, batch: Batch) -> list[Emit]:
-        """A plain decoding step (no draft)."""
+        """A plain decoding step (no draft): plain decoding's own step, whose greedy tokens
+        may come from the head's screened argmax (:func:`plain_step`)."""
         num_layers = self.model.num_layers
-        out = self.runner.chain(batch.lasts(self.device)[:, 0], batch.cache, 0, num_layers,
-                                logits=True)
-        batch.cache.lengths += 1
-        assert out.logits is not None
+        tokens = plain_step(self.runner, batch, num_layers)
         for s in batch.seqs:
             s.stats.plain_steps += 1  # type: ignore[attr-defined]
-        return [Emit([t], [num_layers], num_layers) for t in batch.choose(out.logits)]
+        return [Emit([t], [num_layers], num_layers) for t in tokens]
 
     def _probe_step(self, batch: Batch) -> list[Emit]:
         """A plain step that also reads some candidate exits' choices for this position
