@@ -1112,12 +1112,13 @@ static int tile_cfg[3][3][2] = {
  * cpu_kernels_2026-11-27.md): since the dense rows are prefetched (prefetch_dense), f32 too
  * streams one weight row at a time for all its x rows (4 rows: 1.06-1.14x one row against
  * 1.08-1.35 for nb 4 x mb 2; 8 rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its
- * conversion shared by all x rows. */
+ * conversion shared by all x rows.  q8 with 5-8 x rows: four weight rows per tile (8 rows:
+ * 1.65-1.75x one row against 1.71-2.53 for two, the head 1.75 against 2.53; 2026-11-27). */
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
-    /* q8  */ {{1, 1}, {1, 4}, {2, 8}},
+    /* q8  */ {{1, 1}, {1, 4}, {4, 8}},
 };
 #endif
 
