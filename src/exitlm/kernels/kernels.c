@@ -1114,6 +1114,11 @@ static int tile_cfg[3][3][2] = {
  * 1.08-1.35 for nb 4 x mb 2; 8 rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its
  * conversion shared by all x rows.  q8 with 5-8 x rows: four weight rows per tile (8 rows:
  * 1.65-1.75x one row against 1.71-2.53 for two, the head 1.75 against 2.53; 2026-11-27). */
+/* Dense 512-bit tiles of one weight row whose x rows exceed this many bytes take four weight
+ * rows instead (half of a 48 KB L1d: the x rows are reread for every weight vector).  fp16, 8
+ * rows of SmolLM2's down projection (K = 1536, 48 KB of x rows): 1.6-1.8x one row against
+ * 2.7-2.9x; the shapes of K = 576 keep one weight row (1.3-1.5x against 1.6-2.0 with four). */
+#define ZX_L1_BYTES 24576
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
@@ -1131,8 +1136,10 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     }
 #ifdef EXITLM_ZMM
     const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
-    const int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
+    int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
     const int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
+    if (z && kind != K_Q8 && nbt == 1 && (int64_t)mbt * K * 4 > ZX_L1_BYTES)
+        nbt = 4; /* the tile's x rows would not stay in L1: each x load serves 4 W rows */
 #else
     const int nbt = tile_cfg[kind][r][0], mbt = tile_cfg[kind][r][1];
 #endif
