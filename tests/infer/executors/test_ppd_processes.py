@@ -55,7 +55,7 @@ def test_engine_shares_weights_restarts_and_stops_its_worker() -> None:
     prompt = random_prompts(sizes=(4,))[0]
     ar = generate(model, None, prompt, max_new_tokens=8).token_ids[0]
     engine = Engine(model, None, "ppd", PPDOptions(ppd_layer=3, ppd_workers="process"),
-                    max_batch=1, threads=1)
+                    max_batch=1, threads=1, prefill_chunk=3)  # the prompt's parts: 3, then 1
     try:
         req = engine.submit(prompt, SamplingOptions(max_new_tokens=8))
         engine.run()
