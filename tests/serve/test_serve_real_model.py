@@ -69,3 +69,19 @@ def test_loglikelihood_request(smol: Server, loaded) -> None:  # type: ignore[no
     greedy = all(max(top.values()) == pytest.approx(x)
                  for top, x in zip(lp.top_logprobs[len(ctx):len(ids)], cont, strict=True))
     assert greedy  # " Paris" is the model's own choice
+
+
+def test_long_prompt_in_parts_equals_generate(smol: Server, loaded) -> None:  # type: ignore[no-untyped-def]
+    """A prompt over the server's --prefill-chunk (256) goes in parts; its completion is the
+    one generation gives with the whole prefill."""
+    import argparse
+
+    with open(argparse.__file__, encoding="utf-8") as f:
+        text = f.read()[:2600]
+    n = len(loaded.tokenizer.encode(text))
+    assert 512 < n < 1000  # three or four parts
+    alone = generate(loaded.model, loaded.tokenizer, text, max_new_tokens=12,
+                     threads=1).sequences[0]
+    res = smol.client().completions.create(model="smollm2", prompt=text, max_tokens=12,
+                                           temperature=0)
+    assert res.choices[0].text == alone.text and res.usage.prompt_tokens == n
