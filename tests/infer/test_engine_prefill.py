@@ -61,45 +61,86 @@ CHUNKED = [("ar", {}), ("self-spec", {"exit_layer": 2, "num_speculations": 3}),
            ("early-exit", {"threshold": 1.0}), ("early-exit", {"exit_layer": 3}), ("ppd", {})]
 
 
+def _count_prefill(engine: Engine) -> dict[int, int]:
+    """Prompt positions prefilled per engine step (filled in parts or whole), by step."""
+    per_step: dict[int, int] = {}
+    step, fill, prefill = engine.step, engine.decoder.fill, engine.decoder.prefill
+    count = [0]
+
+    def counting_step():  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return step()
+
+    def add(batch, stop):  # type: ignore[no-untyped-def]
+        held = int(batch.cache.lengths.min())
+        n = sum(min(len(s.prompt), stop) - held for s in batch.seqs)
+        per_step[count[0]] = per_step.get(count[0], 0) + n
+
+    def counting_fill(batch, stop):  # type: ignore[no-untyped-def]
+        add(batch, stop)
+        return fill(batch, stop)
+
+    def counting_prefill(batch):  # type: ignore[no-untyped-def]
+        add(batch, 1 << 30)
+        return prefill(batch)
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    engine.decoder.fill = counting_fill  # type: ignore[method-assign]
+    engine.decoder.prefill = counting_prefill  # type: ignore[method-assign]
+    return per_step
+
+
 @pytest.mark.parametrize(("strategy", "opts"), CHUNKED)
 @pytest.mark.parametrize("head", ["linear", "block"])
 def test_long_prompt_in_parts_while_others_decode(strategy: str, opts: dict, head: str) -> None:
-    """A 41-token prompt fills in parts of 8 (one per step) while the running request gains
-    a token every step; every request gets the tokens it gets alone, whole prefill."""
+    """A 41-token prompt fills in parts over several steps while the running request gains
+    a token every step; no step prefills more than the budget (8) and a quarter; every
+    request gets the tokens it gets alone, whole prefill."""
     model = ee_model(head, every_layer=head == "linear")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (5, 41, 7, 30, 3)]
     sampling = SamplingOptions(max_new_tokens=12, ignore_eos=True)
     engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
                     max_batch=3, prefill_chunk=8)
-    fills: list[int] = []
-    real = engine.decoder.fill
-
-    def spy(batch, stop):  # type: ignore[no-untyped-def]
-        fills.append(stop)
-        return real(batch, stop)
-
-    engine.decoder.fill = spy  # type: ignore[method-assign]
+    per_step = _count_prefill(engine)
     reqs = [engine.submit(prompts[0], sampling)]
     engine.step()
     reqs += [engine.submit(p, sampling) for p in prompts[1:]]
-    first = len(reqs[0].token_ids)
     while strategy == "ppd" and not reqs[0].done:  # PPD holds one sequence at a time
         engine.step()
-    for k in range(5):  # parts ending at 8, 16, 24, 32, 40; the sixth is the prefill
+    first = len(reqs[0].token_ids)
+    for k in range(4):  # 41 positions in parts of at most 8: at least 5 steps
         engine.step()
         assert engine.filling is reqs[1]
         assert len(reqs[1].token_ids) == 0
         if strategy != "ppd":
             assert len(reqs[0].token_ids) > first + k  # the running one went on
     engine.run()
-    assert fills[:5] == [8, 16, 24, 32, 40] and 24 in fills  # the 30-token prompt: 8 .. 24
+    assert max(per_step.values()) <= 8 + 2 and sum(per_step.values()) == sum(map(len, prompts))
     for req, p in zip(reqs, prompts, strict=True):
         alone = generate(model, None, p, strategy=strategy, sampling=sampling, **opts)
         assert req.token_ids == alone.token_ids[0]
     cache = engine.pool.cache
     assert not engine.running and engine.filling is None
     assert cache is not None and int(cache.lengths.sum()) == 0 and int(cache.fill.sum()) == 0
+
+
+def test_a_crowd_of_short_prompts_is_admitted_within_the_budget() -> None:
+    """Eight prompts of 6 tokens arriving together with a budget of 16 positions a step are
+    admitted two a step (first come first served), the first ones decoding meanwhile."""
+    model = ee_model(every_layer=True)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 23, (6,), generator=g).tolist() for _ in range(8)]
+    sampling = SamplingOptions(max_new_tokens=5, ignore_eos=True)
+    engine = Engine(model, None, "ar", max_batch=8, prefill_chunk=16)
+    per_step = _count_prefill(engine)
+    reqs = [engine.submit(p, sampling) for p in prompts]
+    engine.step()
+    assert [r.status for r in reqs].count("running") == 2 and len(reqs[0].token_ids) == 2
+    engine.run()
+    assert list(per_step.values()) == [12, 12, 12, 12]
+    for req, p in zip(reqs, prompts, strict=True):
+        assert req.token_ids == generate(model, None, p, sampling=sampling).token_ids[0]
 
 
 def _keeping_cache(prefill, n: int, into: list):  # type: ignore[no-untyped-def]

@@ -11,11 +11,13 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
 1. drops cancelled requests (freeing their rows);
 2. admits waiting requests while rows are free and prefills them in padded batches of
    similar prompt lengths (:func:`prefill_groups`; their first token comes out of the
-   prefill). With ``prefill_chunk``, a prompt longer than that is prefilled in parts of at
-   most ``prefill_chunk`` positions, one part per step between the decoding steps of the
-   others (vLLM's chunked prefill, Sarathi-Serve's "stall-free" batching): one long prompt
-   no longer holds every running stream for its whole prefill. One such prompt fills at a
-   time (its row the last one); shorter prompts are admitted meanwhile, long ones wait;
+   prefill). With ``prefill_chunk``, a step prefills about that many prompt positions at
+   most, between the decoding steps of the others (vLLM's chunked prefill, Sarathi-Serve's
+   "stall-free" batching): shorter prompts whole, first come first served, while they fit
+   (the first always), and a longer prompt in parts - the rest of the step's budget, at least
+   a quarter of it - so that neither a long prompt nor a crowd of short ones holds every
+   running stream for its whole prefill. One long prompt fills at a time (its row the last
+   one); other long ones wait at the queue's front;
 3. runs one decoder step over every running sequence - each accepts, exits and stops on
    its own - and records the tokens: stop tokens, stop strings and ``max_new_tokens`` end a
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
@@ -116,9 +118,10 @@ class Engine:
             :class:`EngineFull` beyond it (``None``: unbounded).
         threads: CPU threads per step; ``None`` lets :class:`~exitlm.infer.threads.
             ThreadPolicy` measure what is fastest on this machine right now.
-        prefill_chunk: prompts longer than this are prefilled in parts of at most this many
-            positions, one part per step (see the module docstring; ``None``: whole, in one
-            step). Ignored by decoders that cannot (:attr:`Decoder.fills_in_parts`).
+        prefill_chunk: the prompt positions one step prefills, about (see the module
+            docstring): longer prompts go in parts; ``None``: every admitted prompt whole, in
+            the step that admits it. Ignored by decoders that cannot
+            (:attr:`Decoder.fills_in_parts`).
     """
 
     def __init__(
@@ -381,10 +384,7 @@ class Engine:
 
     def _admit(self, updates: list[Update]) -> None:
         with self._lock:
-            new: list[Request] = []
-            while self._waiting and len(self.running) + len(new) < self.max_batch:
-                new.append(self._waiting.popleft())
-            new, long = self._first_long(new)
+            new, long = self._take()
         empty = [r for r in new if r.sampling.max_new_tokens == 0]
         for r in empty:
             updates.append(self._finish(r, "length"))
@@ -408,24 +408,36 @@ class Engine:
                 self.filling, self._filled = long, 0
             self._prefill_new(lo, new, t0, started, updates)
         if self.filling is not None:
-            self._fill(updates)
+            assert self.prefill_chunk is not None
+            used = sum(len(r.prompt_ids) for r in new)
+            self._fill(updates, max(self.prefill_chunk - used, self.prefill_chunk // 4, 1))
 
-    def _first_long(self, new: list[Request]) -> tuple[list[Request], Request | None]:
-        """Split the requests just taken from the queue into those prefilled whole and the
-        first whose prompt is longer than ``prefill_chunk``, prefilled in parts unless
-        another one is (then it stays in the queue); later long ones go back to the queue's
-        front, in order: one long prompt fills at a time."""
-        chunk = self.prefill_chunk
-        if chunk is None:
-            return new, None
-        longs = [r for r in new if len(r.prompt_ids) > chunk and r.sampling.max_new_tokens > 0]
-        if not longs:
-            return new, None
-        first = longs[0] if self.filling is None else None
-        for r in reversed(longs[1:] if first is not None else longs):
-            self._waiting.appendleft(r)
-        later = {id(r) for r in longs}
-        return [r for r in new if id(r) not in later], first
+    def _take(self) -> tuple[list[Request], Request | None]:
+        """The waiting requests this step admits, in queue order, while rows are free: without
+        ``prefill_chunk``, all; with it, the prompts of at most ``prefill_chunk`` tokens while
+        their sum stays within it (the first always), and the first longer one when no prompt
+        is filling (it fills in parts); later long ones keep their places at the queue's
+        front (one long prompt fills at a time)."""
+        budget, used = self.prefill_chunk, 0
+        new: list[Request] = []
+        long: Request | None = None
+        kept: list[Request] = []
+        while self._waiting and (len(self.running) + len(new) + (long is not None)
+                                 < self.max_batch):
+            r = self._waiting[0]
+            n = len(r.prompt_ids) if r.sampling.max_new_tokens > 0 else 0
+            if budget is not None and n > budget:
+                if self.filling is None and long is None:
+                    long = self._waiting.popleft()
+                else:
+                    kept.append(self._waiting.popleft())
+                continue
+            if budget is not None and used and used + n > budget:
+                break
+            new.append(self._waiting.popleft())
+            used += n
+        self._waiting.extendleft(reversed(kept))
+        return new, long
 
     def _prefill_new(self, lo: int, new: list[Request], t0: float, started: float,
                      updates: list[Update]) -> None:
@@ -445,12 +457,12 @@ class Engine:
         self.prefill_s += time.perf_counter() - t0 - startup
         self._record(lo, new, emits, updates)
 
-    def _fill(self, updates: list[Update]) -> None:
-        """The next part of :attr:`filling`'s prompt: up to ``prefill_chunk`` positions into
-        its row; the last part is the decoder's prefill, whose token starts its decoding."""
-        r, chunk = self.filling, self.prefill_chunk
-        assert r is not None and chunk is not None
-        row, stop = len(self.running) - 1, self._filled + chunk
+    def _fill(self, updates: list[Update], part: int) -> None:
+        """The next part of :attr:`filling`'s prompt: up to ``part`` positions into its row;
+        the last part is the decoder's prefill, whose token starts its decoding."""
+        r = self.filling
+        assert r is not None
+        row, stop = len(self.running) - 1, self._filled + part
         batch = self.pool.batch(row, row + 1, [r.seq])
         t0 = time.perf_counter()
         started = self.decoder.startup_s

@@ -33,8 +33,8 @@ from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy
 from exitlm.infer.strategies import STRATEGIES, get_strategy
 
 PREFILL_CHUNK = 256
-"""``--prefill-chunk``'s default: the most prompt positions prefilled in one step (the engine's
-``prefill_chunk``). SmolLM2-135M, one thread, a 1,024-token prompt arriving while two requests
+"""``--prefill-chunk``'s default: about the most prompt positions prefilled in one step (the
+engine's ``prefill_chunk``). SmolLM2-135M, one thread, a 1,024-token prompt arriving while two requests
 decode: parts of 256 held them at most 0.73 s (fp32) / 0.96 s (int8) instead of 2.9 / 4.0 s,
 and the long request's first token came no later than with the whole prefill; parts of 128
 held them 0.43 / 0.64 s (docs/measurements/chunked_prefill_2026-11-27.md)."""
@@ -67,9 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
                    help="the longest prompt + completion served (default: the model's context)")
     p.add_argument("--prefill-chunk", type=int_at_least(0), default=PREFILL_CHUNK, metavar="N",
-                   help="prefill prompts longer than N tokens in parts of N, one part per "
-                        "step, so that the running requests keep decoding in between (0: "
-                        "every prompt whole, holding the others for its prefill)")
+                   help="prefill about N prompt tokens per step (longer prompts in parts), "
+                        "so that the running requests keep decoding in between (0: every "
+                        "prompt whole when admitted, holding the others for its prefill)")
     p.add_argument("--max-prompts", type=int_at_least(1), default=256,
                    help="the most prompts one /v1/completions request may hold (a 400 beyond)")
     p.add_argument("--max-request-bytes", type=int_at_least(1), default=4 * 2**20,
