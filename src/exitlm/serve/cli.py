@@ -35,9 +35,9 @@ from exitlm.infer.strategies import STRATEGIES, get_strategy
 PREFILL_CHUNK = 256
 """``--prefill-chunk``'s default: about the most prompt positions prefilled in one step (the
 engine's ``prefill_chunk``). SmolLM2-135M, one thread, a 1,024-token prompt arriving while two
-requests decode: parts of 256 held them at most 0.73 s (fp32) / 0.96 s (int8) instead of 2.9 / 4.0 s,
-and the long request's first token came no later than with the whole prefill; parts of 128
-held them 0.43 / 0.64 s (docs/measurements/chunked_prefill_2026-11-27.md)."""
+requests decode: parts of 256 held them at most 0.73 s (fp32) / 0.96 s (int8) instead of
+2.9 / 4.0 s, and the long request's first token came no later than with the whole prefill;
+parts of 128 held them 0.43 / 0.64 s (docs/measurements/chunked_prefill_2026-11-27.md)."""
 
 log = logging.getLogger("exitlm.serve")
 
