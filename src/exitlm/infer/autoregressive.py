@@ -1,9 +1,10 @@
 """Plain autoregressive decoding (the baseline every other strategy is measured against) and
 fixed-depth exit (LayerSkip Sec. 4.2), which is the same loop stopped at layer ``E``.
 
-Prompts are prefilled as one right-padded batch (positions ``0..T-1``); each sequence's first
-token comes from the logits at its own last prompt position, and every step feeds one token per
-sequence at that sequence's own position.
+Prompts are prefilled as one right-padded batch (positions ``0..T-1``, or from the start that
+a prefill in parts already wrote); each sequence's first token comes from the exit at its own
+last prompt position, and every step feeds one token per sequence at that sequence's own
+position.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class DepthDecoder(Decoder):
     def step(self, batch: Batch) -> list[Emit]:
         e = self.depth
         return [Emit([t], [e], e) for t in plain_step(self.runner, batch, e)]
-
 
 
 def argmax_only(runner: Runner, batch: Batch) -> bool:

@@ -1113,11 +1113,12 @@ static int tile_cfg[3][3][2] = {
  * streams one weight row at a time for all its x rows (4 rows: 1.06-1.14x one row against
  * 1.08-1.35 for nb 4 x mb 2; 8 rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its
  * conversion shared by all x rows.  q8 with 5-8 x rows: four weight rows per tile (8 rows:
- * 1.65-1.75x one row against 1.71-2.53 for two, the head 1.75 against 2.53; 2026-11-27). */
+ * 1.60-1.69x one row against 1.47-2.29 with two, the head 1.68 against 2.29). */
 /* Dense 512-bit tiles of one weight row whose x rows exceed this many bytes take four weight
- * rows instead (half of a 48 KB L1d: the x rows are reread for every weight vector).  fp16, 8
- * rows of SmolLM2's down projection (K = 1536, 48 KB of x rows): 1.6-1.8x one row against
- * 2.7-2.9x; the shapes of K = 576 keep one weight row (1.3-1.5x against 1.6-2.0 with four). */
+ * rows instead (half of a 48 KB L1d: the x rows are reread for every weight vector).  8 rows
+ * of SmolLM2's down projection (K = 1536, 48 KB of x rows): fp32 1.61x one row against 2.37x,
+ * fp16 1.79x against 2.78x; fp16 with K = 576 keeps one weight row (1.3-1.9x against 1.55-2.0
+ * with four). */
 #define ZX_L1_BYTES 24576
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */

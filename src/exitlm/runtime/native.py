@@ -250,7 +250,7 @@ class NativeRunner(Runner):
         if cache.batch_size == h.shape[0] and h.shape[0] * h.shape[1] < rows:
             return self.walk(h, 0, end, exits, positions, cache)
         if (h.shape[0] == cache.batch_size == 1 and rows > NATIVE_ROWS
-                and int(positions[0, -1]) < NATIVE_CHUNKED_PREFILL - 1):  # the prompt so far
+                and int(positions[0, -1]) + 1 < NATIVE_CHUNKED_PREFILL):  # the prompt so far
             return self._chunked_walk(h, end, exits, positions, cache)
         return super()._prefill_walk(h, end, exits, positions, cache)
 
