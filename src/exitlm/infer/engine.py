@@ -183,7 +183,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk if self.decoder.fills_in_parts else None
         self.filling: Request | None = None
         """The request whose long prompt is prefilled in parts (the last of ``running``)."""
-        self._filled = 0  # the positions of its prompt already in its row
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.startup_s = 0.0
@@ -405,7 +404,7 @@ class Engine:
             self.running[lo:lo] = new
             if long is not None:  # the last row: it fills in parts, from this step on
                 self.running.append(long)
-                self.filling, self._filled = long, 0
+                self.filling = long
             self._prefill_new(lo, new, t0, started, updates)
         if self.filling is not None:
             assert self.prefill_chunk is not None
@@ -462,14 +461,14 @@ class Engine:
         the last part is the decoder's prefill, whose token starts its decoding."""
         r = self.filling
         assert r is not None
-        row, stop = len(self.running) - 1, self._filled + part
+        row = len(self.running) - 1
         batch = self.pool.batch(row, row + 1, [r.seq])
+        stop = int(batch.cache.lengths[0]) + part  # after the positions its row holds
         t0 = time.perf_counter()
         started = self.decoder.startup_s
         if stop < len(r.prompt_ids):
             with self.threads.split("torch"):
                 self.decoder.fill(batch, stop)
-            self._filled = stop
             self.prefill_s += time.perf_counter() - t0
             return
         self.filling = None  # a decoding row from here on, whatever the prefill does
