@@ -9,9 +9,7 @@ position.
 
 from __future__ import annotations
 
-import torch
-
-from exitlm.infer.decoder import Batch, Decoder, Emit, last_positions, prefill_hidden
+from exitlm.infer.decoder import Batch, Decoder, Emit, first_tokens, plain_step, prefill_hidden
 from exitlm.infer.strategy_options import AROptions  # noqa: F401 - re-exported
 from exitlm.runtime.runner import Runner
 
@@ -41,43 +39,3 @@ class DepthDecoder(Decoder):
     def step(self, batch: Batch) -> list[Emit]:
         e = self.depth
         return [Emit([t], [e], e) for t in plain_step(self.runner, batch, e)]
-
-
-def argmax_only(runner: Runner, batch: Batch) -> bool:
-    """Whether only the argmax is needed (every row greedy, no log-probabilities) and the
-    runner finds it for less than the logits (:meth:`Runner.greedy`)."""
-    return runner.supports("argmax") and all(
-        s.sampling.greedy and not s.wants_logprobs for s in batch.seqs)
-
-
-def first_tokens(runner: Runner, batch: Batch, h: torch.Tensor, lengths: torch.Tensor,
-                 depth: int) -> list[int]:
-    """Each sequence's first token: the choice of the exit after ``depth`` at its last prompt
-    position, from the states :func:`prefill_hidden` returned. The argmax alone when that is
-    all the batch needs (:func:`argmax_only`; a screen it builds then is built during the
-    prefill, not during the first timed step)."""
-    pos = (lengths - 1).to(runner.device)[:, None]
-    last = last_positions(h, lengths)[:, None]
-    if argmax_only(runner, batch):
-        return runner.greedy(last, depth, positions=pos, cache=batch.cache,
-                             ahead=max(s.remaining for s in batch.seqs))
-    return batch.choose(runner.logits(last, depth, positions=pos, cache=batch.cache)[:, 0])
-
-
-def plain_step(runner: Runner, batch: Batch, depth: int) -> list[int]:
-    """One token per sequence of ``batch`` through layers ``1..depth`` and the exit after
-    ``depth`` (a chain of no draft), each sequence's newest token fed at its own position;
-    the cache lengths advance by one. The argmax alone (:meth:`Runner.greedy`) when that is
-    all the batch needs, else the logits and each sequence's choice."""
-    greedy = argmax_only(runner, batch)
-    out = runner.chain(batch.lasts(runner.device)[:, 0], batch.cache, 0, depth,
-                       logits=not greedy)
-    if greedy:
-        pos = batch.cache.lengths[:, None].to(runner.device)
-        tokens = runner.greedy(out.hidden[:, -1:], depth, positions=pos, cache=batch.cache,
-                               ahead=max(s.remaining for s in batch.seqs))
-    else:
-        assert out.logits is not None
-        tokens = batch.choose(out.logits)
-    batch.cache.lengths += 1
-    return tokens

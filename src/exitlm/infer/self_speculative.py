@@ -57,12 +57,13 @@ from exitlm.infer.adaptive import (
     SpecPlanner,
     candidate_exits,
 )
-from exitlm.infer.autoregressive import first_tokens, plain_step
 from exitlm.infer.decoder import (
     Batch,
     Decoder,
     Emit,
     Seq,
+    first_tokens,
+    plain_step,
     prefill_hidden,
     prefilled_offset,
 )
