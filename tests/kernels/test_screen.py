@@ -84,10 +84,12 @@ def test_the_screen_gives_up_where_it_cannot_bound() -> None:
     assert N > screen.MAX_CANDIDATES and GreedyScreen(zeros).argmax(flat, zeros) is None
 
 
-def test_greedy_decoding_through_the_screen_is_plain_decoding(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def screened(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Screens for heads of any size; every screened argmax call recorded (whether it found
+    the argmax), in order."""
     monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
-    calls = []
+    calls: list[bool] = []
     real = GreedyScreen.argmax
 
     def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
@@ -96,6 +98,11 @@ def test_greedy_decoding_through_the_screen_is_plain_decoding(
         return out
 
     monkeypatch.setattr(GreedyScreen, "argmax", counting)
+    return calls
+
+
+def test_greedy_decoding_through_the_screen_is_plain_decoding(screened: list[bool]) -> None:
+    calls = screened
     model = sharp_byte_model(num_layers=3, max_seq_len=96)
     prompts = [[3, 7, 11, 5], [9, 1], [200, 100, 50, 25, 12]]
     kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
@@ -121,20 +128,10 @@ def test_greedy_decoding_through_the_screen_is_plain_decoding(
     assert generate(runner, None, prompts, **kw).token_ids == changed
 
 
-def test_self_speculation_plain_steps_go_through_the_screen(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_self_speculation_plain_steps_go_through_the_screen(screened: list[bool]) -> None:
     """Adaptive self-speculation's first token and plain steps take the screened argmax, as
     plain decoding's do (its rounds verify with the logits): one screened call per step."""
-    monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
-    calls = []
-    real = GreedyScreen.argmax
-
-    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(GreedyScreen, "argmax", counting)
+    calls = screened
     model = sharp_byte_model(num_layers=3, max_seq_len=96)
     runner = prepare(model)
     prompt = [3, 7, 11, 5]
