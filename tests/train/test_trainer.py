@@ -105,3 +105,22 @@ def test_fused_adamw_trains_like_the_loop(tmp_path: Path) -> None:
     for a, b in zip(loop, fused, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
     assert (tmp_path / "fused" / "model" / "config.json").is_file()
+
+
+def test_bf16_autocast_on_cpu_trains_near_fp32(tmp_path: Path) -> None:
+    """train.amp=bf16 on a CPU runs the products under bf16 autocast (the master weights and
+    the optimizer stay fp32): the same data and schedule give losses within bf16's rounding
+    of fp32's; auto stays fp32 on CPU and fp16 is refused there in one line."""
+    fp32 = Trainer(tiny_config(tmp_path, "fp32"))
+    assert fp32.amp_dtype is None
+    ref = fp32.train()
+    bf16 = Trainer(tiny_config(tmp_path, "bf16", train={"amp": "bf16"}))
+    assert bf16.amp_dtype == torch.bfloat16
+    got = bf16.train()
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.03)
+    assert any(b["loss"] != a["loss"] for a, b in zip(ref, got, strict=True))  # bf16 ran
+    with pytest.raises(ConfigError, match="train.amp: fp16 needs a CUDA device"):
+        Trainer(tiny_config(tmp_path, "fp16", train={"amp": "fp16"}))

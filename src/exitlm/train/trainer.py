@@ -155,8 +155,14 @@ class Trainer(RunStateMixin):
     # ----- setup helpers ---------------------------------------------------------------------
     def _amp_dtype(self) -> torch.dtype | None:
         amp = self.cfg.train.amp
-        if self.device.type != "cuda" or amp == "none":
-            return None  # fp32 on CPU
+        if self.device.type != "cuda":
+            # CPU: fp32 unless bf16 is asked for (autocast runs the products in bf16, which
+            # CPUs with AVX-512 BF16 or AMX do ~1.8x faster); fp16 autocast is CUDA's only
+            if amp == "fp16":
+                raise ConfigError("train.amp: fp16 needs a CUDA device; on CPU use bf16 or none")
+            return torch.bfloat16 if amp == "bf16" else None
+        if amp == "none":
+            return None
         return torch.float16 if amp == "fp16" else torch.bfloat16
 
     def _data_tokenizer(self) -> Any:
