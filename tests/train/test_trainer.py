@@ -122,5 +122,5 @@ def test_bf16_autocast_on_cpu_trains_near_fp32(tmp_path: Path) -> None:
     for a, b in zip(ref, got, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=0.03)
     assert any(b["loss"] != a["loss"] for a, b in zip(ref, got, strict=True))  # bf16 ran
-    with pytest.raises(ConfigError, match="train.amp: fp16 needs a CUDA device"):
+    with pytest.raises(ConfigError, match=r"train\.amp: fp16 needs a CUDA device"):
         Trainer(tiny_config(tmp_path, "fp16", train={"amp": "fp16"}))
