@@ -100,3 +100,30 @@ def test_rounding_to_half_is_torchs() -> None:
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], indirect=True)
+@torch.no_grad()
+def test_q4_0_weights_read_no_mins_and_keep_their_bits(
+        int8_activations: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of Q4_0 weights (mins = -8 * scales: the kernels compute the mins, block.c gets
+    no mins array) gives the bits of the same block reading the explicit mins."""
+    from exitlm.kernels.quant import QuantizedWeight
+
+    model = _model("int4")
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            w = mod.weight
+            mod.hold(QuantizedWeight("int4", w.q, w.scales, w.scales * -8.0))
+    block = model.layers[0]
+    h = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for explicit in (False, True):
+        if explicit:  # as if the mins had been other numbers
+            monkeypatch.setattr(QuantizedWeight, "kernel_mins", lambda self: self.mins)
+        assert (block.attn.wo.weight.kernel_mins() is None) != explicit
+        nb = build_native_block(native.library(), block, Scratch())
+        assert nb is not None
+        outs.append([_call(nb, model, h, 0, model.new_cache(1, 96), threads=t) for t in (1, 2)])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

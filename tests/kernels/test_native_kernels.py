@@ -201,6 +201,48 @@ def test_q4_zero_style_mins() -> None:
             <= TOL * (x.double().abs() @ w64.abs().T)).all()
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_q4_0_without_a_mins_array_has_the_same_bits(int8_activations: bool) -> None:
+    """``mins=None`` (Q4_0: the kernels compute -8 * scale instead of reading mins) gives the
+    bits of the explicit ``mins = -8 * scales`` in every tile, row count, thread count, K (past
+    a block of 64 groups) and N (tails of the 16-row lanes), bound or checked, and in the
+    dequantization."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((37, 64), (70, 576), (17, 2080)):
+        q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(n, k // 32, generator=gen) * 0.1
+        scales[0, 0] = 0.0  # an all-zero group
+        mins = -8.0 * scales
+        bound = native.bind("q4", q, scales, None)
+        for m in (1, 2, 3, 5, 8, 17):
+            x = torch.randn(m, k, generator=gen)
+            for threads in (1, 2):
+                want = native.gemm_q4(x, q, scales, mins, threads,
+                                      int8_activations=int8_activations)
+                got = native.gemm_q4(x, q, scales, None, threads,
+                                     int8_activations=int8_activations)
+                assert torch.equal(got, want), (n, k, m, threads)
+            if not int8_activations:
+                assert torch.equal(bound(x), native.gemm_q4(x, q, scales, mins))
+        assert torch.equal(native.unpack_q4(q, scales, None), native.unpack_q4(q, scales, mins))
+
+
+def test_kernel_mins_finds_q4_0_weights() -> None:
+    """QuantizedWeight.kernel_mins: None where the mins are exactly -8 * scales (what GGUF Q4_0
+    loads as), the mins otherwise (one value off is enough), None for int8."""
+    from exitlm.kernels.quant import QuantizedWeight, quantize
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randint(0, 256, (8, 32), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(8, 2, generator=gen)
+    assert QuantizedWeight("int4", q, scales, scales * -8.0).kernel_mins() is None
+    off = scales * -8.0
+    off[3, 1] = torch.nextafter(off[3, 1], torch.tensor(0.0))
+    w = QuantizedWeight("int4", q, scales, off)
+    assert w.kernel_mins() is w.mins
+    assert quantize(torch.randn(8, 64, generator=gen), "int8").kernel_mins() is None
+
+
 def test_argument_errors() -> None:
     x = torch.randn(2, 64)
     w = torch.randn(5, 64)

@@ -31,7 +31,7 @@ __all__ = [
 HEADER = Path(__file__).with_name("exitlm_native.h")
 """The C header this module mirrors (shipped with the package)."""
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """``EXITLM_ABI_VERSION`` of the header: a library reporting another value is refused."""
 
 CPU_AVX2 = 1

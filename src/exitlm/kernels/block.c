@@ -360,12 +360,13 @@ static int embed_row(const exitlm_weight *e, int64_t id, float *out) {
     }
     case 3: {
         const uint8_t *q = (const uint8_t *)e->w + id * (K / 2);
-        const float *s = e->scales + id * G, *mn = e->mins + id * G;
+        const float *s = e->scales + id * G, *mn = e->mins != NULL ? e->mins + id * G : NULL;
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < 16; j++) {
                 const uint8_t b = q[g * 16 + j];
-                out[g * 32 + j] = (float)(b & 15) * s[g] + mn[g];
-                out[g * 32 + j + 16] = (float)(b >> 4) * s[g] + mn[g];
+                const float m = mn != NULL ? mn[g] : -8.0f * s[g]; /* Q4_0 (q4_min) */
+                out[g * 32 + j] = (float)(b & 15) * s[g] + m;
+                out[g * 32 + j + 16] = (float)(b >> 4) * s[g] + m;
             }
         return 0;
     }

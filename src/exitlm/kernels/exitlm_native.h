@@ -19,7 +19,7 @@
 
 #include <stdint.h>
 
-#define EXITLM_ABI_VERSION 2
+#define EXITLM_ABI_VERSION 3
 
 /* ------------------------------------------------------------------ shared structs */
 
@@ -29,7 +29,7 @@ typedef struct exitlm_weight {
     int64_t n, k;
     const void *w; /* f32/f16 weight (n, k) or the quantized values */
     const float *scales;
-    const float *mins;
+    const float *mins; /* q4: or NULL for Q4_0's mins = -8 * scales */
 } exitlm_weight;
 
 /* The shapes and scalars of a Llama-family block (block.c). */

@@ -95,12 +95,19 @@
  * 256-bit tiles there took 0.75-0.80x (f32) and 0.59-0.63x (f16) the time.  On the Zen 1 EPYC the 256-bit tiles were
  * tuned on, an L1 prefetch 1024 ahead made f32 ~10% slower and f16 no faster, so AMD CPUs keep
  * the hardware prefetcher alone there.  Tried on Intel: one level at 2048-16384, T1 alone,
- * distances 8192-65536 for the far level (the same), _MM_HINT_NTA (2.6x slower). */
+ * distances 8192-65536 for the far level (the same), _MM_HINT_NTA (2.6x slower).  On a Zen 5
+ * EPYC VM core (AVX-512; docs/measurements/zen5_2026-11-27.md) the L2 level made the 512-bit
+ * tiles 6-9% slower and the L1 level was best PF_DENSE_AMD_BYTES ahead (one-row decode pass:
+ * 0.89-0.92x the time of Intel's two levels, 1024-32768 tried): AMD CPUs take that in the
+ * 512-bit tiles, without the L2 level (dense_pf_init). */
 #ifndef PF_DENSE_BYTES
 #define PF_DENSE_BYTES 4096
 #endif
 #ifndef PF_DENSE_FAR_BYTES
 #define PF_DENSE_FAR_BYTES 16384
+#endif
+#ifndef PF_DENSE_AMD_BYTES
+#define PF_DENSE_AMD_BYTES 8192
 #endif
 #define NBMAX 4
 #define MBMAX 8
@@ -112,7 +119,7 @@ typedef struct {
     const float *x;      /* (M, K) */
     const void *w;       /* f32 (N, K) | f16 (N, K) | int8 (N, K) | uint8 (N, K/2) */
     const float *scales; /* (N, K/32) */
-    const float *mins;   /* (N, K/32) */
+    const float *mins;   /* q4: (N, K/32), or NULL for Q4_0's mins = -8 * scales (q4_min) */
     const float *xg;     /* q4: (M, K/32) the groups' sums X_g of x (see the header) */
     float *y;            /* (M, N) */
     int64_t M, N, K;
@@ -221,6 +228,17 @@ static int nibble(const uint8_t *q, int64_t g, int e) {
     return e < 16 ? (b & 15) : (b >> 4);
 }
 
+/* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that
+ * array would hold (a product by 8 is exact), so both spellings give the same bits. */
+AI float q4_min(const float *sc, const float *mn, int64_t g) {
+    return mn != NULL ? mn[g] : -8.0f * sc[g];
+}
+
+/* W row n's q4 mins (NULL for int8 and for Q4_0 without a mins array). */
+AI const float *row_mins(const job_t *j, int64_t n) {
+    return j->kind == K_Q4 && j->mins != NULL ? j->mins + n * (j->K / 32) : NULL;
+}
+
 /* One (x row, W row) pair of q4 with float32 activations (the header's arithmetic). */
 static float pair_q4(const float *x, const float *xg, const uint8_t *qrow, const float *sc,
                      const float *mn, int64_t K) {
@@ -231,7 +249,7 @@ static float pair_q4(const float *x, const float *xg, const uint8_t *qrow, const
         for (int e = 0; e < 32; e++)
             s[e & 3] = fmaf((float)nibble(qrow, g, e), x[32 * g + e], s[e & 3]);
         y = fmaf((s[0] + s[1]) + (s[2] + s[3]), sc[g], y);
-        y = fmaf(xg[g], mn[g], y);
+        y = fmaf(xg[g], q4_min(sc, mn, g), y);
     }
     return y;
 }
@@ -250,7 +268,7 @@ static float pair_a8(int kind, const int8_t *xq, const float *xd, const float *x
         }
         float d = sc[g] * xd[g];
         y = fmaf((float)isum, d, y);
-        if (kind == K_Q4) y = fmaf(xg[g], mn[g], y);
+        if (kind == K_Q4) y = fmaf(xg[g], q4_min(sc, mn, g), y);
     }
     return y;
 }
@@ -265,7 +283,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
                 v = pair_a8(j->kind, j->xq + m * K, j->xd + m * G,
                             j->kind == K_Q4 ? j->xg + m * G : NULL,
                             (const char *)j->w + n * (j->kind == K_Q8 ? K : K / 2),
-                            j->scales + n * G, j->kind == K_Q4 ? j->mins + n * G : NULL, K);
+                            j->scales + n * G, row_mins(j, n), K);
             else if (j->kind == K_F32)
                 v = pair_dense(K_F32, x, (const float *)j->w + n * K, K);
             else if (j->kind == K_F16)
@@ -274,7 +292,7 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
                 v = pair_q8(x, (const int8_t *)j->w + n * K, j->scales + n * G, K);
             else
                 v = pair_q4(x, j->xg + m * G, (const uint8_t *)j->w + n * (K / 2),
-                            j->scales + n * G, j->mins + n * G, K);
+                            j->scales + n * G, row_mins(j, n), K);
             j->y[m * j->N + n] = v;
         }
 }
@@ -300,22 +318,31 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
     return _cvtsh_ss(((const uint16_t *)w)[off]);
 }
 
-/* Prefetch the 32-element block at element off of a dense weight PF_DENSE_BYTES ahead into L1 and
- * PF_DENSE_FAR_BYTES ahead into L2: two cache lines of f32, one of f16. */
-AI void prefetch_dense(const int kind, const void *w, int64_t off) {
-    const char *p = kind == K_F32 ? (const char *)((const float *)w + off)
-                                  : (const char *)((const uint16_t *)w + off);
-    for (int l = 0; l < (kind == K_F32 ? 2 : 1); l++) {
-        if (PF_DENSE_BYTES > 0) _mm_prefetch(p + PF_DENSE_BYTES + 64 * l, _MM_HINT_T0);
-        if (PF_DENSE_FAR_BYTES > 0) _mm_prefetch(p + PF_DENSE_FAR_BYTES + 64 * l, _MM_HINT_T1);
-    }
-}
-
-/* Whether the 256-bit dense tiles prefetch (Intel CPUs; see PF_DENSE_BYTES), set at load. */
+/* The dense tiles' prefetch distances and whether the 256-bit tiles prefetch, set at load from
+ * the CPU's vendor (see PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into
+ * L2 in every tile; other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the
+ * 512-bit tiles, and no software prefetch in the 256-bit ones. */
+static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES;
 static int dense_pf = 0;
 __attribute__((constructor)) static void dense_pf_init(void) {
     __builtin_cpu_init();
     dense_pf = __builtin_cpu_is("intel");
+    if (!dense_pf) {
+        pf_near = PF_DENSE_AMD_BYTES;
+        pf_far = 0;
+    }
+}
+
+/* Prefetch the 32-element block at element off of a dense weight pf_near bytes ahead into L1 and
+ * pf_far ahead into L2 (0: that level not): two cache lines of f32, one of f16. */
+AI void prefetch_dense(const int kind, const void *w, int64_t off) {
+    const char *p = kind == K_F32 ? (const char *)((const float *)w + off)
+                                  : (const char *)((const uint16_t *)w + off);
+    const int64_t near = pf_near, far = pf_far;
+    for (int l = 0; l < (kind == K_F32 ? 2 : 1); l++) {
+        if (near > 0) _mm_prefetch(p + near + 64 * l, _MM_HINT_T0);
+        if (far > 0) _mm_prefetch(p + far + 64 * l, _MM_HINT_T1);
+    }
 }
 
 /* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0.  Each pair keeps
@@ -702,6 +729,17 @@ AI void a8_scales(const float *const sr[A8_LANES], int64_t g0, int gb, float *t)
 #endif
 }
 
+/* The tile's q4 mins of groups g0 .. g0 + gb - 1, lane-major like a8_scales; without a mins
+ * array (Q4_0) -8 times the transposed scales scT: the floats that array would hold (q4_min). */
+AI void a8_mins(const job_t *j, const float *const mr[A8_LANES], int64_t g0, int gb,
+                const float *scT, float *t) {
+    if (j->mins != NULL) {
+        a8_scales(mr, g0, gb, t);
+        return;
+    }
+    for (int i = 0; i < gb * A8_LANES; i++) t[i] = -8.0f * scT[i];
+}
+
 /* Four bytes at p as one int32 (what a broadcast of x's bytes 4c..4c+3 starts from). */
 AI int32_t load_i32(const void *p) {
     int32_t v;
@@ -718,7 +756,7 @@ AI void a8_rows(const int kind, const job_t *j, int64_t n0, int64_t n1, const ui
         const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
         rw[r] = (const uint8_t *)j->w + n * rowlen;
         sr[r] = j->scales + n * G;
-        mr[r] = kind == K_Q4 ? j->mins + n * G : NULL;
+        mr[r] = kind == K_Q4 && j->mins != NULL ? j->mins + n * G : NULL;
     }
 }
 
@@ -733,7 +771,8 @@ AI void a8_prefetch_next(const int kind, const job_t *j, int64_t n0, int64_t g) 
     for (int l = 0; l < A8_LANES * bpg / 64; l++) _mm_prefetch(w + 64 * l, _MM_HINT_T0);
     if ((g * A8_LANES) % 16 == 0) {
         _mm_prefetch((const char *)(j->scales + next * G + A8_LANES * g), _MM_HINT_T0);
-        if (kind == K_Q4) _mm_prefetch((const char *)(j->mins + next * G + A8_LANES * g), _MM_HINT_T0);
+        if (kind == K_Q4 && j->mins != NULL)
+            _mm_prefetch((const char *)(j->mins + next * G + A8_LANES * g), _MM_HINT_T0);
     }
 }
 
@@ -808,7 +847,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
         a8_scales(sr, g0, gb, scT);
-        if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
+        if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
             a8_prefetch_next(kind, j, n0, g);
@@ -892,7 +931,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
         a8_scales(sr, g0, gb, scT);
-        if (kind == K_Q4) a8_scales(mr, g0, gb, mnT);
+        if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
             a8_prefetch_next(kind, j, n0, g);
@@ -1041,7 +1080,7 @@ AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
         a8_scales(sr, g0, gb, scT);
-        a8_scales(mr, g0, gb, mnT);
+        a8_mins(j, mr, g0, gb, scT, mnT);
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
             a8_prefetch_next(K_Q4, j, n0, g);

@@ -253,10 +253,12 @@ def gemm_q8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, threads: int
     return y
 
 
-def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
             threads: int = 1, *, int8_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` with ``W[n, k] = nibble[n, k] * scales[n, g] + mins[n, g]``, ``g = k // 32``
-    (Q4_1 groups; Q4_0 is ``mins = -8 * scales``) -> float32 ``(..., N)``.
+    (Q4_1 groups) -> float32 ``(..., N)``. ``mins=None`` is Q4_0: ``mins = -8 * scales``, which
+    the kernels compute instead of reading an array (the same floats, the same bits; a fifth
+    fewer bytes streamed per product).
 
     ``q`` is uint8 ``(N, K/2)``: group g of a row is bytes ``[16g, 16g + 16)``; byte j holds
     element j of the group in its low nibble and element j + 16 in its high nibble (GGUF order).
@@ -266,14 +268,16 @@ def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.
     k = 2 * kh
     g = _groups(k, "gemm_q4")
     _aux(scales, n, g, "gemm_q4", "scales")
-    _aux(mins, n, g, "gemm_q4", "mins")
+    if mins is not None:
+        _aux(mins, n, g, "gemm_q4", "mins")
     m = _rows(x, k, "gemm_q4")
     _threads(threads, "gemm_q4")
     if _q4 is None and _load() is None:
         return torch.nn.functional.linear(x, unpack_q4(q, scales, mins))
     y = _out(x, m, n)
     (_q4a8 if int8_activations else _q4)(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
-                                         mins.data_ptr(), y.data_ptr(), m, n, k, threads)
+                                         0 if mins is None else mins.data_ptr(), y.data_ptr(),
+                                         m, n, k, threads)
     return y
 
 
@@ -287,14 +291,14 @@ class BoundGemm:
 
     __slots__ = ("_fn", "_keep", "_ptrs", "_ref", "k", "kind", "n")
 
-    def __init__(self, kind: str, tensors: tuple[torch.Tensor, ...], n: int, k: int,
+    def __init__(self, kind: str, tensors: tuple[torch.Tensor | None, ...], n: int, k: int,
                  ref: Callable[..., torch.Tensor]) -> None:
         self.kind, self.n, self.k = kind, n, k
         self._keep = tensors
         self._ref = ref
         lib = _load()
         self._fn = None if lib is None else getattr(lib, f"exitlm_gemm_{kind}")
-        self._ptrs = tuple(t.data_ptr() for t in tensors)
+        self._ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
 
     def __call__(self, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
         """``x (..., K) float32 -> (..., N) float32`` (``threads`` a positive int)."""
@@ -307,9 +311,10 @@ class BoundGemm:
         return y
 
 
-def bind(kind: str, *weights: torch.Tensor) -> BoundGemm:
+def bind(kind: str, *weights: torch.Tensor | None) -> BoundGemm:
     """Check a weight once and return a fast callable: ``bind("f32", w)``, ``bind("f16", w)``,
-    ``bind("q8", q, scales)``, ``bind("q4", q, scales, mins)`` (formats as in ``gemm_*``)."""
+    ``bind("q8", q, scales)``, ``bind("q4", q, scales, mins)`` (formats as in ``gemm_*``; q4's
+    ``mins`` may be None: Q4_0)."""
     if kind in ("f32", "f16"):
         if len(weights) != 1:
             raise ValueError(f"bind({kind!r}): pass the weight (N, K)")
@@ -327,15 +332,19 @@ def bind(kind: str, *weights: torch.Tensor) -> BoundGemm:
         n, kh = _w2(weights[0], _U8, "bind('q4')", "q")
         g = _groups(2 * kh, "bind('q4')")
         _aux(weights[1], n, g, "bind('q4')", "scales")
-        _aux(weights[2], n, g, "bind('q4')", "mins")
+        if weights[2] is not None:
+            _aux(weights[2], n, g, "bind('q4')", "mins")
         return BoundGemm(kind, weights, n, 2 * kh, gemm_q4)
     raise ValueError(f"bind: kind must be 'f32', 'f16', 'q8' or 'q4', got {kind!r}")
 
 
-def unpack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def unpack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantize packed Q4 (see :func:`gemm_q4`) to ``(N, K)``: ``nibble * scale + min``
-    computed in float32 (a multiply then an add, each rounded)."""
+    """Dequantize packed Q4 (see :func:`gemm_q4`; ``mins=None``: ``-8 * scales``) to
+    ``(N, K)``: ``nibble * scale + min`` computed in float32 (a multiply then an add, each
+    rounded)."""
+    if mins is None:
+        mins = scales * -8.0
     n, kh = q.shape
     g = kh // 16
     b = q.view(n, g, 16)

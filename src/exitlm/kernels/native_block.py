@@ -48,7 +48,8 @@ def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
             return None
         n, k = w.shape
-        mins = 0 if w.mins is None else w.mins.data_ptr()
+        mins = w.kernel_mins()  # (None for int8 and Q4_0: the kernels compute -8 * scales)
+        mins = 0 if mins is None else mins.data_ptr()
         return _Weight(_FORMATS[w.kind], n, k, w.q.data_ptr(), w.scales.data_ptr(),
                        mins), parts
     if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, torch.nn.Parameter):

@@ -79,7 +79,16 @@ class _Quantized(nn.Module):
     def weight(self) -> QuantizedWeight:
         """The quantized ``(out, in)`` weight (built from the buffers, which ``.to()`` and
         ``load_state_dict`` may have replaced)."""
-        return QuantizedWeight(self.kind, self.q, self.scales, self.mins)
+        w = QuantizedWeight(self.kind, self.q, self.scales, self.mins)
+        if self.mins is not None:  # whether they are Q4_0's (kernel_mins), found once per buffers
+            key = (self.mins.data_ptr(), self.mins._version, self.scales.data_ptr(),
+                   self.scales._version)
+            known = getattr(self, "_q4_0", None)
+            if known is not None and known[0] == key:
+                object.__setattr__(w, "_q4_0", known[1])
+            else:
+                self._q4_0 = (key, w.kernel_mins() is None)
+        return w
 
     def hold(self, weight: QuantizedWeight) -> None:
         """Hold ``weight`` (of this module's kind) instead of the current one, as buffers of
