@@ -59,6 +59,17 @@ EXIT_CANDIDATES = (3, 4, 5, 6, 7, 8, 10, 12, 16)
 DRAFTS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + " (CPU)"
+    except OSError:
+        pass
+    return (platform.processor() or "unknown") + " (CPU)"
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -195,7 +206,7 @@ def train(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     report["machine"] = {
         "python": platform.python_version(), "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(0) if cuda else cpu_name(),
         "cpus": os.cpu_count(),
     }
     log(f"machine: {report['machine']}")
@@ -451,11 +462,14 @@ def model_card(report: dict[str, Any]) -> str:
         f"{cfg.get('train', {}).get('batch_size', '?')} x {cfg.get('data', {}).get('seq_len', '?')}"
         f" bytes, AdamW lr {cfg.get('optim', {}).get('lr', '?')} (warm-up "
         f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
-        f"{mod.get('precision', '?')}, on one "
-        f"{m.get('device', '?')} ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "
+        f"{mod.get('precision', '?')}, on "
+        + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}"
+           if str(m.get("device", "")).endswith("(CPU)") else f"one {m.get('device', '?')}")
+        + f" ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "
         f"{tr.get('train_s', 0) / 60:.1f} min of training"
         + (", stopped early by its time limit" if tr.get("stopped_early") else "") + "). "
-        "The exact command, run in one call of the GPU machine:",
+        + ("The exact commands:" if str(m.get("device", "")).endswith("(CPU)")
+           else "The exact command, run in one call of the GPU machine:"),
         "",
         "```bash",
         "PYTHONPATH=src python device/layerskip_code.py train --out \"$OUT\" "

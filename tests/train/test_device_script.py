@@ -84,6 +84,9 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert ship.returncode == 0, ship.stderr[-3000:]
     card = (shipped / "README.md").read_text()
     assert "4-layer byte-level model" in card and "| perplexity |" in card
+    # trained on this CPU: the card names it (the GPU machine's card names its GPU)
+    assert report["machine"]["device"].endswith("(CPU)")
+    assert f"cores of an {report['machine']['device']}" in card
     loaded = load_model(shipped)
     assert loaded.tokenizer.eos_token_ids == (0,)
     prompt = "def f(x):\n    return"
