@@ -41,12 +41,15 @@ from exitlm.args import int_at_least, int_list
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
-KINDS = ("f32", "f16", "q8", "q4", "q8a8", "q4a8")
+KINDS = ("f32", "f16", "q8", "q4", "q8a8", "q4a8", "q4_0", "q4_0a8")
+"""``q4_0`` / ``q4_0a8``: q4 / q4a8 products of Q4_0 weights, passed without a mins array (the
+kernels compute -8 * scale; builds from before ABI 3 cannot take them)."""
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-def _weight(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+def _weight(kind: str, n: int, k: int, rng: np.random.Generator
+            ) -> tuple[np.ndarray | None, ...]:
     """The arrays after x of ``exitlm_gemm_<kind>`` for an (n, k) weight."""
     if kind == "f32":
         return (rng.standard_normal((n, k), dtype=np.float32),)
@@ -56,21 +59,23 @@ def _weight(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.nda
     scales = rng.random((n, g), dtype=np.float32) * 0.01
     if kind in ("q8", "q8a8"):
         return rng.integers(-127, 128, (n, k), dtype=np.int8), scales
-    return (rng.integers(0, 256, (n, k // 2), dtype=np.uint8), scales,
-            rng.random((n, g), dtype=np.float32) * 0.01)
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    if kind.startswith("q4_0"):
+        return q, scales, None
+    return q, scales, rng.random((n, g), dtype=np.float32) * 0.01
 
 
-def _nbytes(arrays: tuple[np.ndarray, ...]) -> int:
-    return sum(a.nbytes for a in arrays)
+def _nbytes(arrays: tuple[np.ndarray | None, ...]) -> int:
+    return sum(a.nbytes for a in arrays if a is not None)
 
 
-def _call(lib: ctypes.CDLL, kind: str, x: np.ndarray, w: tuple[np.ndarray, ...],
+def _call(lib: ctypes.CDLL, kind: str, x: np.ndarray, w: tuple[np.ndarray | None, ...],
           y: np.ndarray) -> None:
     m, k = x.shape
     n = w[0].shape[0]
-    fn = getattr(lib, f"exitlm_gemm_{kind}")
-    rc = fn(x.ctypes.data_as(_P), *(a.ctypes.data_as(_P) for a in w), y.ctypes.data_as(_P),
-            _I64(m), _I64(n), _I64(k), 1)
+    fn = getattr(lib, f"exitlm_gemm_{kind.replace('q4_0', 'q4')}")
+    rc = fn(x.ctypes.data_as(_P), *(_P(None) if a is None else a.ctypes.data_as(_P) for a in w),
+            y.ctypes.data_as(_P), _I64(m), _I64(n), _I64(k), 1)
     if rc != 0:
         raise RuntimeError(f"exitlm_gemm_{kind} returned {rc}")
 
