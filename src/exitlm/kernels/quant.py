@@ -114,9 +114,11 @@ class QuantizedWeight:
         mins are exactly ``-8 * scales`` (GGUF Q4_0, module docstring), whose min the kernels
         compute from the scale instead - the same floats, so the same bits, with a fifth fewer
         bytes streamed per product (16 nibble bytes and a scale per group instead of a scale
-        and a min). Checked once per weight."""
+        and a min). Checked once per weight (on CPU tensors: the kernels' only device)."""
         if self.mins is None:
             return None
+        if not self.mins.is_cpu:
+            return self.mins
         q4_0 = self._q4_0
         if q4_0 is None:
             q4_0 = bool(torch.equal(self.mins, self.scales * -8.0))

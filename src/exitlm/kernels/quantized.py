@@ -80,7 +80,8 @@ class _Quantized(nn.Module):
         """The quantized ``(out, in)`` weight (built from the buffers, which ``.to()`` and
         ``load_state_dict`` may have replaced)."""
         w = QuantizedWeight(self.kind, self.q, self.scales, self.mins)
-        if self.mins is not None:  # whether they are Q4_0's (kernel_mins), found once per buffers
+        if self.mins is not None and self.mins.is_cpu:  # whether they are Q4_0's (kernel_mins,
+            # for the CPU kernels), found once per buffers
             key = (self.mins.data_ptr(), self.mins._version, self.scales.data_ptr(),
                    self.scales._version)
             known = getattr(self, "_q4_0", None)
