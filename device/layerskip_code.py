@@ -308,7 +308,9 @@ def train(args: argparse.Namespace) -> int:
 
     stopped_early = False
     while trainer.step < steps:
-        records = trainer.train(until_step=min(steps, trainer.step + chunk))
+        # a chunk ends at the next export or where the time left for training runs out
+        fits = int((deadline - args.reserve_s - time.monotonic()) / step_s)
+        records = trainer.train(until_step=min(steps, trainer.step + max(1, min(chunk, fits))))
         for r in records[:: max(1, len(records) // 4)] + records[-1:]:
             report["train"]["log"].append({k: r[k] for k in ("step", "loss", "lr", "tokens_per_s")
                                            if k in r})
