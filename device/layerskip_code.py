@@ -429,6 +429,7 @@ def model_card(report: dict[str, Any]) -> str:
     meta = corpus.get("meta", {})
     cfg = report.get("config", {})
     mod = report.get("model", {})
+    on_cpu = str(m.get("device", "")).endswith("(CPU)")  # (cpu_name's mark)
     lines = [
         "# layerskip-code",
         "",
@@ -465,12 +466,12 @@ def model_card(report: dict[str, Any]) -> str:
         f" bytes, AdamW lr {cfg.get('optim', {}).get('lr', '?')} (warm-up "
         f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
         f"{mod.get('precision', '?')}, on "
-        + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}"
-           if str(m.get("device", "")).endswith("(CPU)") else f"one {m.get('device', '?')}")
+        + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}" if on_cpu
+           else f"one {m.get('device', '?')}")
         + f" ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "
         f"{tr.get('train_s', 0) / 60:.1f} min of training"
         + (", stopped early by its time limit" if tr.get("stopped_early") else "") + "). "
-        + ("The exact commands:" if str(m.get("device", "")).endswith("(CPU)")
+        + ("The exact commands:" if on_cpu
            else "The exact command, run in one call of the GPU machine:"),
         "",
         "```bash",

@@ -131,6 +131,17 @@ typedef struct {
     const float *x2;
 } job_t;
 
+/* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that
+ * array would hold (a product by 8 is exact), so both spellings give the same bits. */
+AI float q4_min(const float *sc, const float *mn, int64_t g) {
+    return mn != NULL ? mn[g] : -8.0f * sc[g];
+}
+
+/* W row n's q4 mins (NULL for int8 and for Q4_0 without a mins array). */
+AI const float *row_mins(const job_t *j, int64_t n) {
+    return j->kind == K_Q4 && j->mins != NULL ? j->mins + n * (j->K / 32) : NULL;
+}
+
 /* ------------------------------------------------------------------ scalar helpers */
 
 
@@ -226,17 +237,6 @@ static float pair_q8(const float *x, const int8_t *qrow, const float *sc, int64_
 static int nibble(const uint8_t *q, int64_t g, int e) {
     const uint8_t b = q[16 * g + (e & 15)];
     return e < 16 ? (b & 15) : (b >> 4);
-}
-
-/* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that
- * array would hold (a product by 8 is exact), so both spellings give the same bits. */
-AI float q4_min(const float *sc, const float *mn, int64_t g) {
-    return mn != NULL ? mn[g] : -8.0f * sc[g];
-}
-
-/* W row n's q4 mins (NULL for int8 and for Q4_0 without a mins array). */
-AI const float *row_mins(const job_t *j, int64_t n) {
-    return j->kind == K_Q4 && j->mins != NULL ? j->mins + n * (j->K / 32) : NULL;
 }
 
 /* One (x row, W row) pair of q4 with float32 activations (the header's arithmetic). */
@@ -756,7 +756,7 @@ AI void a8_rows(const int kind, const job_t *j, int64_t n0, int64_t n1, const ui
         const int64_t n = n0 + r < n1 ? n0 + r : n1 - 1;
         rw[r] = (const uint8_t *)j->w + n * rowlen;
         sr[r] = j->scales + n * G;
-        mr[r] = kind == K_Q4 && j->mins != NULL ? j->mins + n * G : NULL;
+        mr[r] = row_mins(j, n);
     }
 }
 
