@@ -241,12 +241,15 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
                    hd * sizeof(float));
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        /* attends to positions 0 .. its own of its cache row */
-        const int64_t n_pos = (pos != NULL ? pos[m] : start + m) + 1;
-        const int64_t o = off != NULL ? off[m] : 0;
-        const float *row = qkv + m * QKV;
-        for (int64_t hh = 0; hh < H; hh++) {
+    /* head by head, then row by row: the rows of one sequence read the same keys and values of
+     * a head, which then stay in the caches from one row to the next (verifying d drafts: d + 1
+     * rows; a head's keys and values at a context of n positions: 2 n head_dim floats) */
+    for (int64_t hh = 0; hh < H; hh++)
+        for (int64_t m = 0; m < M; m++) {
+            /* attends to positions 0 .. its own of its cache row */
+            const int64_t n_pos = (pos != NULL ? pos[m] : start + m) + 1;
+            const int64_t o = off != NULL ? off[m] : 0;
+            const float *row = qkv + m * QKV;
             const float *kh = kc + o + (hh / group) * head_stride;
             const float *vh = vc + o + (hh / group) * head_stride;
             const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
@@ -256,12 +259,11 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
                 *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
             for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
             for (t = 0; t < n_pos; t++) total += scores[t];
-            float *o = att + m * H * hd + hh * hd;
-            attention_values(scores, vh, n_pos, hd, o);
+            float *out = att + m * H * hd + hh * hd;
+            attention_values(scores, vh, n_pos, hd, out);
             const float inv = 1.0f / total;
-            for (int64_t i = 0; i < hd; i++) o[i] *= inv;
+            for (int64_t i = 0; i < hd; i++) out[i] *= inv;
         }
-    }
     if ((rc = product(wo, att, tmp, M, nthreads)) != 0) return rc;
     if (red != NULL && (rc = exitlm_reduce_sum(red, tmp, M * D)) != 0) return rc;
     for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];
