@@ -1165,20 +1165,6 @@ static int ztile_cfg[3][3][2] = {
     /* f16 */ {{1, 1}, {1, 4}, {1, 8}},
     /* q8  */ {{1, 1}, {1, 4}, {4, 8}},
 };
-
-/* On other vendors' cores (AMD) f16's tiles of 5+ x rows take four weight rows x two x rows
- * (the 512-bit x loads, not the weights, bound a one-weight-row tile there).  Measured on a Zen 5
- * core, one thread, three interleaved A/B runs (docs/measurements/zen5_2026-11-27.md): 8 rows of
- * SmolLM2's K = 576 shapes cost 1.54-2.10x one row against 2.07-3.05x with one weight row x 8,
- * the down projection 2.46-2.85x against 2.86-3.66x; 5 rows cost 1.41-1.53x against 1.15-1.27x
- * (worse; 6-7 rows about even).  f32 measured either way by run, so it keeps the tile above. */
-__attribute__((constructor)) static void ztile_vendor_init(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_is("intel")) {
-        ztile_cfg[K_F16][2][0] = 4;
-        ztile_cfg[K_F16][2][1] = 2;
-    }
-}
 #endif
 
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
