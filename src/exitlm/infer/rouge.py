@@ -13,8 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-from rouge_score import rouge_scorer
+if TYPE_CHECKING:
+    from rouge_score import rouge_scorer
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -33,6 +35,10 @@ class _CodeTokenizer:
 
 @cache
 def _scorer() -> rouge_scorer.RougeScorer:
+    # imported on first use: rouge-score pulls in nltk (and through it scikit-learn), ~2 s of
+    # start-up for every command that imports the benchmarks
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer(["rougeL"], tokenizer=_CodeTokenizer())
 
 
