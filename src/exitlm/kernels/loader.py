@@ -77,6 +77,7 @@ ISAS: tuple[str, ...] = ("avx512", "avx2", "baseline")
 _NEEDS = {"avx512": abi.CPU_AVX2 | abi.CPU_AVX512, "avx2": abi.CPU_AVX2, "baseline": 0}
 
 DEV_CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared",
+                               "-Werror=implicit-function-declaration",
                                "-std=c11", "-pthread", '-DEXITLM_ISA="native"')
 """Flags of the developer build (``EXITLM_NATIVE=build``); never ``-ffast-math``, which would
 let the compiler reorder the sums."""
