@@ -371,6 +371,12 @@ def ship(args: argparse.Namespace) -> int:
         sys.exit(f"layerskip_code.py ship: {src / REPORT} is missing (pass the folder the "
                  "device call returned)")
     report = json.loads((src / REPORT).read_text(encoding="utf-8"))
+    notes = ""
+    if args.notes is not None:
+        try:
+            notes = Path(args.notes).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"layerskip_code.py ship: --notes {args.notes}: cannot read it ({e})")
     model_src = src / MODEL_DIR
     for name, info in report.get("files", {}).items():
         got = sha256(model_src / name)
@@ -380,6 +386,8 @@ def ship(args: argparse.Namespace) -> int:
     weight_files(model_src)  # every shard present
     report["stdlib_agreement"] = stdlib_agreement(load_model(str(model_src)).model)
     report["shipped_with_python"] = platform.python_version()
+    report["stages"] = [*earlier_stages(report), {k: report[k] for k in STAGE_KEYS
+                                                  if k in report}]
     target = Path(args.to)
     with atomic_dir(target, overwrite=args.overwrite) as tmp:
         for p in sorted(model_src.iterdir()):
@@ -388,15 +396,32 @@ def ship(args: argparse.Namespace) -> int:
         tok.eos_token_ids = (0,)
         tok.save(tmp)
         (tmp / "training.json").write_text(json.dumps(
-            {k: report[k] for k in ("machine", "model", "corpus", "calibration", "config", "train",
-                                    "exits", "stdlib_agreement", "shipped_with_python",
-                                    "self_spec", "total_s")
+            {k: report[k] for k in ("argv", "machine", "model", "corpus", "calibration", "config",
+                                    "train", "exits", "stdlib_agreement", "shipped_with_python",
+                                    "self_spec", "total_s", "stages")
              if k in report}, indent=1) + "\n", encoding="utf-8")
-        (tmp / "README.md").write_text(model_card(report), encoding="utf-8")
+        (tmp / "README.md").write_text(model_card(report, notes), encoding="utf-8")
     loaded = load_model(str(target))
     print(f"shipped {target} ({sum(p.stat().st_size for p in target.iterdir()) / 1e6:.1f} MB, "
           f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters)")
     return 0
+
+
+STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "train")
+"""What a report says of one training run: a stage of the shipped model's training."""
+
+
+def earlier_stages(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The training stages before this run: where the run started from a shipped model
+    (``--set model.init=<its folder>``), that model's own stages as its ``training.json``
+    records them (one stage where it records none); else none."""
+    init = str(report.get("config", {}).get("model", {}).get("init", ""))
+    for base in (Path.cwd(), REPO):
+        card = base / init / "training.json" if init else None
+        if card is not None and card.is_file():
+            prev = json.loads(card.read_text(encoding="utf-8"))
+            return list(prev.get("stages") or [{k: prev[k] for k in STAGE_KEYS if k in prev}])
+    return []
 
 
 AGREEMENT_FILES, AGREEMENT_BYTES = 16, 1025
@@ -419,17 +444,59 @@ def stdlib_agreement(model: Any) -> dict[str, float]:
     return {str(m.layer): m.agree_top1 for m in metrics}
 
 
-def model_card(report: dict[str, Any]) -> str:
-    """The model card (README.md beside the weights) from the training report."""
-    m = report.get("machine", {})
-    tr = report.get("train", {})
-    cal = report.get("calibration", {})
-    corpus = report.get("corpus", {})
+def _stage_data(stage: dict[str, Any]) -> str:
+    """What one training stage read: its corpus and its size."""
+    corpus = stage.get("corpus", {})
     sizes = corpus.get("py_bytes", {})
     meta = corpus.get("meta", {})
-    cfg = report.get("config", {})
-    mod = report.get("model", {})
+    packages = [k for k in sizes if k != "<stdlib>"]
+    python = stage.get("machine", {}).get("python", "?")
+    what = (f"the `*.py` files of the Python {python} standard library and of {len(packages)} "
+            f"installed packages of the training machine ({sum(sizes.values()) / 1e6:.0f} MB): "
+            + ", ".join(packages) if packages else
+            f"the `*.py` files of the Python {python} standard library alone "
+            f"({sum(sizes.values()) / 1e6:.0f} MB)")
+    return (f"{what}; {meta.get('tokens', {}).get('train', '?')} training bytes, "
+            f"{meta.get('tokens', {}).get('val', '?')} held out")
+
+
+def _stage_recipe(stage: dict[str, Any]) -> list[str]:
+    """How one training stage ran, and its exact command."""
+    m = stage.get("machine", {})
+    tr = stage.get("train", {})
+    cal = stage.get("calibration", {})
+    cfg = stage.get("config", {})
     on_cpu = str(m.get("device", "")).endswith("(CPU)")  # (cpu_name's mark)
+    precision = stage.get("model", {}).get("precision", "?")
+    text = (f"`configs/layerskip-code.yaml`: {tr.get('steps_done', '?')} steps of "
+            f"{cfg.get('train', {}).get('batch_size', '?')} x "
+            f"{cfg.get('data', {}).get('seq_len', '?')} bytes, AdamW lr "
+            f"{cfg.get('optim', {}).get('lr', '?')} (warm-up "
+            f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
+            + f"{precision}, on "
+            + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}" if on_cpu
+               else f"one {m.get('device', '?')}")
+            + f" ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "
+            f"{tr.get('train_s', 0) / 60:.1f} min of training"
+            + (", stopped early by its time limit" if tr.get("stopped_early") else "") + ").")
+    argv = stage.get("argv")
+    if not argv:
+        return [text, ""]
+    return [text + (" The exact command:" if on_cpu
+                    else " The exact command, run in one call of the GPU machine:"), "",
+            "```bash",
+            "PYTHONPATH=src python device/layerskip_code.py train --out \"$OUT\" "
+            + " ".join(shlex.quote(a) for a in _without_out(argv[1:])),
+            "```", ""]
+
+
+def model_card(report: dict[str, Any], notes: str = "") -> str:
+    """The model card (README.md beside the weights) from the training report: its training
+    stages (``report["stages"]``, oldest first; the report itself when it lists none) and the
+    developer's ``notes`` (markdown: what was measured after training) at the end."""
+    mod = report.get("model", {})
+    stages = report.get("stages") or [{k: report[k] for k in STAGE_KEYS if k in report}]
+    one = len(stages) == 1
     lines = [
         "# layerskip-code",
         "",
@@ -445,13 +512,17 @@ def model_card(report: dict[str, Any]) -> str:
         "",
         "## Data",
         "",
-        f"The `*.py` files of the Python {m.get('python', '?')} standard library and of "
-        f"{max(0, len(corpus.get('roots', [])) - 1)} installed packages of the training "
-        f"machine ({sum(sizes.values()) / 1e6:.0f} MB): "
-        + ", ".join(k for k in sizes if k != "<stdlib>") + ". "
-        f"{meta.get('tokens', {}).get('train', '?')} training bytes, "
-        f"{meta.get('tokens', {}).get('val', '?')} "
-        "held out. The held-out files are chosen by a hash of their path inside their folder "
+    ]
+    if one:
+        data = _stage_data(stages[0])
+        lines.append(data[0].upper() + data[1:] + ".")
+    else:
+        lines += [f"{i + 1}. Stage {i + 1}" + (" (from the weights of stage "
+                                                 f"{i})" if i else "") + ": "
+                  + _stage_data(st) + "." for i, st in enumerate(stages)]
+        lines.append("")
+    lines += [
+        "The held-out files are chosen by a hash of their path inside their folder "
         "(exitlm.io.corpus.is_held_out, 2%), the same split `exitlm bench` draws its prompts "
         "from, so the benchmark prompts were never trained on. Licences: the Python standard "
         "library is under the PSF License; the packages are under their own open-source "
@@ -461,28 +532,16 @@ def model_card(report: dict[str, Any]) -> str:
         "",
         "## Recipe",
         "",
-        f"`configs/layerskip-code.yaml`: {tr.get('steps_done', '?')} steps of "
-        f"{cfg.get('train', {}).get('batch_size', '?')} x {cfg.get('data', {}).get('seq_len', '?')}"
-        f" bytes, AdamW lr {cfg.get('optim', {}).get('lr', '?')} (warm-up "
-        f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
-        f"{mod.get('precision', '?')}, on "
-        + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}" if on_cpu
-           else f"one {m.get('device', '?')}")
-        + f" ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "
-        f"{tr.get('train_s', 0) / 60:.1f} min of training"
-        + (", stopped early by its time limit" if tr.get("stopped_early") else "") + "). "
-        + ("The exact commands:" if on_cpu
-           else "The exact command, run in one call of the GPU machine:"),
-        "",
-        "```bash",
-        "PYTHONPATH=src python device/layerskip_code.py train --out \"$OUT\" "
-        + " ".join(shlex.quote(a) for a in _without_out(report.get("argv", [])[1:])),
-        "python device/layerskip_code.py ship OUT_FROM_THE_DEVICE",
-        "```",
-        "",
-        "## Held-out perplexity per exit (bytes, fp16 weights)",
-        "",
     ]
+    for i, st in enumerate(stages):
+        recipe = _stage_recipe(st)
+        if not one:
+            recipe[0] = f"**Stage {i + 1}**" + (f" (from stage {i}'s weights)" if i else "") \
+                + ": " + recipe[0]
+        lines += recipe
+    lines += ["Then, where the files came back: "
+              "`python device/layerskip_code.py ship OUT_FROM_THE_DEVICE`.", "",
+              "## Held-out perplexity per exit (bytes, fp16 weights)", ""]
     exits = report.get("exits", [])
     if exits:
         lines += ["| layer | " + " | ".join(str(e["layer"]) for e in exits) + " |",
@@ -514,6 +573,8 @@ def model_card(report: dict[str, Any]) -> str:
         lines += [f"| {r['exit']} | {r['drafts']} | {r['tokens_per_round']:.2f} | "
                   f"{r['acceptance']:.0%} |" for r in best]
         lines.append("")
+    if notes.strip():
+        lines += [notes.strip(), ""]
     return "\n".join(lines)
 
 
@@ -554,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("src", help="the folder the device call returned ($OUT's copy)")
     s.add_argument("--to", default=str(REPO / "src" / "exitlm" / "data" / MODEL_DIR))
     s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--notes", metavar="FILE.md",
+                   help="markdown appended to the model card (what was measured after "
+                        "training: decoding speed, quality)")
     args = p.parse_args(argv)
     from exitlm.errors import ExitlmError
 

@@ -49,9 +49,9 @@ def _train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=900, cwd=REPO)
 
 
-def _ship(tmp_path: Path, to: Path) -> subprocess.CompletedProcess[str]:
+def _ship(tmp_path: Path, to: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), "ship", str(tmp_path / "OUT"), "--to",
-                           str(to)], env=_env(tmp_path), capture_output=True, text=True,
+                           str(to), *args], env=_env(tmp_path), capture_output=True, text=True,
                           timeout=600, cwd=REPO)
 
 
@@ -80,10 +80,17 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert len(weight_files(out / "layerskip_code")) >= 2  # sharded
 
     shipped = tmp_path / "shipped"
-    ship = _ship(tmp_path, shipped)
+    missing = _ship(tmp_path, shipped, "--notes", str(tmp_path / "none.md"))
+    assert missing.returncode != 0 and "--notes" in missing.stderr and "none.md" in missing.stderr
+    assert "Traceback" not in missing.stderr and not shipped.exists()
+    (tmp_path / "notes.md").write_text("## Decoding speed\n\nmeasured after training\n")
+    ship = _ship(tmp_path, shipped, "--notes", str(tmp_path / "notes.md"))
     assert ship.returncode == 0, ship.stderr[-3000:]
     card = (shipped / "README.md").read_text()
     assert "4-layer byte-level model" in card and "| perplexity |" in card
+    assert card.rstrip().endswith("## Decoding speed\n\nmeasured after training")
+    assert json.loads((shipped / "training.json").read_text())["stages"][0]["train"][
+        "steps_done"] == 8
     # trained on this CPU: the card names it (the GPU machine's card names its GPU)
     assert report["machine"]["device"].endswith("(CPU)")
     assert f"cores of an {report['machine']['device']}" in card
@@ -129,3 +136,59 @@ def test_bad_values_are_one_line(tmp_path: Path) -> None:
     res = _ship(tmp_path, tmp_path / "shipped")  # nothing was trained
     assert res.returncode != 0 and "report.json is missing" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "shipped").exists()
+
+
+def _device_module() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layerskip_code_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _stage(steps: int, packages: dict[str, int], argv: list[str] | None) -> dict:
+    stage = {"machine": {"python": "3.11.7", "device": "AMD EPYC (CPU)", "cpus": 2},
+             "model": {"precision": "bf16 autocast"},
+             "corpus": {"py_bytes": {"<stdlib>": 31_000_000, **packages},
+                        "meta": {"tokens": {"train": 123, "val": 4}}},
+             "calibration": {"step_s": 4.5},
+             "config": {"train": {"batch_size": 16}, "data": {"seq_len": 512},
+                        "optim": {"lr": 0.001, "warmup_steps": 50}, "model": {"init": "debug"}},
+             "train": {"steps_done": steps, "train_s": 600.0, "stopped_early": False}}
+    if argv is not None:
+        stage["argv"] = argv
+    return stage
+
+
+def test_a_run_from_a_shipped_model_is_its_second_stage(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--set model.init=<a shipped folder>``: ``ship`` records the shipped model's stages
+    before the run's own, and the card describes each, with its corpus and command."""
+    mod = _device_module()
+    first = _stage(1134, {"torch": 46_000_000}, ["layerskip_code.py", "train", "--out", "X",
+                                                 "--max-corpus-mb", "120"])
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "training.json").write_text(json.dumps({**first, "exits": []}))
+    second = _stage(777, {}, ["layerskip_code.py", "train", "--out=Y", "--max-corpus-mb", "1"])
+    second["config"]["model"]["init"] = "shipped"
+    monkeypatch.chdir(tmp_path)
+    stages = mod.earlier_stages(second)
+    assert stages == [{k: first[k] for k in mod.STAGE_KEYS if k in first}]
+    card = mod.model_card({**second, "model": {"layers": 24, "dim": 256, "parameters": 19e6},
+                           "stages": [*stages, second]}, "## Measured\n\nnotes here")
+    assert "1. Stage 1: the `*.py` files of the Python 3.11.7 standard library and of 1 " in card
+    assert "2. Stage 2 (from the weights of stage 1): the `*.py` files of the Python 3.11.7 " \
+           "standard library alone (31 MB)" in card
+    assert "**Stage 1**: `configs/layerskip-code.yaml`: 1134 steps" in card
+    assert "**Stage 2** (from stage 1's weights): `configs/layerskip-code.yaml`: 777 steps" in card
+    assert "--max-corpus-mb 120" in card and "--max-corpus-mb 1" in card
+    assert "--out=Y" not in card and card.rstrip().endswith("notes here")
+    # a run from scratch is one stage, described without stage numbers
+    second["config"]["model"]["init"] = "debug"
+    assert mod.earlier_stages(second) == []
+    alone = mod.model_card({**second, "model": {"layers": 24}})
+    assert "Stage" not in alone and "The `*.py` files of the Python 3.11.7 standard library " \
+                                    "alone (31 MB); 123 training bytes, 4 held out." in alone
