@@ -167,12 +167,12 @@ def test_a_run_from_a_shipped_model_is_its_second_stage(tmp_path: Path,
     """``--set model.init=<a shipped folder>``: ``ship`` records the shipped model's stages
     before the run's own, and the card describes each, with its corpus and command."""
     mod = _device_module()
-    first = _stage(1134, {"torch": 46_000_000}, ["layerskip_code.py", "train", "--out", "X",
+    first = _stage(1134, {"torch": 46_000_000}, ["train", "--out", "X",
                                                  "--max-corpus-mb", "120"])
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "training.json").write_text(json.dumps({**first, "exits": []}))
-    second = _stage(777, {}, ["layerskip_code.py", "train", "--out=Y", "--max-corpus-mb", "1"])
+    second = _stage(777, {}, ["train", "--out=Y", "--max-corpus-mb", "1"])
     second["config"]["model"]["init"] = "shipped"
     monkeypatch.chdir(tmp_path)
     stages = mod.earlier_stages(second)
@@ -184,7 +184,8 @@ def test_a_run_from_a_shipped_model_is_its_second_stage(tmp_path: Path,
            "standard library alone (31 MB)" in card
     assert "**Stage 1**: `configs/layerskip-code.yaml`: 1134 steps" in card
     assert "**Stage 2** (from stage 1's weights): `configs/layerskip-code.yaml`: 777 steps" in card
-    assert "--max-corpus-mb 120" in card and "--max-corpus-mb 1" in card
+    assert 'train --out "$OUT" --max-corpus-mb 120\n' in card
+    assert 'train --out "$OUT" --max-corpus-mb 1\n' in card
     assert "--out=Y" not in card and card.rstrip().endswith("notes here")
     # a run from scratch is one stage, described without stage numbers
     second["config"]["model"]["init"] = "debug"
