@@ -393,3 +393,20 @@ def test_chains_that_stop_on_low_confidence(backend: str) -> None:
     assert len(out[(backend, 1.0)]) == 1  # no draft is certain: stop after the first
     assert full[: len(out[(backend, 0.5)])] == out[(backend, 0.5)]
     assert out[(backend, 0.5)] == out[("eager", 0.5)]
+
+
+def test_a_fitted_line_with_a_negative_overhead_is_not_used() -> None:
+    """Nearby measured shapes whose noise tilts the line (measured = a * modelled + o with
+    o < 0) would overprice every deeper round; the planner prices untried rounds by the
+    measured/modelled ratio instead."""
+    planner = _planner(FakeCosts())
+    (e1, d1), (e2, d2) = (2, 1), (2, 4)
+    m1, m2 = planner._modelled(e1, d1, 1), planner._modelled(e2, d2, 1)
+    assert m2 > 1.1 * m1
+    planner.timed_round(e1, d1, 1, 0.0, 1.5 * m1)  # ratio 1.5 ...
+    planner.timed_round(e2, d2, 1, 0.0, 3.0 * m2)  # ... then 3.0: a steep line, o < 0
+    from exitlm.runtime.costs import fit_line
+
+    assert fit_line([(m1, 1.5 * m1), (m2, 3.0 * m2)])[0] < 0
+    deep = planner._modelled(6, 3, 1)
+    assert planner.round_cost(6, 3, 1, 0.0) == pytest.approx(deep * planner._ratio[1])

@@ -241,14 +241,20 @@ class SpecPlanner:
 
     def _fit(self, b: int) -> tuple[float, float] | None:
         """Least-squares ``(a, o)`` of measured against modelled round times of ``b``
-        sequences, from at least two shapes a tenth or more apart; None otherwise (or for a
-        line that is not a cost: ``a <= 0``)."""
+        sequences, from at least two shapes a tenth or more apart; None otherwise, or for a
+        line that is not a cost: ``a <= 0``, or a negative overhead per round ``o < 0``. Such
+        a line comes from a few rounds of nearby shapes whose noise tilts it: on the 24-layer
+        ``layerskip-code``, rounds measured at exits 1 and 4 only (modelled 2.8-3.4 ms, measured
+        5.4-7.4) gave ``a = 2.8, o = -2.7 ms``, which priced a round at exit 10 with 4 drafts
+        at 13.5 ms (it takes ~8.5) and kept the planner at exits 1-4 (1.37x plain decoding
+        where exit 10 gives 1.62x); the ratio of measured to modelled times prices it at
+        10.3 ms instead."""
         pts = [(self._modelled(*k), t) for k, t in self._measured.items() if k[2] == b]
         xs = [x for x, _ in pts]
         if len(pts) < 2 or max(xs) < 1.1 * min(xs):
             return None
         line = fit_line(pts)
-        if line is None or line[1] <= 0:
+        if line is None or line[1] <= 0 or line[0] < 0:
             return None
         return line[1], line[0]
 
