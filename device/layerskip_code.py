@@ -414,13 +414,16 @@ STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "tr
 def earlier_stages(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The training stages before this run: where the run started from a shipped model
     (``--set model.init=<its folder>``), that model's own stages as its ``training.json``
-    records them (one stage where it records none); else none."""
+    records them (one stage where it records none), less this run's own (shipping a run
+    again, over the folder it shipped to before); else none."""
     init = str(report.get("config", {}).get("model", {}).get("init", ""))
+    this = {k: report[k] for k in STAGE_KEYS if k in report}
     for base in (Path.cwd(), REPO):
         card = base / init / "training.json" if init else None
         if card is not None and card.is_file():
             prev = json.loads(card.read_text(encoding="utf-8"))
-            return list(prev.get("stages") or [{k: prev[k] for k in STAGE_KEYS if k in prev}])
+            stages = prev.get("stages") or [{k: prev[k] for k in STAGE_KEYS if k in prev}]
+            return [s for s in stages if s != this]
     return []
 
 

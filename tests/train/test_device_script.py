@@ -187,6 +187,9 @@ def test_a_run_from_a_shipped_model_is_its_second_stage(tmp_path: Path,
     assert 'train --out "$OUT" --max-corpus-mb 120\n' in card
     assert 'train --out "$OUT" --max-corpus-mb 1\n' in card
     assert "--out=Y" not in card and card.rstrip().endswith("notes here")
+    # shipping the run again over the folder it went to: its stage is not counted twice
+    (shipped / "training.json").write_text(json.dumps({"stages": [*stages, second]}))
+    assert mod.earlier_stages(second) == stages
     # a run from scratch is one stage, described without stage numbers
     second["config"]["model"]["init"] = "debug"
     assert mod.earlier_stages(second) == []
