@@ -386,8 +386,7 @@ def ship(args: argparse.Namespace) -> int:
     weight_files(model_src)  # every shard present
     report["stdlib_agreement"] = stdlib_agreement(load_model(str(model_src)).model)
     report["shipped_with_python"] = platform.python_version()
-    report["stages"] = [*earlier_stages(report), {k: report[k] for k in STAGE_KEYS
-                                                  if k in report}]
+    report["stages"] = [*earlier_stages(report), stage_of(report)]
     target = Path(args.to)
     with atomic_dir(target, overwrite=args.overwrite) as tmp:
         for p in sorted(model_src.iterdir()):
@@ -411,19 +410,24 @@ STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "tr
 """What a report says of one training run: a stage of the shipped model's training."""
 
 
+def stage_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`STAGE_KEYS` of a run's report (or of a shipped ``training.json``)."""
+    return {k: report[k] for k in STAGE_KEYS if k in report}
+
+
 def earlier_stages(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The training stages before this run: where the run started from a shipped model
     (``--set model.init=<its folder>``), that model's own stages as its ``training.json``
     records them (one stage where it records none), less this run's own (shipping a run
     again, over the folder it shipped to before); else none."""
     init = str(report.get("config", {}).get("model", {}).get("init", ""))
-    this = {k: report[k] for k in STAGE_KEYS if k in report}
+    if not init:
+        return []
     for base in (Path.cwd(), REPO):
-        card = base / init / "training.json" if init else None
-        if card is not None and card.is_file():
+        card = base / init / "training.json"
+        if card.is_file():
             prev = json.loads(card.read_text(encoding="utf-8"))
-            stages = prev.get("stages") or [{k: prev[k] for k in STAGE_KEYS if k in prev}]
-            return [s for s in stages if s != this]
+            return [s for s in prev.get("stages") or [stage_of(prev)] if s != stage_of(report)]
     return []
 
 
@@ -498,7 +502,7 @@ def model_card(report: dict[str, Any], notes: str = "") -> str:
     stages (``report["stages"]``, oldest first; the report itself when it lists none) and the
     developer's ``notes`` (markdown: what was measured after training) at the end."""
     mod = report.get("model", {})
-    stages = report.get("stages") or [{k: report[k] for k in STAGE_KEYS if k in report}]
+    stages = report.get("stages") or [stage_of(report)]
     one = len(stages) == 1
     lines = [
         "# layerskip-code",

@@ -23,7 +23,7 @@ from exitlm.infer.adaptive import (
     expected_tokens,
 )
 from exitlm.runtime import prepare
-from exitlm.runtime.costs import PrimitiveCosts, costs_of
+from exitlm.runtime.costs import PrimitiveCosts, costs_of, fit_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -405,8 +405,6 @@ def test_a_fitted_line_with_a_negative_overhead_is_not_used() -> None:
     assert m2 > 1.1 * m1
     planner.timed_round(e1, d1, 1, 0.0, 1.5 * m1)  # ratio 1.5 ...
     planner.timed_round(e2, d2, 1, 0.0, 3.0 * m2)  # ... then 3.0: a steep line, o < 0
-    from exitlm.runtime.costs import fit_line
-
     assert fit_line([(m1, 1.5 * m1), (m2, 3.0 * m2)])[0] < 0
     deep = planner._modelled(6, 3, 1)
     assert planner.round_cost(6, 3, 1, 0.0) == pytest.approx(deep * planner._ratio[1])

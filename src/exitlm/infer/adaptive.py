@@ -246,7 +246,7 @@ class SpecPlanner:
         a line comes from a few rounds of nearby shapes whose noise tilts it: on the 24-layer
         ``layerskip-code``, rounds measured at exits 1 and 4 only (modelled 2.8-3.4 ms, measured
         5.4-7.4) gave ``a = 2.8, o = -2.7 ms``, which priced a round at exit 10 with 4 drafts
-        at 13.5 ms (it takes ~8.5) and kept the planner at exits 1-4 (1.37x plain decoding
+        at 13.5 ms (it takes 8.5-9.8) and kept the planner at exits 1-4 (1.37x plain decoding
         where exit 10 gives 1.62x); the ratio of measured to modelled times prices it at
         10.3 ms instead."""
         pts = [(self._modelled(*k), t) for k, t in self._measured.items() if k[2] == b]
