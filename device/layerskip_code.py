@@ -24,6 +24,7 @@ Run from the repository root with ``PYTHONPATH=src`` where exitlm is not install
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -243,8 +244,6 @@ def train(args: argparse.Namespace) -> int:
     write_report()
 
     # calibration: how long one step takes here
-    import dataclasses
-
     def with_steps(steps: int, out_dir: Path) -> Any:
         return dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, steps=steps, out_dir=str(out_dir)))
@@ -391,19 +390,37 @@ def ship(args: argparse.Namespace) -> int:
     with atomic_dir(target, overwrite=args.overwrite) as tmp:
         for p in sorted(model_src.iterdir()):
             shutil.copy2(p, tmp / p.name)
+        if args.draft is not None:
+            set_draft(tmp, *args.draft)
+            report["draft"] = dict(zip(("exit_layer", "num_speculations"), args.draft,
+                                       strict=True))
         tok = byte_level_tokenizer()
         tok.eos_token_ids = (0,)
         tok.save(tmp)
         (tmp / "training.json").write_text(json.dumps(
             {k: report[k] for k in ("argv", "machine", "model", "corpus", "calibration", "config",
                                     "train", "exits", "stdlib_agreement", "shipped_with_python",
-                                    "self_spec", "total_s", "stages")
+                                    "self_spec", "draft", "total_s", "stages")
              if k in report}, indent=1) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(model_card(report, notes), encoding="utf-8")
     loaded = load_model(str(target))
     print(f"shipped {target} ({sum(p.stat().st_size for p in target.iterdir()) / 1e6:.1f} MB, "
           f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters)")
     return 0
+
+
+def set_draft(folder: Path, exit_layer: int, drafts: int) -> None:
+    """Record the measured best self-speculative round as ``exits.draft`` of the config in
+    ``folder`` (checked against the model's exits before anything is written)."""
+    from exitlm.config import DraftHint
+    from exitlm.io.native import FORMAT_KEY, native_config
+
+    cfg = native_config(folder)
+    hint = DraftHint(exit_layer, drafts)
+    cfg = cfg.replace(exits=dataclasses.replace(cfg.exits, draft=hint))  # validates E
+    data = {**cfg.to_dict(), FORMAT_KEY: json.loads(
+        (folder / "config.json").read_text(encoding="utf-8"))[FORMAT_KEY]}
+    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "train")
@@ -580,6 +597,12 @@ def model_card(report: dict[str, Any], notes: str = "") -> str:
         lines += [f"| {r['exit']} | {r['drafts']} | {r['tokens_per_round']:.2f} | "
                   f"{r['acceptance']:.0%} |" for r in best]
         lines.append("")
+    draft = report.get("draft")
+    if draft:
+        lines += [f"The config records E={draft['exit_layer']}, d={draft['num_speculations']} "
+                  "as the round measured fastest in timed decoding (`exits.draft`): "
+                  "`--strategy self-spec` drafts there unless another round promises clearly "
+                  "more on the text at hand, or plain steps do.", ""]
     if notes.strip():
         lines += [notes.strip(), ""]
     return "\n".join(lines)
@@ -625,6 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--notes", metavar="FILE.md",
                    help="markdown appended to the model card (what was measured after "
                         "training: decoding speed, quality)")
+    s.add_argument("--draft", metavar="E,D", type=draft_cell,
+                   help="the self-speculative round measured fastest on held-out text "
+                        "(`exitlm bench --sweep speculation`): recorded as the config's "
+                        "exits.draft, which self-speculation prefers")
     args = p.parse_args(argv)
     from exitlm.errors import ExitlmError
 
@@ -633,6 +660,15 @@ def main(argv: list[str] | None = None) -> int:
     except ExitlmError as err:  # a bad setting, path or file: one line, as exitlm says it
         print(f"layerskip_code.py {args.cmd}: {err}", file=sys.stderr)
         return 2
+
+
+def draft_cell(text: str) -> tuple[int, int]:
+    """``E,D``: a draft exit and drafts per round."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected E,D (two integers, e.g. 10,4)")
+    e, d = (int(p) for p in parts)
+    return e, d
 
 
 def positive_float(text: str) -> float:

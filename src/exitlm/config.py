@@ -65,6 +65,26 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class DraftHint:
+    """The self-speculative round measured fastest for a model's weights on held-out text
+    (LayerSkip Sec. 4.3: drafts from exit ``E``, ``d`` per round), recorded by whoever trained
+    or tuned the exits (``exitlm bench --sweep speculation``). Self-speculation drafts at it
+    when the exit is left open (:class:`~exitlm.infer.adaptive.SpecPlanner` prefers it and
+    leaves it only for a round that promises clearly more, or for plain steps).
+
+    Attributes:
+        exit_layer: the draft exit ``E`` (one of the model's exits).
+        num_speculations: drafts per round ``d``.
+    """
+
+    exit_layer: PositiveInt
+    num_speculations: Annotated[int, Range(ge=1, le=64)]
+
+    def __post_init__(self) -> None:
+        check(self, "exits.draft")
+
+
+@dataclass(frozen=True)
 class ExitConfig:
     """Where a model may exit early and what an exit head looks like (EE-LLM App. D.1).
 
@@ -81,6 +101,8 @@ class ExitConfig:
         output: the output embedding: ``tied_embedding`` (the input embedding matrix),
             ``final_head`` (the backbone's LM head; equals the input embedding when the model
             ties them) or ``own`` (a new matrix per exit).
+        draft: the self-speculative round measured fastest with these exits' weights
+            (:class:`DraftHint`), or ``None``. Replacing a checkpoint's exits drops it.
     """
 
     layers: tuple[int, ...] = ()
@@ -88,6 +110,7 @@ class ExitConfig:
     head: ExitHead = "linear"
     norm: ExitNorm = "own"
     output: ExitOutput = "final_head"
+    draft: DraftHint | None = None
 
     def __post_init__(self) -> None:
         check(self, "exits")
@@ -144,6 +167,12 @@ class ModelConfig:
                     f"[1, {self.num_layers - 1}] for a {self.num_layers}-layer model "
                     "(layer L is the final output, which always exists)"
                 )
+        hint = self.exits.draft
+        if hint is not None and hint.exit_layer not in self.exit_layers:
+            raise ConfigError(
+                f"exits.draft.exit_layer is {hint.exit_layer}, which is not an exit of this "
+                f"model; expected one of its exit layers ({_span(self.exit_layers)})"
+            )
 
     @property
     def n_kv_heads(self) -> int:
@@ -196,6 +225,15 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    """``1-23`` for a contiguous run of layers, else the list; ``none`` when empty."""
+    if not layers:
+        return "none"
+    if list(layers) == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 # Python objects per layer (modules, parameters) cost memory beyond the weights themselves.

@@ -258,7 +258,18 @@ def build(cls: type[T], data: Any, prefix: str = "", label: str | None = None) -
     """
     if isinstance(data, cls):
         return data
-    return cls(**convert_fields(cls, data, prefix, label))
+    values = convert_fields(cls, data, prefix, label)
+    missing = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+               if f.init and f.name not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix or cls.__name__}: missing {_plural(missing)} "
+                          f"{', '.join(repr(m) for m in missing)}")
+    return cls(**values)
+
+
+def _plural(names: list[str]) -> str:
+    return "key" if len(names) == 1 else "keys"
 
 
 def check(obj: Any, prefix: str = "") -> None:

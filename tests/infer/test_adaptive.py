@@ -4,6 +4,7 @@ giving plain decoding's tokens (greedy) or its distribution (sampling)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import weakref
@@ -13,11 +14,14 @@ import pytest
 import torch
 
 from _ee_models import chi_square, ee_model, exact_joint, one_thread, random_prompts  # noqa: F401
+from exitlm.config import DraftHint
 from exitlm.infer import Engine, SamplingOptions, generate
 from exitlm.infer.adaptive import (
+    ANCHOR_MARGIN,
     MAX_PROBE_EVERY,
     MIN_PROBE_EVERY,
     Agreement,
+    Plan,
     SpecPlanner,
     candidate_exits,
     expected_tokens,
@@ -408,3 +412,88 @@ def test_a_fitted_line_with_a_negative_overhead_is_not_used() -> None:
     assert fit_line([(m1, 1.5 * m1), (m2, 3.0 * m2)])[0] < 0
     deep = planner._modelled(6, 3, 1)
     assert planner.round_cost(6, 3, 1, 0.0) == pytest.approx(deep * planner._ratio[1])
+
+
+def test_the_models_measured_best_round_is_preferred() -> None:
+    """A model's recorded best round (``exits.draft``) yields to another round only when that
+    one promises ANCHOR_MARGIN times its throughput, and to plain steps whenever they win."""
+    costs = FakeCosts()
+    free = _planner(costs)
+    anchored = SpecPlanner(costs, 8, (2, 4, 6), vocab=None, lazy_head=True,  # type: ignore
+                           anchor=(4, 3))
+
+    def rate(p: SpecPlanner, e: int, d: int, a: float) -> float:
+        t = expected_tokens(a, d)
+        return t / p.round_cost(e, d, 1, t)
+
+    rates = [{2: 0.75, 4: 0.9, 6: 0.9}]
+    best = free.plan(rates, [30], [None])
+    assert best.exit_layer == 2
+    top = rate(free, 2, best.drafts[0], 0.75)
+    assert top < ANCHOR_MARGIN * rate(free, 4, 3, 0.9)  # the best promises too little more
+    plan = anchored.plan(rates, [30], [None])
+    assert (plan.exit_layer, plan.drafts) == (4, (3,))
+    assert plan.gain == pytest.approx(rate(anchored, 4, 3, 0.9) * anchored.plain_cost(1))
+    assert plan.best_gain == pytest.approx(best.best_gain)
+    # exit 2 agrees more: it promises over ANCHOR_MARGIN times as much and is chosen
+    high = [{2: 0.99, 4: 0.9, 6: 0.9}]
+    assert anchored.plan(high, [30], [None]).exit_layer == 2
+    # no round pays (3 drafts each): plain steps, the preferred round's margin notwithstanding
+    none = [{2: 0.05, 4: 0.65, 6: 0.05}]
+    assert rate(anchored, 4, 3, 0.65) * ANCHOR_MARGIN > anchored.plain_cost(1) ** -1 > rate(
+        anchored, 4, 3, 0.65)
+    assert anchored.plan(none, [30], [3]).exit_layer is None
+    # drafts fixed by the caller: the preferred exit with them
+    fixed = anchored.plan(rates, [30], [5])
+    assert fixed == Plan(4, (5,), rate(anchored, 4, 5, 0.9) * anchored.plain_cost(1),
+                         fixed.best_gain)
+    assert free.plan(rates, [30], [5]).exit_layer == 2
+    with pytest.raises(ValueError, match="not a candidate"):
+        SpecPlanner(costs, 8, (2, 4), vocab=None, lazy_head=True, anchor=(3, 2))  # type: ignore
+
+
+def test_one_preempted_round_does_not_price_its_shape_out() -> None:
+    planner = _planner(FakeCosts())
+    for _ in range(5):
+        planner.timed_round(4, 3, 1, 0.0, 10.0)
+        planner.timed_plain(1, 5.0)
+    planner.timed_round(4, 3, 1, 0.0, 100.0)  # the operating system took the processor
+    planner.timed_plain(1, 0.1)
+    assert planner._measured[(4, 3, 1)] == pytest.approx(0.8 * 10.0 + 0.2 * 13.0)
+    assert planner.plain_cost(1) == pytest.approx(0.8 * 5.0 + 0.2 * 5.0 / 1.3)
+
+
+def test_a_models_draft_hint_anchors_its_rounds(forced: object) -> None:
+    """``exits.draft`` of the model's config: the planner prefers that round (exit 8 of 12
+    layers here, where exit 7 agrees as well and costs a little less, so an unanchored
+    planner drafts at 7); rounds that cannot be chosen online (a seed) are that round; the
+    output stays plain decoding's."""
+    forced.costs = FakeCosts(base=1.0, per_row=0.05, head=0.05)  # type: ignore[attr-defined]
+    model = ee_model(every_layer=True, num_layers=12)
+    with torch.no_grad():  # layers 7-12 are identities: exits 6-11 give the final output
+        for layer in model.layers[6:]:
+            layer.attn.wo.weight.zero_()
+            layer.mlp.w_out.weight.zero_()
+    prompts = random_prompts(sizes=(60,))  # exits' agreement measured over the prompt
+    ar = generate(model, None, prompts[0], max_new_tokens=NEW)
+    free = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW)
+    assert free.stats.exit_layer_sum == 7 * free.stats.rounds > 0  # 6 is not a candidate
+    model.config = model.config.replace(exits=dataclasses.replace(
+        model.config.exits, draft=DraftHint(exit_layer=8, num_speculations=2)))
+    got = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW)
+    assert got.token_ids == ar.token_ids == free.token_ids
+    assert got.stats.exit_layer_sum == 8 * got.stats.rounds > 0
+    assert got.stats.drafted <= 2 * got.stats.rounds
+    engine = Engine(model, None, "self-spec")
+    try:
+        assert engine.decoder.planner.anchor == (8, 2)  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+    seeded = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW,
+                      temperature=1.0, seed=5)
+    st = seeded.stats
+    assert st.exit_layer_sum == 8 * st.rounds and st.drafted <= 2 * st.rounds
+    assert st.drafted >= 2 * (st.rounds - 1)  # 2 a round (the last one may have fewer)
+    fixed = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW,
+                     temperature=1.0, seed=5, exit_layer=8, num_speculations=2)
+    assert fixed.token_ids == seeded.token_ids and fixed.stats == st

@@ -7,6 +7,7 @@ points the tests at another shipped directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -50,6 +51,9 @@ def test_loads_by_name_with_a_byte_tokenizer(shipped: tuple) -> None:
     cfg = loaded.model.config
     assert cfg.exits.every_layer and cfg.num_layers == card["model"]["layers"]
     assert sum(p.numel() for p in loaded.model.parameters()) == card["model"]["parameters"]
+    # the measured best round self-speculation prefers, as the card records it
+    assert cfg.exits.draft is not None and 1 <= cfg.exits.draft.exit_layer < cfg.num_layers
+    assert card["draft"] == dataclasses.asdict(cfg.exits.draft)
 
 
 def test_exits_agree_at_the_documented_rates(shipped: tuple) -> None:
@@ -73,12 +77,16 @@ def test_lossless_strategies_emit_plain_decodings_tokens(shipped: tuple) -> None
     loaded, card = shipped
     model, tok = loaded.model, loaded.tokenizer
     best = max(card["self_spec"].values(), key=lambda r: r["ideal_speedup"])
+    hint = model.config.exits.draft
     prompts = [w.decode("utf-8", errors="replace") for w in _held_out_texts(2, 200)]
     kw = {"max_new_tokens": 48, "threads": 1, "ignore_eos": True}
     for prompt in prompts:
         ar = generate(model, tok, prompt, **kw).token_ids
         runs = {
             "self-spec (adaptive)": generate(model, tok, prompt, strategy="self-spec", **kw),
+            "self-spec (the config's round)": generate(
+                model, tok, prompt, strategy="self-spec", exit_layer=hint.exit_layer,
+                num_speculations=hint.num_speculations, **kw),
             "self-spec (fixed)": generate(model, tok, prompt, strategy="self-spec",
                                           exit_layer=best["exit"],
                                           num_speculations=best["drafts"], **kw),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exitlm.config import ConfigError, ExitConfig, ModelConfig, preset
+from exitlm.config import ConfigError, DraftHint, ExitConfig, ModelConfig, preset
 from exitlm.model.transformer import EarlyExitLM
 
 
@@ -129,6 +129,28 @@ def test_config_errors_name_the_setting() -> None:
 def test_config_json_round_trip() -> None:
     cfg = preset("debug", exits=ExitConfig(layers=(1, 2), head="mlp", every_layer=True))
     assert ModelConfig.from_json(cfg.to_json()) == cfg
+    hinted = preset("debug", exits=ExitConfig(layers=(1, 2), draft=DraftHint(2, 5)))
+    assert ModelConfig.from_json(hinted.to_json()) == hinted
+
+
+def test_a_draft_hint_names_one_of_the_models_exits() -> None:
+    base = preset("debug", exits=ExitConfig(layers=(1, 2))).to_dict()
+
+    def load(draft: object) -> ModelConfig:
+        return ModelConfig.from_dict({**base, "exits": {**base["exits"], "draft": draft}},
+                                     where="m/config.json")
+
+    assert load({"exit_layer": 1, "num_speculations": 3}).exits.draft == DraftHint(1, 3)
+    with pytest.raises(ConfigError, match=r"m/config\.json: exits\.draft\.exit_layer is 3, "
+                                          r"which is not an exit of this model.*\(1, 2\)"):
+        load({"exit_layer": 3, "num_speculations": 3})
+    with pytest.raises(ConfigError, match=r"exits\.draft\.num_speculations: expected an "
+                                          r"integer in \[1, 64\], got 0"):
+        load({"exit_layer": 1, "num_speculations": 0})
+    with pytest.raises(ConfigError, match=r"exits\.draft: missing key 'num_speculations'"):
+        load({"exit_layer": 1})
+    with pytest.raises(ConfigError, match=r"unknown .*keys \['e'\]"):
+        load({"e": 1, "exit_layer": 1, "num_speculations": 2})
 
 
 def test_model_code_has_no_distributed_imports() -> None:

@@ -62,6 +62,22 @@ model).
 threshold from costs was tried and dropped: the exits' probabilities are not calibrated to
 acceptance (drafts at 97% acceptance were cut to 1.7 per round), so ``d`` is chosen per step.
 
+**A model's measured best round.** A model may name the round measured fastest with its
+weights (``exits.draft`` in its config, :class:`~exitlm.config.DraftHint`: a timed sweep of
+``(E, d)`` over whole generations of held-out prompts, which a few dozen tokens of one
+generation cannot match). The planner then prefers that round: another round is chosen only
+when it promises :data:`ANCHOR_MARGIN` times the preferred round's throughput, while plain
+steps are weighed against it as against any round, so that a text on which the exit stops
+agreeing still falls back to plain decoding. Without it the planner's picks drift with its
+estimates, and both lean against deep, long rounds early on: the prompt's agreement is
+teacher-forced on human text, while greedy continuations agree more (on ``layerskip-code``
+exit 10 agreed with the final layer at 74-85% over prompts and at 90% per draft over its own
+continuations), and the modelled cost of a shape not yet taken rests on startup timings that
+vary from run to run. On ``layerskip-code`` (bench's 8 held-out prompts x 64 bytes, one
+thread, variants interleaved per prompt, each keeping its own measured times) the planner
+alone decoded 1.30-1.47x plain decoding, preferring its recorded E = 10, d = 4 with a margin
+of 1.2 1.33-1.54x and with 1.5 1.50-1.57x, fixed rounds there 1.53-1.61x.
+
 **Probing.** While plain steps win, a probe step of one sequence (a batch probes through its
 prompts and rounds only) comes every ``probe_every`` steps; the interval doubles (up to
 :data:`MAX_PROBE_EVERY`) after every probe that leaves plain steps ahead and returns to
@@ -99,8 +115,23 @@ MAX_CANDIDATES = 8
 """The most exits the planner considers (every-layer models: spread over the depth)."""
 TIME_DECAY = 0.8
 """Weight kept by a round's measured time (and the measured/modelled ratio) per new round."""
+TIME_CLIP = 1.3
+"""A new time enters a running average clipped to within this factor of the average: one
+round that the operating system preempted must not price its shape out of the plan (on a
+2-core VM a round at exit 10 with 4 drafts was once averaged to 13.3 ms, its usual time
+8.7 ms, and the planner left it for the rest of the run)."""
 RATIO_KEEP = 0.9
 """Share of the measured/modelled ratio's excess over 1 kept at a probe step."""
+ANCHOR_MARGIN = 1.5
+"""A round other than the model's measured best (its :class:`~exitlm.config.DraftHint`)
+must promise this much more throughput than that round to be chosen instead."""
+
+
+def _average(old: float, new: float) -> float:
+    """A running average of times: ``new`` clipped to within :data:`TIME_CLIP` of ``old``,
+    weighted ``1 - TIME_DECAY``."""
+    new = min(max(new, old / TIME_CLIP), old * TIME_CLIP)
+    return TIME_DECAY * old + (1 - TIME_DECAY) * new
 
 
 def expected_tokens(rate: float, drafts: int) -> float:
@@ -165,12 +196,18 @@ class SpecPlanner:
         vocab: the draft heads' vocabulary (``None``: all).
         lazy_head: verification computes the final head one position at a time.
         max_draft: the longest draft considered.
+        anchor: the model's measured best round ``(E, d)``, preferred (see the module
+            docstring); ``E`` must be a candidate.
     """
 
     def __init__(self, costs: PrimitiveCosts, num_layers: int, candidates: Sequence[int], *,
-                 vocab: int | None, lazy_head: bool, max_draft: int = MAX_AUTO_DRAFT) -> None:
+                 vocab: int | None, lazy_head: bool, max_draft: int = MAX_AUTO_DRAFT,
+                 anchor: tuple[int, int] | None = None) -> None:
         if not candidates:
             raise ValueError("adaptive self-speculation needs at least one candidate exit")
+        if anchor is not None and anchor[0] not in candidates:
+            raise ValueError(f"the preferred round's exit {anchor[0]} is not a candidate")
+        self.anchor = anchor
         self.costs = costs
         self.num_layers = num_layers
         self.candidates = list(candidates)
@@ -288,7 +325,7 @@ class SpecPlanner:
     def timed_plain(self, b: int, seconds: float) -> None:
         """Note the measured time of a plain step for ``b`` sequences."""
         old = self._plain.get(b)
-        self._plain[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._plain[b] = seconds if old is None else _average(old, seconds)
         self._version[0] += 1
 
     def timed_round(self, exit_layer: int, drafts: int, b: int, tokens: float,
@@ -298,8 +335,7 @@ class SpecPlanner:
         key = (exit_layer, drafts, b)
         fixed = max(1e-9, seconds - self._lazy_head(b, tokens))
         old = self._measured.get(key)
-        self._measured[key] = fixed if old is None else (
-            TIME_DECAY * old + (1 - TIME_DECAY) * fixed)
+        self._measured[key] = fixed if old is None else _average(old, fixed)
         ratio = fixed / max(1e-9, self._modelled(exit_layer, drafts, b))
         old_ratio = self._ratio.get(b)
         self._ratio[b] = ratio if old_ratio is None else (
@@ -312,17 +348,20 @@ class SpecPlanner:
              fixed_drafts: Sequence[int | None], exits: Sequence[int] | None = None) -> Plan:
         """The next step for a batch whose row ``i`` has acceptance ``rates[i][E]``, may draft
         at most ``limits[i]`` tokens (its budget) and asked for ``fixed_drafts[i]`` drafts
-        (``None``: choose). ``exits`` restricts the exits (default: the candidates)."""
+        (``None``: choose). ``exits`` restricts the exits (default: the candidates). The
+        preferred round (``anchor``; with drafts fixed by the caller, any round at its exit)
+        yields only to a round promising :data:`ANCHOR_MARGIN` times its throughput."""
         b = len(limits)
         if b > 1 and b not in self._plain:  # a batch's plain step is timed before any round
             return Plan(None, (0,) * b)
         plain_rate = b / self.plain_cost(b)
-        best: tuple[int | None, tuple[int, ...], float] = (None, (0,) * b, 1.0)
-        best_rate = plain_rate * (MARGIN if b == 1 else BATCH_MARGIN)
-        top_gain = 0.0
+        floor = plain_rate * (MARGIN if b == 1 else BATCH_MARGIN)  # what a round must beat
+        fixed = all(f is not None for f in fixed_drafts)
+        best: tuple[int, tuple[int, ...], float] | None = None  # the best round by its score
+        best_score = top_rate = 0.0
         for e in exits or self.candidates:
             lengths = range(1, self.max_draft + 1)
-            if all(f is not None for f in fixed_drafts):
+            if fixed:
                 lengths = range(max(f or 0 for f in fixed_drafts),
                                 max(f or 0 for f in fixed_drafts) + 1)
             for d in lengths:
@@ -333,11 +372,20 @@ class SpecPlanner:
                 per_row = [expected_tokens(r[e], n) for r, n in zip(rates, drafts, strict=True)]
                 tokens = sum(per_row)
                 rate = tokens / self.round_cost(e, max(drafts), b, tokens / b)
-                top_gain = max(top_gain, rate / plain_rate)
-                if rate > best_rate:
-                    best_rate = rate
-                    best = (e, drafts, rate / plain_rate)
-        return Plan(*best, best_gain=top_gain)
+                top_rate = max(top_rate, rate)
+                score = rate * (ANCHOR_MARGIN if self._anchored(e, d, fixed) else 1.0)
+                if rate > floor and score > best_score:
+                    best_score, best = score, (e, drafts, rate)
+        top_gain = top_rate / plain_rate
+        if best is None:
+            return Plan(None, (0,) * b, best_gain=top_gain)
+        return Plan(best[0], best[1], best[2] / plain_rate, best_gain=top_gain)
+
+    def _anchored(self, e: int, d: int, fixed: bool) -> bool:
+        """Whether the round at exit ``e`` with ``d`` drafts is the preferred one (drafts
+        fixed by the caller: any round at its exit)."""
+        a = self.anchor
+        return a is not None and e == a[0] and (fixed or d == a[1])
 
     def probe_exits(self) -> list[int]:
         """The candidate exits the next probe step reads: :data:`PROBE_EXITS` of them, in
@@ -373,4 +421,5 @@ class SpecPlanner:
             self.probe_every = min(MAX_PROBE_EVERY, self.probe_every * 2)
 
 
-__all__ = ["DECAY", "Agreement", "Plan", "SpecPlanner", "candidate_exits", "expected_tokens"]
+__all__ = ["ANCHOR_MARGIN", "DECAY", "Agreement", "Plan", "SpecPlanner", "candidate_exits",
+           "expected_tokens"]

@@ -125,9 +125,13 @@ class SelfSpecStats(DecodeStats):
 
 
 def resolve_exit_layer(model: EarlyExitLM, exit_layer: int | None) -> int:
-    """The draft exit ``E`` (see :attr:`SelfSpecOptions.exit_layer`), validated."""
+    """The draft exit ``E`` (see :attr:`SelfSpecOptions.exit_layer`), validated; left open,
+    the model's measured best (:class:`~exitlm.config.DraftHint`), its deepest exit head, or
+    the middle layer of a model that exits at every layer."""
     cfg = model.config
     if exit_layer is None:
+        if cfg.exits.draft is not None:
+            return cfg.exits.draft.exit_layer
         if cfg.exits.layers:
             return cfg.exits.layers[-1]
         if cfg.exits.every_layer:
@@ -154,6 +158,11 @@ class SelfSpecDecoder(Decoder):
         super().__init__(runner, options)
         model = runner.model
         self.e = resolve_exit_layer(model, options.exit_layer)
+        hint = model.config.exits.draft
+        self.default_drafts = (hint.num_speculations if hint is not None
+                               and hint.exit_layer == self.e else DEFAULT_SPECULATIONS)
+        """Drafts per round of fixed rounds left open: the model's measured best at its exit
+        (:class:`~exitlm.config.DraftHint`), else :data:`DEFAULT_SPECULATIONS`."""
         vocab = model.config.vocab_size
         self.vocab = vocab if options.draft_vocab is None else min(options.draft_vocab, vocab)
         self.block = model.exit_route(self.e).has_block
@@ -182,13 +191,20 @@ class SelfSpecDecoder(Decoder):
             every = range(1, model.num_layers) if cfg.exits.every_layer else cfg.exits.layers
             exits = candidate_exits([e for e in every if e < model.num_layers],
                                     model.num_layers)
+        hint = model.config.exits.draft
+        anchor = None
+        if hint is not None and options.exit_layer is None:
+            exits = sorted({*exits, hint.exit_layer})  # the measured best is always a candidate
+            anchor = (hint.exit_layer, min(hint.num_speculations, MAX_AUTO_DRAFT))
         exits = [e for e in exits if not model.exit_route(e).has_block]
+        if anchor is not None and anchor[0] not in exits:
+            anchor = None
         if not exits:
             return None
         self.runner.enable_row_products()
         vocab = None if self.vocab >= model.config.vocab_size else self.vocab
         planner = SpecPlanner(costs_of(self.runner), model.num_layers, exits,
-                              vocab=vocab, lazy_head=self.lazy)
+                              vocab=vocab, lazy_head=self.lazy, anchor=anchor)
         fixed = options.num_speculations
         planner.plan([{e: 0.5 for e in exits}], [MAX_AUTO_DRAFT], [fixed])  # measure b = 1
         return planner
@@ -197,7 +213,7 @@ class SelfSpecDecoder(Decoder):
         out: dict[str, object] = {**super().resolved_options(), "draft_vocab": self.vocab}
         if self.planner is None:
             return {**out, "exit_layer": self.e,
-                    "num_speculations": self.options.num_speculations or DEFAULT_SPECULATIONS}
+                    "num_speculations": self.options.num_speculations or self.default_drafts}
         return {**out, "adaptive": True, "candidate_exits": list(self.planner.candidates)}
 
     def _drafts(self, seq: Seq) -> int:
@@ -205,12 +221,11 @@ class SelfSpecDecoder(Decoder):
         d = seq.options.num_speculations
         if d is not None:
             return d
-        return MAX_AUTO_DRAFT if self.planner is not None else DEFAULT_SPECULATIONS
+        return MAX_AUTO_DRAFT if self.planner is not None else self.default_drafts
 
-    @staticmethod
-    def _static_drafts(seq: Seq) -> int:
+    def _static_drafts(self, seq: Seq) -> int:
         """``seq``'s drafts per round when rounds are not chosen online."""
-        return seq.options.num_speculations or DEFAULT_SPECULATIONS
+        return seq.options.num_speculations or self.default_drafts
 
     def lookahead(self, seq: Seq) -> int:
         return min(self._drafts(seq), seq.remaining) + 1

@@ -231,6 +231,10 @@ def _info(args: argparse.Namespace) -> int:
     ex = info["exits"]
     print(f"  exits         layers {ex['layers']} every_layer={ex['every_layer']} "
           f"head={ex['head']} norm={ex['norm']} output={ex['output']}")
+    if ex["draft"] is not None:
+        print(f"  self-spec     measured best round: exit {ex['draft']['exit_layer']}, "
+              f"{ex['draft']['num_speculations']} drafts (exits.draft; preferred when the exit "
+              "is left open)")
     t = info["tokenizer"]
     if t is None:
         print("  tokenizer     none")
