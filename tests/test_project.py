@@ -23,6 +23,8 @@ def test_readme_quickstart_is_two_commands() -> None:
     assert len(cmds) == 2, cmds
     assert all("\n" not in c for c in cmds), "each quickstart command is one line"
     assert "exitlm generate" in cmds[0]
+    # the shipped LayerSkip model's speed-up over plain decoding, shown at once (issue #30)
+    assert "--model layerskip-code --strategy self-spec --compare" in cmds[0]
     assert "pytest" in cmds[1]
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from _tiny import byte_tokenizer, tiny_text_model
 from exitlm.cli import main
+from exitlm.infer.cli import COMPARE_RUNS, COMPARE_SHORT_S, comparison
 from exitlm.io import save_model
 
 
@@ -84,10 +86,13 @@ def test_generate_compare_reports_speedup_and_identity(
     assert main([*base, "--strategy", "self-spec", "--exit-layer", "1"]) == 0
     err = capsys.readouterr().err
     assert "self-spec decodes" in err and "identical to plain decoding" in err
+    # 12 tokens decode in well under COMPARE_SHORT_S: the fastest of COMPARE_RUNS runs each
+    assert f"(the fastest of {COMPARE_RUNS} runs each)" in err
     assert main([*base, "--strategy", "early-exit", "--threshold", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     cmp = out["compare_ar"]
     assert cmp["speedup"] > 0 and cmp["ar_decode_tokens_per_s"] > 0
+    assert cmp["runs"] == COMPARE_RUNS
     assert main([*base[:-1], "--json"]) == 0  # plain decoding on its own
     ar = json.loads(capsys.readouterr().out)
     same = out["sequences"][0]["token_ids"] == ar["sequences"][0]["token_ids"]
@@ -96,3 +101,26 @@ def test_generate_compare_reports_speedup_and_identity(
     assert "--compare" in capsys.readouterr().err
     assert main(base) == 2  # plain decoding compared with itself
     assert "--strategy ar is plain decoding" in capsys.readouterr().err
+
+
+def test_compare_repeats_short_runs_only_and_keeps_the_fastest() -> None:
+    def run(seconds: float, rate: float, tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=[tokens], timings=SimpleNamespace(
+            decode_s=seconds, decode_tokens_per_s=rate))
+
+    rates = iter([30.0, 50.0, 20.0, 10.0, 40.0])
+    short = COMPARE_SHORT_S / 10
+    got = comparison(run(short, 100.0, [1, 2]), lambda: run(short, next(rates), [1, 2]),
+                     lambda: run(short, next(rates), [1, 2]))
+    assert got["runs"] == COMPARE_RUNS and got["identical"]
+    # alternating: plain 30, strategy 50, plain 20, strategy 10, plain 40
+    assert got["decode_tokens_per_s"] == 100.0 and got["ar_decode_tokens_per_s"] == 40.0
+    calls: list[int] = []
+    long = comparison(run(2 * COMPARE_SHORT_S, 60.0, [1]), lambda: calls.append(1) or run(
+        0.0, 1.0, [1]), lambda: run(2 * COMPARE_SHORT_S, 30.0, [1]))
+    assert long["runs"] == 1 and not calls and long["speedup"] == 2.0
+    # a repeat that differs from plain decoding's tokens makes the output not identical
+    seq = iter([[1, 2], [1, 3]])
+    odd = comparison(run(short, 1.0, [1, 2]), lambda: run(short, 1.0, next(seq)),
+                     lambda: run(short, 1.0, [1, 2]))
+    assert not odd["identical"]
