@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class PrimitiveCosts:
         self._runner: Callable[[], Runner | None] = lambda: runner  # weak once bound
         self.num_layers = runner.num_layers
         self._seen: dict[tuple[object, ...], float] = {}
+        self._derived: dict[tuple[object, ...], tuple[int, Any]] = {}
+        """Fits and lists derived from :attr:`_seen`, with the number of timings they saw
+        (timings are only added: a planner asks for them thousands of times a generation)."""
         self._cache: KVCache | None = None
         self.measured_s = 0.0
         """Wall time spent measuring so far."""
@@ -108,7 +112,8 @@ class PrimitiveCosts:
         two starts were timed at a size, one line ``a + (L - start) b`` fitted per size."""
         raw = self._rows(("layers", start), positions,
                          lambda r: self._time_layers(start, self.num_layers, r))
-        sizes = sorted({k[2] for k in self._seen if k[0] == "layers" and k[1] == start})
+        sizes = self._memo(("sizes", start), lambda: sorted(
+            {k[2] for k in self._seen if k[0] == "layers" and k[1] == start}))
         lo = max((r for r in sizes if r <= positions), default=None)
         hi = min((r for r in sizes if r >= positions), default=None)
         if lo is None or hi is None:
@@ -118,7 +123,17 @@ class PrimitiveCosts:
             return raw
         return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (positions - lo) / (hi - lo)
 
+    def _memo(self, key: tuple[object, ...], derive: Callable[[], Any]) -> Any:
+        """``derive()``, computed again only once more timings were taken."""
+        got = self._derived.get(key)
+        if got is None or got[0] != len(self._seen):
+            got = self._derived[key] = (len(self._seen), derive())
+        return got[1]
+
     def _chain_fit(self, vocab: int | None) -> tuple[float, float, float] | None:
+        return self._memo(("chain_fit", vocab), lambda: self._fit_chain(vocab))
+
+    def _fit_chain(self, vocab: int | None) -> tuple[float, float, float] | None:
         pts = [(k[1], k[2], t) for k, t in self._seen.items()
                if k[0] == "chain" and k[3] == vocab and k[2] > 0]
         if len({d for d, _, _ in pts}) < 2:
@@ -131,9 +146,9 @@ class PrimitiveCosts:
         return sol[0], sol[1], sol[2]
 
     def _layers_line(self, rows: int, start: int) -> float | None:
-        pts = [(self.num_layers - k[1], t) for k, t in self._seen.items()
-               if k[0] == "layers" and k[2] == rows]
-        line = fit_line(pts)
+        line = self._memo(("layers_line", rows), lambda: fit_line(
+            [(self.num_layers - k[1], t) for k, t in self._seen.items()
+             if k[0] == "layers" and k[2] == rows]))
         if line is None or line[1] <= 0:
             return None
         a, b = line
