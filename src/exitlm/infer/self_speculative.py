@@ -455,9 +455,17 @@ class SelfSpecDecoder(Decoder):
         """Accepted drafts and the verifier's token of every row: greedy rows by argmax
         agreement, sampled rows by rejection sampling with their own generator."""
         b = len(batch)
+        final_head = self._final_logits
+        if b == 1 and not q_probs and not self.lazy:  # one greedy row: few small tensor ops
+            k = counts[0]
+            target = argmax(final_head(hv[0, : k + 1])).tolist()
+            toks = drafts.tokens[0, :k].tolist()
+            a = 0
+            while a < k and toks[a] == target[a]:
+                a += 1
+            return [a], [target[a]]
         accepted, final = [0] * b, [0] * b
         greedy = [i for i in range(b) if i not in q_probs]
-        final_head = self._final_logits
         if greedy:
             g = torch.tensor(greedy, device=self.device)
             limit = torch.tensor([counts[i] for i in greedy], device=self.device)
