@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import finite_float, int_at_least  # (torch-free)
+from exitlm.args import draft_round, finite_float, int_at_least  # (torch-free)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "layerskip-code.yaml"
@@ -648,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--notes", metavar="FILE.md",
                    help="markdown appended to the model card (what was measured after "
                         "training: decoding speed, quality)")
-    s.add_argument("--draft", metavar="E,D", type=draft_cell,
+    s.add_argument("--draft", metavar="E,D", type=draft_round,
                    help="the self-speculative round measured fastest on held-out text "
                         "(`exitlm bench --sweep speculation`): recorded as the config's "
                         "exits.draft, which self-speculation prefers")
@@ -660,15 +660,6 @@ def main(argv: list[str] | None = None) -> int:
     except ExitlmError as err:  # a bad setting, path or file: one line, as exitlm says it
         print(f"layerskip_code.py {args.cmd}: {err}", file=sys.stderr)
         return 2
-
-
-def draft_cell(text: str) -> tuple[int, int]:
-    """``E,D``: a draft exit and drafts per round."""
-    parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected E,D (two integers, e.g. 10,4)")
-    e, d = (int(p) for p in parts)
-    return e, d
 
 
 def positive_float(text: str) -> float:

@@ -43,3 +43,19 @@ def int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
                                          ) from None
+
+
+def draft_round(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``E,D``, a self-speculative round (draft exit ``E >= 1``, ``D``
+    drafts in [1, 64]); whether ``E`` is one of a model's exits is checked against it."""
+    parts = text.split(",")
+    try:
+        e, d = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected E,D (a draft exit and drafts per round, e.g. 10,4), got {text!r}"
+        ) from None
+    if e < 1 or not 1 <= d <= 64:
+        raise argparse.ArgumentTypeError(
+            f"expected E,D with E >= 1 and D in [1, 64], got {text!r}")
+    return e, d

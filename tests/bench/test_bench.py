@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from exitlm.bench.report import _sweep as sweep_lines
 from exitlm.bench.run import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
 from exitlm.cli import main
 from exitlm.infer.ppd import PPDStats
@@ -127,6 +128,15 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = sweep["rows"]
     assert len(rows) == 4 and all(r["exact_match"] == 1.0 for r in rows)
     assert sweep["adaptive"]["exact_match"] == 1.0 and sweep["adaptive"]["over_best_static"] > 0
+    top = max(rows, key=lambda r: r["decode_tokens_per_s"])
+    assert sweep["best"] == {k: top[k] for k in ("exit_layer", "num_speculations", "speedup",
+                                                 "exact_match")}
+    # a round faster than plain decoding is offered for the model's config (exits.draft)
+    hint = f"--draft {top['exit_layer']},{top['num_speculations']}"
+    faster = {**sweep, "best": {**sweep["best"], "speedup": 1.3}}
+    assert any(hint in line for line in sweep_lines(faster))
+    slower = {**sweep, "best": {**sweep["best"], "speedup": 0.9}}
+    assert not any("--draft" in line for line in sweep_lines(slower))
     assert (tmp_path / "out" / "sweep_self_spec.csv").is_file()
     assert (tmp_path / "out" / "sweep_self_spec.png").is_file()
     rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from exitlm.cli import main
+from exitlm.config import DraftHint
 from exitlm.io import load_model
 
 
@@ -29,6 +30,30 @@ def test_convert_preset_to_both_formats_and_info(tmp_path: Path,
     assert info["exits"]["layers"] == [1, 2] and info["layers"] == 4
     assert main(["info", "debug"]) == 0
     assert "exit heads" in capsys.readouterr().out
+
+
+def test_convert_records_a_draft_hint(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``--draft E,D`` writes exits.draft into the copy (checked against its exits);
+    ``exitlm info`` shows it and self-speculation on the copy drafts there."""
+    dst = tmp_path / "hinted"
+    assert main(["convert", "debug", str(dst), "--draft", "2,3"]) == 0
+    assert load_model(str(dst)).config.exits.draft == DraftHint(2, 3)
+    capsys.readouterr()
+    assert main(["info", str(dst)]) == 0
+    assert "measured best round: exit 2, 3 drafts" in capsys.readouterr().out
+    for args, needle in ((["--draft", "3,3"], "--draft 3,3: exits.draft.exit_layer is 3, "
+                                              "which is not an exit of this model"),
+                         (["--draft", "2,3", "--to", "hf"], "--draft writes exitlm "
+                                                            "checkpoints only")):
+        assert main(["convert", "debug", str(tmp_path / "bad"), *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+        assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit) as exit_:  # the argument itself: argparse's own line
+        main(["convert", "debug", str(tmp_path / "bad"), "--draft", "2,0"])
+    assert exit_.value.code == 2 and not (tmp_path / "bad").exists()
+    assert "expected E,D with E >= 1 and D in [1, 64], got '2,0'" in capsys.readouterr().err
 
 
 def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

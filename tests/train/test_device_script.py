@@ -86,7 +86,7 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert "Traceback" not in missing.stderr and not shipped.exists()
     (tmp_path / "notes.md").write_text("## Decoding speed\n\nmeasured after training\n")
     for draft, needle in (("4,2", "exits.draft.exit_layer is 4, which is not an exit"),
-                          ("2", "--draft: '2': expected E,D")):
+                          ("2", "--draft: expected E,D (a draft exit and drafts per round")):
         bad = _ship(tmp_path, shipped, "--draft", draft)
         assert bad.returncode == 2 and needle in bad.stderr, bad.stderr[-2000:]
         assert "Traceback" not in bad.stderr and not shipped.exists()

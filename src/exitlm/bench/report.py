@@ -82,6 +82,12 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
         out.append(f"adaptive self-spec: {number(ad['decode_tokens_per_s'])} tok/s, "
                    f"{_ratio(ad['speedup'])} vs ar, {_ratio(ad['over_best_static'])} vs the "
                    f"best static setting, same as ar: {_same(ad['exact_match'])}")
+    top = sweep.get("best")
+    if top and top["speedup"] > 1 and top["exact_match"] == 1.0:
+        e, d = top["exit_layer"], top["num_speculations"]
+        out.append(f"fastest round: E={e}, d={d} ({_ratio(top['speedup'])} vs ar); record it in "
+                   f"a copy of the model for self-spec to prefer: exitlm convert MODEL OUT "
+                   f"--draft {e},{d}")
     files = [f for f in (sweep.get("csv"), sweep.get("plot")) if f]
     if files:
         out.append("wrote " + ", ".join(files))

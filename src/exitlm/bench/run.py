@@ -435,6 +435,9 @@ def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path)
     png = _contour(out_dir / "sweep_self_spec.png", exits, specs, rows)
     best = max(rows, key=lambda r: r["decode_tokens_per_s"])
     return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png,
+            "best": {"exit_layer": best["exit_layer"],
+                     "num_speculations": best["num_speculations"],
+                     "speedup": best["speedup"], "exact_match": best["exact_match"]},
             "adaptive": {"decode_tokens_per_s": adaptive["decode_tokens_per_s"],
                          "speedup": adaptive["decode_tokens_per_s"] / ref,
                          "over_best_static": adaptive["decode_tokens_per_s"]

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import finite_float
-from exitlm.config import ConfigError
+from exitlm.args import draft_round, finite_float
+from exitlm.config import ConfigError, DraftHint
 from exitlm.io.cache import KINDS as KIND_NAMES
 
 _DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # names load_model takes
@@ -39,6 +39,10 @@ def register(subparsers: Any) -> None:
                    help="write only the output embeddings int8 (the LM head, exits' own "
                         "matrices, an int8 copy of a tied embedding: +28%% of its fp32 size; "
                         "exitlm format only); loading it needs no --head-dtype")
+    p.add_argument("--draft", type=draft_round, default=None, metavar="E,D",
+                   help="record the self-speculative round measured fastest with these "
+                        "weights (exitlm bench --sweep speculation) as the config's "
+                        "exits.draft, which --strategy self-spec prefers (exitlm format only)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST even when it holds files exitlm did not write (never "
                         "allowed when DST is the source or contains it)")
@@ -79,7 +83,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     dst = Path(args.dst).expanduser()
     check_not_source(dst, source_paths(args.src))
-    for flag, value in (("--quantize", args.quantize), ("--quantize-head", args.quantize_head)):
+    for flag, value in (("--quantize", args.quantize), ("--quantize-head", args.quantize_head),
+                        ("--draft", args.draft)):
         if value and args.to != "exitlm":
             raise ConfigError(f"{flag} writes exitlm checkpoints only; drop --to {args.to}")
     if args.quantize and args.quantize_head:
@@ -90,6 +95,8 @@ def _convert(args: argparse.Namespace) -> int:
     check_replaceable(dst, args.overwrite)  # before the (slow) load
     loaded = load_model(args.src, dtype=args.quantize or args.dtype,
                         head_dtype=args.quantize_head)
+    if args.draft is not None:
+        with_draft(loaded, *args.draft)
     if args.to == "megatron":
         from exitlm.io.megatron_write import save_megatron  # lazy: loaded when the command runs
 
@@ -99,6 +106,18 @@ def _convert(args: argparse.Namespace) -> int:
         out = write(loaded, dst, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint to {out}")
     return 0
+
+
+def with_draft(loaded: Any, exit_layer: int, drafts: int) -> None:
+    """Give ``loaded``'s config the draft hint ``(exit_layer, drafts)`` (``--draft``), checked
+    against the model's exits."""
+    cfg = loaded.model.config
+    try:
+        cfg = cfg.replace(exits=dataclasses.replace(
+            cfg.exits, draft=DraftHint(exit_layer, drafts)))
+    except ConfigError as err:
+        raise ConfigError(f"--draft {exit_layer},{drafts}: {err}") from None
+    loaded.model.config = loaded.config = cfg
 
 
 def source_paths(src: str) -> list[Path]:
