@@ -42,10 +42,11 @@ def test_convert_records_a_draft_hint(tmp_path: Path,
     capsys.readouterr()
     assert main(["info", str(dst)]) == 0
     assert "measured best round: exit 2, 3 drafts" in capsys.readouterr().out
+    assert main(["convert", "debug", str(tmp_path / "hf"), "--to", "hf", "--draft", "1,2"]) == 0
+    assert load_model(str(tmp_path / "hf")).config.exits.draft == DraftHint(1, 2)
     for args, needle in ((["--draft", "3,3"], "--draft 3,3: exits.draft.exit_layer is 3, "
                                               "which is not an exit of this model"),
-                         (["--draft", "2,3", "--to", "hf"], "--draft writes exitlm "
-                                                            "checkpoints only")):
+                         (["--draft", "2,3", "--to", "megatron"], "drop --to megatron")):
         assert main(["convert", "debug", str(tmp_path / "bad"), *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err

@@ -42,7 +42,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draft", type=draft_round, default=None, metavar="E,D",
                    help="record the self-speculative round measured fastest with these "
                         "weights (exitlm bench --sweep speculation) as the config's "
-                        "exits.draft, which --strategy self-spec prefers (exitlm format only)")
+                        "exits.draft, which --strategy self-spec prefers (exitlm and hf "
+                        "formats)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST even when it holds files exitlm did not write (never "
                         "allowed when DST is the source or contains it)")
@@ -83,10 +84,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     dst = Path(args.dst).expanduser()
     check_not_source(dst, source_paths(args.src))
-    for flag, value in (("--quantize", args.quantize), ("--quantize-head", args.quantize_head),
-                        ("--draft", args.draft)):
+    for flag, value in (("--quantize", args.quantize), ("--quantize-head", args.quantize_head)):
         if value and args.to != "exitlm":
             raise ConfigError(f"{flag} writes exitlm checkpoints only; drop --to {args.to}")
+    if args.draft and args.to == "megatron":
+        raise ConfigError("--draft is recorded in exitlm and Hugging Face checkpoints (their "
+                          "exit configuration); drop --to megatron")
     if args.quantize and args.quantize_head:
         raise ConfigError(f"--quantize {args.quantize} quantizes the heads already; drop "
                           "--quantize-head")
