@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import draft_round, finite_float
-from exitlm.config import ConfigError, DraftHint
+from exitlm.args import draft_round, finite_float, int_at_least
+from exitlm.config import PRESETS, ConfigError, DraftHint
 from exitlm.io.cache import KINDS as KIND_NAMES
 
 _DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # names load_model takes
@@ -44,6 +44,13 @@ def register(subparsers: Any) -> None:
                         "weights (exitlm bench --sweep speculation) as the config's "
                         "exits.draft, which --strategy self-spec prefers (exitlm and hf "
                         "formats)")
+    p.add_argument("--delta-from", default=None, metavar="BASE",
+                   help="write SRC as a low-rank delta over BASE (a name or path SRC was "
+                        "trained from; BASE's weights are fingerprinted): a fine-tuned model in "
+                        "a few per cent of its size, loaded on top of BASE")
+    p.add_argument("--rank", type=int_at_least(1), default=32, metavar="R",
+                   help="with --delta-from: rank of each matrix's difference (default 32); "
+                        "the largest relative error is printed")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST even when it holds files exitlm did not write (never "
                         "allowed when DST is the source or contains it)")
@@ -95,11 +102,24 @@ def _convert(args: argparse.Namespace) -> int:
                           "--quantize-head")
     if (args.tp, args.pp) != (1, 1) and args.to != "megatron":
         raise ConfigError("--tp and --pp split Megatron checkpoints only; add --to megatron")
+    if args.delta_from is not None:
+        for flag, bad in ((f"--to {args.to}", args.to != "exitlm"),
+                          (f"--quantize {args.quantize}", args.quantize),
+                          (f"--quantize-head {args.quantize_head}", args.quantize_head),
+                          (f"--dtype {args.dtype}", args.dtype not in ("float32", "fp32"))):
+            if bad:
+                raise ConfigError(f"--delta-from writes a delta of the fp32 weights (its "
+                                  f"factors in fp16); drop {flag}")
+        if args.delta_from in PRESETS:
+            raise ConfigError(f"--delta-from {args.delta_from}: a preset has random weights, "
+                              "no base to load again; pass the checkpoint SRC was trained from")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
     loaded = load_model(args.src, dtype=args.quantize or args.dtype,
                         head_dtype=args.quantize_head)
     if args.draft is not None:
         with_draft(loaded, *args.draft)
+    if args.delta_from is not None:
+        return _write_delta(args, loaded, dst)
     if args.to == "megatron":
         from exitlm.io.megatron_write import save_megatron  # lazy: loaded when the command runs
 
@@ -108,6 +128,22 @@ def _convert(args: argparse.Namespace) -> int:
         write = export_hf if args.to == "hf" else save_model
         out = write(loaded, dst, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint to {out}")
+    return 0
+
+
+def _write_delta(args: argparse.Namespace, loaded: Any, dst: Path) -> int:
+    """``convert SRC DST --delta-from BASE``: SRC as a low-rank delta over BASE."""
+    from exitlm.io import load_model  # lazy: loaded when the command runs
+    from exitlm.io.delta import save_delta  # lazy: loaded when the command runs
+
+    check_not_source(dst, source_paths(args.delta_from))
+    base = load_model(args.delta_from)
+    out, errors = save_delta(args.delta_from, base.model, loaded.model, dst, args.rank,
+                             overwrite=args.overwrite)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    worst = max(errors.items(), key=lambda kv: kv[1], default=None)
+    print(f"wrote a rank-{args.rank} delta over {args.delta_from} to {out} ({size / 1e6:.1f} MB)"
+          + (f"; largest relative error {worst[1]:.2%} ({worst[0]})" if worst else ""))
     return 0
 
 

@@ -38,6 +38,7 @@ from exitlm.io.default_model import (
     default_gguf_path,
     progress_note,
 )
+from exitlm.io.delta import apply_delta, base_of, is_delta_dir, read_delta_meta
 from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
 from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_dir import load_hf_dir
@@ -139,7 +140,11 @@ def load_model(
                 ".gguf file or a checkpoint directory (config.json + *.safetensors)"
             )
     elif path.is_dir():
-        if is_native_dir(path):
+        if is_delta_dir(path):
+            meta, cfg = read_delta_meta(path)
+            base = load_model(base_of(path, meta), exits=cfg.exits)
+            loaded = apply_delta(base, path, dtype=dtype, exits=exits)
+        elif is_native_dir(path):
             loaded = load_native(path, dtype=dtype, exits=exits)
         elif is_megatron_dir(path):
             loaded = load_megatron(path, dtype=dtype, exits=exits)
