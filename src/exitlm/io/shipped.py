@@ -1,7 +1,8 @@
 """Models shipped inside the package: whole exitlm checkpoints under ``exitlm/data``.
 
 A shipped model is an exitlm directory (:mod:`exitlm.io.native`, sharded to stay under the
-package index's file limits) with a model card (``README.md``) beside its weights. A name is
+package index's file limits), or a low-rank delta over a base the user installs
+(:mod:`exitlm.io.delta`), with a model card (``README.md``) beside its weights. A name is
 known only when its directory is installed: a source checkout without the weights does not
 pretend to have the model. ``layerskip-code`` is the byte-level code model trained with the
 LayerSkip recipe (layer dropout + early-exit loss at every layer through the shared final norm
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exitlm.io.bundle import DATA_DIR
+from exitlm.io.delta import is_delta_dir
 from exitlm.io.native import is_native_dir
 
 SHIPPED_MODELS: dict[str, str] = {"layerskip-code": "layerskip_code"}
@@ -26,7 +28,7 @@ def shipped_dir(name: str, data_dir: Path | None = None) -> Path | None:
     if folder is None:
         return None
     path = (data_dir or DATA_DIR) / folder
-    return path if is_native_dir(path) else None
+    return path if is_native_dir(path) or is_delta_dir(path) else None
 
 
 def shipped_names(data_dir: Path | None = None) -> list[str]:
