@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _default_model import requires_default_model
-from exitlm.config import ExitConfig, preset
+from exitlm.config import DraftHint, ExitConfig, preset
 from exitlm.infer.per_exit import evaluate_exits
 from exitlm.io import load_model, save_model
 from exitlm.io.bundle import find_bundle, save_bundle
@@ -50,6 +50,11 @@ def test_bundle_round_trip(tmp_path: Path) -> None:
         b = loaded.model(x, exit_layers=(2,)).exit_logits[2]
     torch.testing.assert_close(a, b)
     assert find_bundle("default-ee") is not None
+    # a measured best round travels with the heads
+    hinted = load_model(str(tmp_path / "base"),
+                        exits=ExitConfig(layers=(2,), head="mlp", draft=DraftHint(2, 3))).model
+    again = save_bundle(hinted, tmp_path / "hinted", str(tmp_path / "base"))
+    assert load_model(str(again)).config.exits.draft == DraftHint(2, 3)
 
 
 @pytest.mark.real_model

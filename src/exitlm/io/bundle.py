@@ -13,6 +13,7 @@ and ``load_model("runs/default-ee/exits")`` both work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ def save_bundle(
     meta = {
         "format": BUNDLE_FORMAT, "base": base,
         "exits": {"layers": list(exits.layers), "every_layer": exits.every_layer,
-                  "head": exits.head, "norm": exits.norm, "output": exits.output},
+                  "head": exits.head, "norm": exits.norm, "output": exits.output,
+                  **({} if exits.draft is None else {"draft": dataclasses.asdict(exits.draft)})},
         "info": info or {},
     }
     target = Path(path)
