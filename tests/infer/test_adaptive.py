@@ -489,6 +489,9 @@ def test_a_models_draft_hint_anchors_its_rounds(forced: object) -> None:
         assert engine.decoder.planner.anchor == (8, 2)  # type: ignore[attr-defined]
     finally:
         engine.close()
+    batch = random_prompts(sizes=(60, 7, 33))  # a batch plans with the anchor too
+    assert generate(model, None, batch, strategy="self-spec", max_new_tokens=NEW
+                    ).token_ids == generate(model, None, batch, max_new_tokens=NEW).token_ids
     seeded = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW,
                       temperature=1.0, seed=5)
     st = seeded.stats
