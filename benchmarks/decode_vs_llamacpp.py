@@ -23,9 +23,11 @@ each prompt is summed into ``decode_tokens_per_s`` (and the median run into
 decoded token streams all weights once; the tied embedding is the LM head).
 
 ``--layerskip DIR`` adds the self-speculative comparison: a byte-level LayerSkip checkpoint
-(``runs/scratch-layerskip/model``) is written as a llama GGUF (``write_byte_level_gguf``) and
-quantized to Q8_0 by llama.cpp; exitlm's self-speculative decoding (draft exit
-``--exit-layer``) in int8 and fp32 runs against llama.cpp's plain decoding of Q8_0 and F32.
+(the shipped ``src/exitlm/data/layerskip_code``, ``runs/scratch-layerskip/model``) is written
+as a llama GGUF (``write_byte_level_gguf``) and quantized to Q8_0 by llama.cpp; exitlm's
+self-speculative decoding (draft exit ``--exit-layer``, or chosen while decoding from the
+model's recorded round) in int8 and fp32 runs against llama.cpp's plain decoding of Q8_0 and
+F32.
 
 llama-cpp-python is a benchmark-only extra (``pip install 'exitlm[bench]'``), not a
 dependency of the package. Prints one JSON object on stdout; progress goes to stderr.
@@ -55,6 +57,7 @@ import numpy as np
 import torch
 
 from _bench import machine, note
+from exitlm.args import int_at_least
 
 PROMPTS = [
     "The capital of France is",
@@ -445,17 +448,18 @@ LAYERSKIP_PROMPTS = [
 
 
 def run_self_spec(model: torch.nn.Module, ids: list[int], new: int, threads: int,
-                  exit_layer: int) -> dict[str, Any]:
+                  exit_layer: int | None) -> dict[str, Any]:
     from exitlm.infer import generate
 
-    res = generate(model, None, ids, strategy="self-spec", exit_layer=exit_layer,
-                   max_new_tokens=new, ignore_eos=True, threads=threads)
+    chosen = {} if exit_layer is None else {"exit_layer": exit_layer}
+    res = generate(model, None, ids, strategy="self-spec", max_new_tokens=new,
+                   ignore_eos=True, threads=threads, **chosen)
     tm = res.timings
     return {"tokens": list(res.token_ids[0]), "prefill_s": tm.prefill_s,
             "decode_s": tm.decode_s, "decode_tokens": tm.decode_tokens}
 
 
-def bench_layerskip(model_dir: Path, exit_layer: int, new: int, repeats: int,
+def bench_layerskip(model_dir: Path, exit_layer: int | None, new: int, repeats: int,
                     threads: int, prompts: list[str]) -> dict[str, Any]:
     """exitlm's self-speculative decoding of a byte-level LayerSkip model against llama.cpp's
     plain decoding of the same weights: int8 vs Q8_0 (the target: faster) and, for
@@ -469,7 +473,8 @@ def bench_layerskip(model_dir: Path, exit_layer: int, new: int, repeats: int,
 
     files = layerskip_files(model_dir)
     prompt_ids = [list(p.encode()) for p in prompts]  # byte-level: id = byte value
-    out: dict[str, Any] = {"model": str(model_dir), "exit_layer": exit_layer,
+    out: dict[str, Any] = {"model": str(model_dir),
+                           "exit_layer": "adaptive" if exit_layer is None else exit_layer,
                            "strategy": "exitlm self-spec vs llama.cpp plain greedy"}
     for label, kind, dtype, target in (("int8", "q8_0", "int8", 1.0),
                                        ("fp32", "f32", torch.float32, None)):
@@ -541,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layerskip", type=Path, default=None, metavar="DIR",
                     help="also a byte-level LayerSkip checkpoint (e.g. "
                          "runs/scratch-layerskip/model): exitlm self-spec vs llama.cpp plain")
-    ap.add_argument("--exit-layer", type=int, default=4, help="self-spec draft exit")
+    ap.add_argument("--exit-layer", type=int_at_least(1), default=None,
+                    help="self-spec draft exit (default: chosen while decoding, from the "
+                         "model's recorded round when its config has one)")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in names if p not in PRECISIONS]
