@@ -75,8 +75,8 @@ exit 10 agreed with the final layer at 74-85% over prompts and at 90% per draft 
 continuations), and the modelled cost of a shape not yet taken rests on startup timings that
 vary from run to run. On ``layerskip-code`` (bench's 8 held-out prompts x 64 bytes, one
 thread, variants interleaved per prompt, each keeping its own measured times) the planner
-alone decoded 1.30-1.47x plain decoding, preferring its recorded E = 10, d = 4 with a margin
-of 1.2 1.33-1.54x and with 1.5 1.50-1.57x, fixed rounds there 1.53-1.61x.
+alone decoded 1.30-1.47x plain decoding; preferring its recorded E = 10, d = 4 with a margin
+of 1.2, 1.33-1.54x, and of 1.5, 1.50-1.57x; fixed rounds there 1.53-1.61x.
 
 **Probing.** While plain steps win, a probe step of one sequence (a batch probes through its
 prompts and rounds only) comes every ``probe_every`` steps; the interval doubles (up to
