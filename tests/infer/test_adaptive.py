@@ -463,7 +463,8 @@ def test_one_preempted_round_does_not_price_its_shape_out() -> None:
     assert planner.plain_cost(1) == pytest.approx(0.8 * 5.0 + 0.2 * 5.0 / 1.3)
 
 
-def test_a_models_draft_hint_anchors_its_rounds(forced: object) -> None:
+def test_a_models_draft_hint_anchors_its_rounds(forced: object,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``exits.draft`` of the model's config: the planner prefers that round (exit 8 of 12
     layers here, where exit 7 agrees as well and costs a little less, so an unanchored
     planner drafts at 7); rounds that cannot be chosen online (a seed) are that round; the
@@ -480,9 +481,19 @@ def test_a_models_draft_hint_anchors_its_rounds(forced: object) -> None:
     assert free.stats.exit_layer_sum == 7 * free.stats.rounds > 0  # 6 is not a candidate
     model.config = model.config.replace(exits=dataclasses.replace(
         model.config.exits, draft=DraftHint(exit_layer=8, num_speculations=2)))
+    weighed: list[tuple[int, ...]] = []  # the exits each plan weighs
+    plan = SpecPlanner.plan
+
+    def spy(self: SpecPlanner, *args: object, exits: object = None) -> Plan:
+        weighed.append(tuple(exits or self.candidates))  # type: ignore[arg-type]
+        return plan(self, *args, exits=exits)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SpecPlanner, "plan", spy)
     got = generate(model, None, prompts[0], strategy="self-spec", max_new_tokens=NEW)
     assert got.token_ids == ar.token_ids == free.token_ids
     assert got.stats.exit_layer_sum == 8 * got.stats.rounds > 0
+    # every exit is weighed first (and after a probe); while exit 8 runs, only exit 8
+    assert len(weighed[1]) > 1 and (8,) in weighed[2:]
     assert got.stats.drafted <= 2 * got.stats.rounds
     engine = Engine(model, None, "self-spec")
     try:

@@ -282,16 +282,25 @@ class SelfSpecDecoder(Decoder):
     # ----- adaptive steps ----------------------------------------------------------------------
     def _current_plan(self, batch: Batch) -> Plan:
         """The planner's choice for this batch, kept for :data:`REPLAN_EVERY` steps (a batch:
-        ``BATCH_REPLAN_EVERY``) while the batch holds the same sequences."""
-        assert self.planner is not None
+        ``BATCH_REPLAN_EVERY``) while the batch holds the same sequences. While rounds at the
+        model's preferred exit run, a replan weighs only that exit's draft lengths against
+        plain steps: the other exits' agreement changes only at probe steps, after which
+        (and for a new batch) every exit is weighed again - a full plan costs ~0.7 ms in
+        Python, 8% of a round on ``layerskip-code``, and came every four steps."""
+        planner = self.planner
+        assert planner is not None
         key = tuple(id(s) for s in batch.seqs)
         every = REPLAN_EVERY if len(batch) == 1 else BATCH_REPLAN_EVERY
         if self._plan is None or key != self._plan_key or self._plan_age >= every:
+            anchor = planner.anchor
+            narrow = (anchor is not None and self._plan is not None and key == self._plan_key
+                      and self._plan.exit_layer == anchor[0])
+            exits = [anchor[0]] if narrow and anchor is not None else planner.candidates
             states = [self._agreement(s) for s in batch.seqs]
-            rates = [{e: st.rate(e) for e in self.planner.candidates} for st in states]
+            rates = [{e: st.rate(e) for e in exits} for st in states]
             limits = [max(0, s.remaining - 1) for s in batch.seqs]
             fixed = [s.options.num_speculations for s in batch.seqs]
-            self._plan = self.planner.plan(rates, limits, fixed)
+            self._plan = planner.plan(rates, limits, fixed, exits=exits)
             self._plan_key, self._plan_age = key, 0
         self._plan_age += 1
         return self._plan
