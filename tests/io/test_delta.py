@@ -84,6 +84,9 @@ def test_only_what_changed_is_stored(pair: tuple) -> None:
     assert not any(k.startswith("exits.") for k in tensors)  # every-layer exits: no params
     with pytest.raises(ConfigError, match="rank"):
         make_delta(base.model, tuned.model, rank=0)
+    packed = load_model("debug", dtype="int8")
+    with pytest.raises(ConfigError, match="quantized weights"):
+        make_delta(base.model, packed.model, rank=4)
 
 
 def test_another_base_is_refused(pair: tuple, tmp_path: Path) -> None:

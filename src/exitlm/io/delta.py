@@ -72,6 +72,11 @@ def make_delta(base: EarlyExitLM, tuned: EarlyExitLM, rank: int
     if rank < 1:
         raise ConfigError(f"rank: expected an integer >= 1, got {rank}")
     own = base.state_dict()
+    for what, state in (("the base", own), ("the tuned model", tuned.state_dict())):
+        packed = next((k for k, v in state.items() if not v.is_floating_point()), None)
+        if packed is not None:
+            raise ConfigError(f"{what} holds quantized weights ({packed}); a delta is made "
+                              "between float models (load both in float32)")
     out: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
     with torch.no_grad():
