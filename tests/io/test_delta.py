@@ -123,6 +123,9 @@ def test_damaged_deltas_are_named(pair: tuple, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"'nowhere\.weight\.diff' names no tensor"):
         load_model(str(out))
     meta = json.loads((out / DELTA_META).read_text())
+    (out / DELTA_META).write_text(json.dumps({**meta, "base": "."}))  # itself: no recursion
+    with pytest.raises(CheckpointError, match="is itself a delta"):
+        load_model(str(out))
     (out / DELTA_META).write_text(json.dumps({**meta, "format": 9}))
     with pytest.raises(CheckpointError, match="delta format 9"):
         load_model(str(out))

@@ -154,7 +154,11 @@ def base_of(directory: Path, meta: dict[str, Any]) -> str:
     """What to load as the base of the delta in ``directory``: its ``base``, a path taken
     relative to the directory when one exists there."""
     near = directory / meta["base"]
-    return str(near) if not Path(meta["base"]).is_absolute() and near.exists() else meta["base"]
+    base = str(near) if not Path(meta["base"]).is_absolute() and near.exists() else meta["base"]
+    if is_delta_dir(Path(base).expanduser()):
+        raise CheckpointError(f"{directory / DELTA_META}: base {meta['base']!r} is itself a "
+                              "delta; a delta sits on a whole checkpoint")
+    return base
 
 
 def apply_delta(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = torch.float32,
