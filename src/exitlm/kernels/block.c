@@ -122,10 +122,50 @@ static float dot(const float *a, const float *b, int64_t n) {
     return tree8(s);
 }
 
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v4u __attribute__((vector_size(16), aligned(4))); /* unaligned stores */
+
+/* tree8 of four partial-sum vectors at once, lane j of the result tree8 of the j-th: the
+ * same adds in the same order ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)), on four
+ * lanes instead of one. */
+static inline v4f tree8x4(v8f a, v8f b, v8f c, v8f d) {
+    const v4f x0 = {a[0] + a[4], b[0] + b[4], c[0] + c[4], d[0] + d[4]};
+    const v4f x1 = {a[1] + a[5], b[1] + b[5], c[1] + c[5], d[1] + d[5]};
+    const v4f x2 = {a[2] + a[6], b[2] + b[6], c[2] + c[6], d[2] + d[6]};
+    const v4f x3 = {a[3] + a[7], b[3] + b[7], c[3] + c[7], d[3] + d[7]};
+    return (x0 + x1) + (x2 + x3);
+}
+
+/* The largest of x[0..n) (NaNs ignored, -inf for none); the maximum does not depend on the
+ * order it is taken in, so eight lanes find it. */
+static float max_of(const float *x, int64_t n) {
+    v8f m = splat8(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const v8f v = load8(x + t);
+        const v8i gt = v > m;
+        m = (v8f)(((v8i)v & gt) | ((v8i)m & ~gt));
+    }
+    float mx = -INFINITY;
+    for (int j = 0; j < 8; j++)
+        if (m[j] > mx) mx = m[j];
+    for (; t < n; t++)
+        if (x[t] > mx) mx = x[t];
+    return mx;
+}
+
+/* sum_t x[t] with eight partial sums (lane t mod 8) combined in tree8's fixed tree. */
+static float sum_of(const float *x, int64_t n) {
+    v8f s = {0};
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) s += load8(x + t);
+    for (; t < n; t++) s[t & 7] += x[t];
+    return tree8(s);
+}
+
 /* scores[t] = dot(q, k_t) * scale for t < n (k_t = k + t * hd); returns their maximum. */
 static float attention_scores(const float *q, const float *k, int64_t n, int64_t hd,
                               float scale, float *scores) {
-    float mx = -INFINITY;
     int64_t t = 0;
     if (hd % 8 == 0)
         for (; t + 4 <= n; t += 4) {
@@ -138,20 +178,41 @@ static float attention_scores(const float *q, const float *k, int64_t n, int64_t
                 s2 += qv * load8(k2 + i);
                 s3 += qv * load8(k3 + i);
             }
-            scores[t] = tree8(s0) * scale;
-            scores[t + 1] = tree8(s1) * scale;
-            scores[t + 2] = tree8(s2) * scale;
-            scores[t + 3] = tree8(s3) * scale;
+            const v4f sc = {scale, scale, scale, scale};
+            *(v4u *)(scores + t) = tree8x4(s0, s1, s2, s3) * sc;
         }
     for (; t < n; t++) scores[t] = dot(q, k + t * hd, hd) * scale;
-    for (t = 0; t < n; t++)
-        if (scores[t] > mx) mx = scores[t];
-    return mx;
+    return max_of(scores, n);
 }
 
-/* o[i] = sum_t p[t] * v_t[i] over t < n in order of t, from 0 (v_t = v + t * hd). */
+/* o[i] = sum_t p[t] * v_t[i] over t < n in order of t, from 0 (v_t = v + t * hd); one pass
+ * over v for 64 values a position (eight accumulators), else 32 at a time. */
 static void attention_values(const float *p, const float *v, int64_t n, int64_t hd, float *o) {
     int64_t i = 0;
+    if (hd == 64) {
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + t * 64;
+            const v8f pt = splat8(p[t]);
+            a0 += pt * load8(vt);
+            a1 += pt * load8(vt + 8);
+            a2 += pt * load8(vt + 16);
+            a3 += pt * load8(vt + 24);
+            a4 += pt * load8(vt + 32);
+            a5 += pt * load8(vt + 40);
+            a6 += pt * load8(vt + 48);
+            a7 += pt * load8(vt + 56);
+        }
+        *(v8u *)(o) = a0;
+        *(v8u *)(o + 8) = a1;
+        *(v8u *)(o + 16) = a2;
+        *(v8u *)(o + 24) = a3;
+        *(v8u *)(o + 32) = a4;
+        *(v8u *)(o + 40) = a5;
+        *(v8u *)(o + 48) = a6;
+        *(v8u *)(o + 56) = a7;
+        return;
+    }
     for (; i + 32 <= hd; i += 32) {
         v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t t = 0; t < n; t++) {
@@ -253,12 +314,11 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
             const float *kh = kc + o + (hh / group) * head_stride;
             const float *vh = vc + o + (hh / group) * head_stride;
             const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
-            float total = 0.0f;
             int64_t t = 0;
             for (; t + 8 <= n_pos; t += 8)
                 *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
             for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
-            for (t = 0; t < n_pos; t++) total += scores[t];
+            const float total = sum_of(scores, n_pos);
             float *out = att + m * H * hd + hh * hd;
             attention_values(scores, vh, n_pos, hd, out);
             const float inv = 1.0f / total;
