@@ -140,6 +140,11 @@ def test_convert_writes_and_info_reads_a_delta(pair: tuple, tmp_path: Path,
                  "--rank", "2"]) == 0
     out = capsys.readouterr().out
     assert f"wrote a rank-2 delta over {base_dir}" in out and "largest relative error" in out
+    # writing it again replaces exitlm's own files without --overwrite
+    assert main(["convert", str(tmp_path / "tuned"), str(dst), "--delta-from", str(base_dir),
+                 "--rank", "1"]) == 0
+    assert json.loads((dst / DELTA_META).read_text())["rank"] == 1
+    capsys.readouterr()
     assert main(["info", str(dst)]) == 0
     assert "measured best round: exit 2, 3 drafts" in capsys.readouterr().out
     for args, needle in ((["--delta-from", "debug"], "a preset has random weights"),

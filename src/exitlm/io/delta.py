@@ -116,7 +116,7 @@ def save_delta(base_name: str, base: EarlyExitLM, tuned: EarlyExitLM, path: str 
     with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(tmp / DELTA_WEIGHTS,
                           {k: v.to(dtype).contiguous() for k, v in tensors.items()},
-                          {"format": "exitlm-delta"})
+                          {"exitlm": "delta"})
         (tmp / DELTA_META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return target, errors
 

@@ -137,6 +137,7 @@ EXITLM_FILES = frozenset({
     "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
     "exitlm_exits.safetensors", "exitlm_exits.json", "exits.json", "exits.safetensors",
     "exitlm_train.json", "optimizer.safetensors", "state.json",
+    "delta.json", "delta.safetensors",
 })
 SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 """A shard of a sharded exitlm directory (:mod:`exitlm.io.native`): 1-based index, count."""
