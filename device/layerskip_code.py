@@ -412,15 +412,9 @@ def ship(args: argparse.Namespace) -> int:
 def set_draft(folder: Path, exit_layer: int, drafts: int) -> None:
     """Record the measured best self-speculative round as ``exits.draft`` of the config in
     ``folder`` (checked against the model's exits before anything is written)."""
-    from exitlm.config import DraftHint
-    from exitlm.io.native import FORMAT_KEY, native_config
+    from exitlm.io.native import native_config, write_native_config
 
-    cfg = native_config(folder)
-    hint = DraftHint(exit_layer, drafts)
-    cfg = cfg.replace(exits=dataclasses.replace(cfg.exits, draft=hint))  # validates E
-    data = {**cfg.to_dict(), FORMAT_KEY: json.loads(
-        (folder / "config.json").read_text(encoding="utf-8"))[FORMAT_KEY]}
-    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_native_config(folder, native_config(folder).with_draft(exit_layer, drafts))
 
 
 STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "train")

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from _default_model import has_default_model
+from _readme import quickstart_commands
 from _server_output import ServerOutput
 from _steady_profile import steady_median_time
 from exitlm.io.shipped import shipped_dir
@@ -353,8 +354,7 @@ def test_quickstart_generate(workdir: Path) -> None:
 def test_quickstart_compares_self_speculation_on_the_shipped_model(workdir: Path) -> None:
     """The rest of the quickstart's first command: self-speculation on ``layerskip-code``
     against plain decoding, identical output (32 bytes instead of the default 64)."""
-    quick = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1]
-    first = re.search(r"```bash\n(.*?)\n```", quick, re.S).group(1).strip()
+    first = quickstart_commands()[0]
     cmd = next(c for c in COMMANDS if c.path.name == "README.md" and c.text == first
                and "layerskip-code" in c.argv)
     assert cmd.argv[cmd.argv.index("--strategy") + 1] == "self-spec" and "--compare" in cmd.argv

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from _readme import quickstart_commands
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    quick = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
-    return [c.strip() for c in re.findall(r"```(?:bash|sh)\n(.*?)```", quick, re.S)]
-
-
 def test_readme_quickstart_is_two_commands() -> None:
-    cmds = _readme_commands()
+    cmds = quickstart_commands()
     assert len(cmds) == 2, cmds
     assert all("\n" not in c for c in cmds), "each quickstart command is one line"
     assert "exitlm generate" in cmds[0]
@@ -30,7 +25,7 @@ def test_readme_quickstart_is_two_commands() -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
-    assert _readme_commands()[1] in ci
+    assert quickstart_commands()[1] in ci
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff not installed")

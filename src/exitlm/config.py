@@ -192,6 +192,12 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def with_draft(self, exit_layer: int, num_speculations: int) -> ModelConfig:
+        """This config with ``exits.draft`` set (:class:`DraftHint`; its exit is checked
+        against this model's exits)."""
+        hint = DraftHint(exit_layer, num_speculations)
+        return self.replace(exits=dataclasses.replace(self.exits, draft=hint))
+
     # ----- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from exitlm.config import ConfigError, ExitConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
-from exitlm.io.loaded import LoadedModel, rebuild
+from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.st import all_finite, atomic_dir, read_json, stream_file
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.schema import build
@@ -118,10 +118,4 @@ def attach_heads(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = t
             if not all_finite(t):
                 warn(f"{directory / BUNDLE_WEIGHTS}: tensor {k!r} holds NaN or infinite values")
             own[k].copy_(t.to(own[k].dtype))
-    loaded.source = f"bundle:{directory} on {loaded.source}"
-    if dtype != torch.float32 or exits is not None:
-        source = loaded.source
-        loaded = rebuild(loaded, dtype=dtype, exits=exits)
-        loaded.source = source
-    loaded.model.eval()
-    return loaded
+    return settled(loaded, f"bundle:{directory} on {loaded.source}", dtype=dtype, exits=exits)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.args import draft_round, finite_float, int_at_least
-from exitlm.config import PRESETS, ConfigError, DraftHint
+from exitlm.config import PRESETS, ConfigError
 from exitlm.io.cache import KINDS as KIND_NAMES
 
 _DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # names load_model takes
@@ -150,10 +150,8 @@ def _write_delta(args: argparse.Namespace, loaded: Any, dst: Path) -> int:
 def with_draft(loaded: Any, exit_layer: int, drafts: int) -> None:
     """Give ``loaded``'s config the draft hint ``(exit_layer, drafts)`` (``--draft``), checked
     against the model's exits."""
-    cfg = loaded.model.config
     try:
-        cfg = cfg.replace(exits=dataclasses.replace(
-            cfg.exits, draft=DraftHint(exit_layer, drafts)))
+        cfg = loaded.model.config.with_draft(exit_layer, drafts)
     except ConfigError as err:
         raise ConfigError(f"--draft {exit_layer},{drafts}: {err}") from None
     loaded.model.config = loaded.config = cfg

@@ -35,7 +35,7 @@ import torch
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
-from exitlm.io.loaded import LoadedModel, rebuild
+from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.st import all_finite, atomic_dir, read_json, stream_file, write_safetensors
 from exitlm.model.transformer import EarlyExitLM
 
@@ -207,13 +207,7 @@ def apply_delta(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = to
             else:
                 target.add_(new.to(target.dtype))
     loaded.config = loaded.model.config = cfg
-    loaded.source = f"delta:{directory} on {loaded.source}"
-    if dtype != torch.float32 or exits is not None:
-        source = loaded.source
-        loaded = rebuild(loaded, dtype=dtype, exits=exits)
-        loaded.source = source
-    loaded.model.eval()
-    return loaded
+    return settled(loaded, f"delta:{directory} on {loaded.source}", dtype=dtype, exits=exits)
 
 
 __all__ = ["DELTA_META", "DELTA_WEIGHTS", "apply_delta", "base_of", "fingerprint",

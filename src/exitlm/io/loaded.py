@@ -40,6 +40,18 @@ def rebuild(
     return LoadedModel(model, loaded.tokenizer, cfg, loaded.source)
 
 
+def settled(loaded: LoadedModel, source: str, *, dtype: torch.dtype,
+            exits: ExitConfig | None) -> LoadedModel:
+    """``loaded`` (fp32, weights put on top of a base) named ``source``, rebuilt in ``dtype``
+    and/or with ``exits`` when asked, in eval mode."""
+    loaded.source = source
+    if dtype != torch.float32 or exits is not None:
+        loaded = rebuild(loaded, dtype=dtype, exits=exits)
+        loaded.source = source
+    loaded.model.eval()
+    return loaded
+
+
 def keep_matching_exits(
     tensors: Iterable[tuple[str, torch.Tensor]], ckpt: ModelConfig, cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:

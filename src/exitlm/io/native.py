@@ -64,8 +64,6 @@ def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | Non
     tensors, aliases = tensors_for_saving(model.state_dict())
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    cfg = model.config.to_dict()
-    cfg[FORMAT_KEY] = FORMAT_VERSION
     shards = shard_tensors(tensors, max_shard_bytes)
     with atomic_dir(target, overwrite=overwrite) as tmp:
         for i, part in enumerate(shards):
@@ -73,10 +71,16 @@ def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | Non
             mine = {a: src for a, src in aliases.items() if src in part}
             write_safetensors(tmp / name, part,
                               {FORMAT_KEY: str(FORMAT_VERSION), "exitlm_aliases": json.dumps(mine)})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        write_native_config(tmp, model.config)
         if tokenizer is not None:
             tokenizer.save(tmp)
     return target
+
+
+def write_native_config(directory: Path, cfg: ModelConfig) -> None:
+    """``config.json`` of an exitlm directory: ``cfg`` and the format version."""
+    data = {**cfg.to_dict(), FORMAT_KEY: FORMAT_VERSION}
+    (directory / "config.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def shard_name(index: int, count: int) -> str:
