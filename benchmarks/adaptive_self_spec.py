@@ -16,9 +16,15 @@ With ``--batch B`` the same comparison runs for plain decoding and adaptive self
 prompts decoded together by the engine (continuous batching), as the batch's decode tokens per
 second. Every variant's output is checked against plain decoding's (``exact_match``).
 
+With ``--fresh N``, N more passes compare what a fresh process sees: each pass loads the model
+anew for every variant (``ar``, ``adaptive`` and, for a model whose config records its
+measured best round, ``exits.draft``, that round fixed), so that the planner starts with no
+measured times, and interleaves the variants per prompt (``fresh`` in the JSON).
+
     python benchmarks/adaptive_self_spec.py --model default-ee --threads 1
     python benchmarks/adaptive_self_spec.py --model runs/scratch-layerskip/model --batch 8
     python benchmarks/adaptive_self_spec.py --quick
+    python benchmarks/adaptive_self_spec.py --model layerskip-code --specs 4 --exits 10 --fresh 5
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--specs", type=int_list, default=[1, 2, 4, 6], help="grid draft lengths")
     p.add_argument("--batch", type=int_at_least(0), default=0,
                    help="also compare plain and adaptive decoding of this many prompts at once")
+    p.add_argument("--fresh", type=int_at_least(0), default=0,
+                   help="also this many passes on freshly loaded models (a new process's planner)")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens, a small grid")
     args = p.parse_args(argv)
     if args.quick:
@@ -89,6 +97,57 @@ def _batch(bench: Any, size: int, new: int, repeats: int) -> dict[str, Any]:
     out["adaptive_over_ar"] = best["adaptive"] / best["ar"]
     out["batch"] = size
     return out
+
+
+def _fresh(bench: Any, passes: int, new: int) -> dict[str, Any]:
+    """``passes`` passes over the prompts, each on models loaded anew for every variant (the
+    planner's measured times start empty, as in a new process), variants interleaved per
+    prompt (the order rotating); decode tokens per second per pass and over all."""
+    from exitlm.infer.api import generate
+    from exitlm.runtime import prepare
+
+    hint = bench.model.config.exits.draft
+    variants: dict[str, dict[str, Any]] = {"ar": {}, "adaptive": {}}
+    if hint is not None:
+        variants["hint-fixed"] = {"exit_layer": hint.exit_layer,
+                                  "num_speculations": hint.num_speculations}
+    names = list(variants)
+    totals = {n: [0, 0.0] for n in names}
+    per_pass = []
+    for p in range(passes):
+        runners = {n: prepare(bench.load_again().model) for n in names}
+
+        def run(name: str, ids: list[int], n_new: int, runners: dict = runners) -> Any:
+            return generate(runners[name], bench.tokenizer, ids,
+                            strategy="ar" if name == "ar" else "self-spec",
+                            max_new_tokens=n_new, ignore_eos=True, **variants[name])
+
+        for name in names:  # warm-up, as exitlm bench's
+            run(name, bench.prompt_ids[0], 4)
+        sums = {n: [0, 0.0] for n in names}
+        ref: list[list[int]] = []
+        for i, ids in enumerate(bench.prompt_ids):
+            order = names[i % len(names):] + names[: i % len(names)]
+            outs = {}
+            for name in order:
+                res = run(name, ids, new)
+                sums[name][0] += res.timings.decode_tokens
+                sums[name][1] += res.timings.decode_s
+                outs[name] = res.token_ids
+            if any(outs[n] != outs["ar"] for n in names):
+                raise RuntimeError(f"fresh pass {p}: a variant's output differs from plain "
+                                   f"decoding's on prompt {i}")
+            ref.append(outs["ar"])
+        base = sums["ar"][0] / sums["ar"][1]
+        per_pass.append({n: sums[n][0] / sums[n][1] / base for n in names})
+        for n in names:
+            totals[n][0] += sums[n][0]
+            totals[n][1] += sums[n][1]
+        note(f"adaptive_self_spec: fresh pass {p + 1}/{passes}: "
+             + ", ".join(f"{n} {r:.3f}x" for n, r in per_pass[-1].items()))
+    base = totals["ar"][0] / totals["ar"][1]
+    return {"passes": per_pass, "exact_match": True,
+            "over_ar": {n: totals[n][0] / totals[n][1] / base for n in names}}
 
 
 def main(argv: list[str]) -> int:
@@ -150,6 +209,8 @@ def main(argv: list[str]) -> int:
     if args.batch:
         note(f"adaptive_self_spec: batch of {args.batch}")
         out["batched"] = _batch(bench, args.batch, args.max_new_tokens, args.repeats)
+    if args.fresh:
+        out["fresh"] = _fresh(bench, args.fresh, args.max_new_tokens)
     out["wall_s"] = time.perf_counter() - t0
     print(json.dumps(out, indent=1))
     return 0

@@ -26,6 +26,7 @@ from exitlm.infer.adaptive import (
     candidate_exits,
     expected_tokens,
 )
+from exitlm.infer.strategies import get_strategy
 from exitlm.runtime import prepare
 from exitlm.runtime.costs import PrimitiveCosts, costs_of, fit_line
 
@@ -61,9 +62,14 @@ class FakeCosts:
         pass
 
 
-def _planner(costs: FakeCosts, exits: tuple[int, ...] = (2, 4, 6), layers: int = 8
-             ) -> SpecPlanner:
-    return SpecPlanner(costs, layers, exits, vocab=None, lazy_head=True)  # type: ignore[arg-type]
+def _planner(costs: FakeCosts, exits: tuple[int, ...] = (2, 4, 6), layers: int = 8,
+             anchor: tuple[int, int] | None = None) -> SpecPlanner:
+    """A planner whose plain step was timed at its modelled cost (before that, it plans plain
+    steps only)."""
+    planner = SpecPlanner(costs, layers, exits, vocab=None, lazy_head=True,  # type: ignore
+                          anchor=anchor)
+    planner.timed_plain(1, planner.plain_cost(1))
+    return planner
 
 
 def test_expected_tokens_is_leviathan_eq_1() -> None:
@@ -132,7 +138,7 @@ def test_planner_follows_measured_times() -> None:
         planner.timed_round(plan.exit_layer, plan.drafts[0], 1, 2.0, 10 * modelled)
     assert planner.plan(rates, [30], [None]).exit_layer is None
     # plain steps measured slower than modelled make rounds pay again
-    for _ in range(30):
+    for _ in range(80):  # (each new time enters clipped to TIME_CLIP of the average)
         planner.timed_plain(1, 100.0)
     assert planner.plan(rates, [30], [None]).exit_layer is not None
 
@@ -184,7 +190,7 @@ def test_planners_of_one_runner_start_from_what_the_last_one_measured() -> None:
     planner (a new generation) prices rounds from them at once."""
     costs = FakeCosts()
     costs.learned = {}  # type: ignore[attr-defined]
-    first = _planner(costs)
+    first = SpecPlanner(costs, 8, (2, 4, 6), vocab=None, lazy_head=True)  # type: ignore
     first.timed_plain(1, 7.0)
     first.timed_round(4, 2, 1, 0.0, 42.0)
     second = _planner(costs)
@@ -310,6 +316,44 @@ def test_rounds_at_the_agreeing_exit(forced: object, backend: str) -> None:
     assert got.options["adaptive"] is True
 
 
+def test_a_fresh_models_first_step_is_a_timed_plain_step(forced: object) -> None:
+    """The first generation on a model times a plain step before its first round (the
+    planner's plain cost is then measured, not modelled); the next generation starts from
+    that time and drafts at once. Both give plain decoding's tokens."""
+    forced.costs = FakeCosts(base=1.0, per_row=0.05, head=0.05)  # type: ignore[attr-defined]
+    model = _perfect_draft_model()
+    prompt = random_prompts()[0]
+    L = model.num_layers
+    first = generate(model, None, prompt, strategy="self-spec", max_new_tokens=NEW)
+    assert first.sequences[0].exit_layers[:2] == [L, L]  # prefill's token, then a plain step
+    assert first.stats.plain_steps == 1 and first.stats.rounds > 0
+    again = generate(model, None, prompt, strategy="self-spec", max_new_tokens=NEW)
+    assert again.stats.plain_steps == 0 and again.sequences[0].exit_layers[1] < L
+    ar = generate(model, None, prompt, max_new_tokens=NEW)
+    assert first.token_ids == again.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("drafts", [None, 3])
+def test_an_engine_times_the_primitives_before_any_request(drafts: int | None) -> None:
+    """The primitives a plan prices are timed when the engine starts: a request does not
+    wait for them (a fresh process's first generation once spent half a second of its
+    decoding there)."""
+    model = _perfect_draft_model()
+    options = get_strategy("self-spec").options(num_speculations=drafts)
+    engine = Engine(model, None, "self-spec", options)
+    try:
+        costs = costs_of(engine.runner)
+        spent = costs.measured_s
+        assert spent > 0
+        for prompt in random_prompts()[:2]:  # the first times its plain step
+            req = engine.submit(prompt, SamplingOptions(max_new_tokens=NEW))
+            engine.run()
+            assert len(req.token_ids) == NEW
+        assert costs.measured_s == spent
+    finally:
+        engine.close()
+
+
 def test_plain_and_probe_steps_when_drafts_do_not_pay(forced: object) -> None:
     forced.costs = FakeCosts(base=0.01, per_row=1.0, head=0.001)  # type: ignore[attr-defined]
     model = ee_model(every_layer=True)
@@ -419,8 +463,8 @@ def test_the_models_measured_best_round_is_preferred() -> None:
     one promises ANCHOR_MARGIN times its throughput, and to plain steps whenever they win."""
     costs = FakeCosts()
     free = _planner(costs)
-    anchored = SpecPlanner(costs, 8, (2, 4, 6), vocab=None, lazy_head=True,  # type: ignore
-                           anchor=(4, 3))
+    anchored = _planner(costs, anchor=(4, 3))
+    anchored.timed_round(4, 3, 1, 0.0, anchored._modelled(4, 3, 1))  # as modelled
 
     def rate(p: SpecPlanner, e: int, d: int, a: float) -> float:
         t = expected_tokens(a, d)
@@ -452,8 +496,47 @@ def test_the_models_measured_best_round_is_preferred() -> None:
         SpecPlanner(costs, 8, (2, 4), vocab=None, lazy_head=True, anchor=(3, 2))  # type: ignore
 
 
+def test_a_plain_step_is_timed_before_any_round() -> None:
+    """Until a plain step was timed, the planner plans plain steps: the modelled plain step
+    comes from timings on a small scratch cache with the weights in the processor's caches
+    (on ``layerskip-code`` 2.4 ms where a step takes 3.3), and rounds, priced from their
+    measured times, lost to it on a fresh process's first prompt."""
+    costs = FakeCosts()
+    planner = SpecPlanner(costs, 8, (2, 4, 6), vocab=None, lazy_head=True)  # type: ignore
+    rates = [{2: 0.99, 4: 0.99, 6: 0.99}]
+    assert not planner.plain_timed(1)
+    assert planner.plan(rates, [30], [None]).exit_layer is None
+    planner.timed_plain(1, planner.plain_cost(1))
+    assert planner.plain_timed(1) and planner.plan(rates, [30], [None]).exit_layer is not None
+    assert not planner.plain_timed(2)
+    assert planner.plan(rates * 2, [30, 30], [None, None]).exit_layer is None
+
+
+def test_an_untimed_preferred_round_is_tried_before_any_other() -> None:
+    """The model's preferred round is taken while it has not been timed, even where another
+    round promises ANCHOR_MARGIN times as much on modelled costs and a few prompt positions'
+    agreement; once timed, the margin rule applies - and plain steps still win where no
+    round pays."""
+    costs = FakeCosts()
+    planner = _planner(costs, anchor=(4, 3))
+    high = [{2: 0.99, 4: 0.9, 6: 0.9}]  # exit 2 promises over the margin (see above)
+    assert planner.plan(high, [30], [None]).exit_layer == 4
+    assert planner.plan([{2: 0.05, 4: 0.05, 6: 0.05}], [30], [None]).exit_layer is None
+    planner.timed_round(4, 3, 1, 0.0, planner._modelled(4, 3, 1))
+    assert planner.plan(high, [30], [None]).exit_layer == 2
+    # measured slow (a slow spell of the machine): left; a probe forgets that time, so the
+    # preferred round is tried again
+    rates = [{2: 0.9, 4: 0.9, 6: 0.9}]
+    planner._measured[(4, 3, 1)] *= 5.0
+    away = planner.plan(rates, [30], [None])
+    assert (away.exit_layer, away.drafts) != (4, (3,))
+    planner.probed(away)
+    back = planner.plan(rates, [30], [None])
+    assert (back.exit_layer, back.drafts) == (4, (3,))
+
+
 def test_one_preempted_round_does_not_price_its_shape_out() -> None:
-    planner = _planner(FakeCosts())
+    planner = SpecPlanner(FakeCosts(), 8, (2, 4, 6), vocab=None, lazy_head=True)  # type: ignore
     for _ in range(5):
         planner.timed_round(4, 3, 1, 0.0, 10.0)
         planner.timed_plain(1, 5.0)
@@ -493,7 +576,7 @@ def test_a_models_draft_hint_anchors_its_rounds(forced: object,
     assert got.token_ids == ar.token_ids == free.token_ids
     assert got.stats.exit_layer_sum == 8 * got.stats.rounds > 0
     # every exit is weighed first (and after a probe); while exit 8 runs, only exit 8
-    assert len(weighed[1]) > 1 and (8,) in weighed[2:]
+    assert len(weighed[0]) > 1 and (8,) in weighed[1:]
     assert got.stats.drafted <= 2 * got.stats.rounds
     engine = Engine(model, None, "self-spec")
     try:

@@ -177,11 +177,12 @@ class Bench:
             _note(f"bench: 'default-ee' is unavailable ({err}); using the untuned 'default'")
             name = "default"
             loaded = load_model(name, dtype=dtype, head_dtype=heads)
+        self._exits: ExitConfig | None = None
         if cfg.layerskip_exits or not loaded.model.config.exit_layers:
             # LayerSkip-style exits at every layer through the final norm + head (the exits
             # transformers' assistant_early_exit uses)
-            loaded = load_model(name, dtype=dtype, head_dtype=heads,
-                                exits=ExitConfig(every_layer=True, norm="final"))
+            self._exits = ExitConfig(every_layer=True, norm="final")
+            loaded = load_model(name, dtype=dtype, head_dtype=heads, exits=self._exits)
         self.model_name = name
         self.loaded = loaded
         self.model = loaded.model
@@ -198,6 +199,12 @@ class Bench:
         self.prompts = (load_prompts(cfg.prompts_file) if cfg.prompts_file
                         else builtin_prompts(cfg.num_prompts))[: cfg.num_prompts]
         self.prompt_ids = self._fit_to_context([self.tokenizer.encode(p) for p in self.prompts])
+
+    def load_again(self) -> Any:
+        """The benchmarked model loaded anew, as it was (another copy: its own runners' costs
+        and measured times, :func:`~exitlm.runtime.costs.costs_of`)."""
+        return load_model(self.model_name, dtype=parse_dtype(self.cfg.dtype),
+                          head_dtype=self.cfg.head_dtype, exits=self._exits)
 
     def _fit_to_context(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """Check that each prompt plus ``max_new_tokens`` fits the model's context, before

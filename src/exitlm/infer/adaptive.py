@@ -33,7 +33,10 @@ otherwise)::
 ``c(r)`` is one layer over ``r`` rows and ``h_E(r)`` exit ``E``'s head, both measured on this
 machine; a plain step is ``L c(b) + h_L(b)``, and a batch's modelled round is scaled by its
 measured plain step over that model (a batch of ``b`` sequences takes other code paths than
-``b`` rows of one; a batch decodes plainly until one plain step was timed). For one
+``b`` rows of one). Every batch size, one sequence included, decodes plainly until a plain
+step was timed: the modelled plain step comes from the same scratch timings as the rounds'
+calls, which flatter it (on ``layerskip-code`` 2.4 ms where a step takes 3.3), and rounds,
+soon priced from their measured times, lost to it on a fresh process's first prompt. For one
 sequence the round's calls are measured as they are made instead (the chain of ``d`` drafts,
 layers ``E..L`` over ``d + 1`` positions): a fused native chain costs far less than its layers
 one by one. The times actually taken are tracked too: plain steps replace the modelled plain
@@ -76,7 +79,15 @@ continuations), and the modelled cost of a shape not yet taken rests on startup 
 vary from run to run. On ``layerskip-code`` (bench's 8 held-out prompts x 64 bytes, one
 thread, variants interleaved per prompt, each keeping its own measured times) the planner
 alone decoded 1.30-1.47x plain decoding; preferring its recorded E = 10, d = 4 with a margin
-of 1.2, 1.33-1.54x, and of 1.5, 1.50-1.57x; fixed rounds there 1.53-1.61x.
+of 1.2, 1.33-1.54x, and of 1.5, 1.50-1.57x; fixed rounds there 1.53-1.61x. A preferred
+round not yet timed is taken before any other (its modelled cost rests on the same
+flattering timings, and a fresh process's first rounds had wandered to exits 4, 7 and 14
+until chance brought it back), and while rounds at its exit run, probes come every
+:data:`ANCHOR_PROBE_EVERY` rounds (a probe made while another plan runs forgets its
+measured time, so that it is tried again): with these and the timed plain step, fresh processes
+decoded 1.60x plain decoding where they had decoded 1.53x, fixed rounds at E = 10, d = 4
+1.62x (five passes of the 8 prompts, each with fresh models, variants interleaved per
+prompt).
 
 **Probing.** While plain steps win, a probe step of one sequence (a batch probes through its
 prompts and rounds only) comes every ``probe_every`` steps; the interval doubles (up to
@@ -102,7 +113,12 @@ during prefill."""
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 8, 64
 """Steps between probe steps: the shortest and the longest interval."""
 SPEC_PROBE_EVERY = 16
-"""Rounds between probe steps while a round wins (the other exits' rates go stale)."""
+"""Rounds between probe steps while a round wins (the other exits' rates go stale)..."""
+ANCHOR_PROBE_EVERY = 64
+"""... and while rounds at the model's preferred exit run: another exit displaces it only by
+:data:`ANCHOR_MARGIN`, so its rates matter less, while a probe step costs a plain step and a
+few heads (on ``layerskip-code``, bench's prompts, probes every 16 rounds cost 2-3% of
+self-speculation's throughput against every 64)."""
 MARGIN = 1.02
 """A round must promise this much more throughput than a plain step to be chosen..."""
 BATCH_MARGIN = 1.15
@@ -322,6 +338,23 @@ class SpecPlanner:
             head = self._heads[(self.num_layers, b)] = self.costs.head(self.num_layers, b)
         return tokens * head
 
+    def plain_timed(self, b: int) -> bool:
+        """Whether a plain step for ``b`` sequences was timed (before it, :meth:`plan` plans
+        one)."""
+        return b in self._plain
+
+    def measure_costs(self, drafts: int | None = None) -> None:
+        """Time now whatever the plans of one sequence price (the primitives' timings are
+        taken on first use, :class:`~exitlm.runtime.costs.PrimitiveCosts`), so that no
+        request waits for them: an engine calls this when it starts. ``drafts``: the draft
+        length its requests fix (default: the longest the planner considers); a round near
+        the end of a budget drafts fewer."""
+        self.costs.chain(self.num_layers, 0)
+        for e in self.candidates:
+            for d in range(1, (drafts or self.max_draft) + 1):
+                self._modelled(e, d, 1)
+        self._lazy_head(1, 1.0)
+
     def timed_plain(self, b: int, seconds: float) -> None:
         """Note the measured time of a plain step for ``b`` sequences."""
         old = self._plain.get(b)
@@ -350,9 +383,10 @@ class SpecPlanner:
         at most ``limits[i]`` tokens (its budget) and asked for ``fixed_drafts[i]`` drafts
         (``None``: choose). ``exits`` restricts the exits (default: the candidates). The
         preferred round (``anchor``; with drafts fixed by the caller, any round at its exit)
-        yields only to a round promising :data:`ANCHOR_MARGIN` times its throughput."""
+        yields only to a round promising :data:`ANCHOR_MARGIN` times its throughput, and to
+        none before it was timed. Plain steps until one was timed for ``b`` sequences."""
         b = len(limits)
-        if b > 1 and b not in self._plain:  # a batch's plain step is timed before any round
+        if b not in self._plain:  # a plain step is timed before any round (module docstring)
             return Plan(None, (0,) * b)
         plain_rate = b / self.plain_cost(b)
         floor = plain_rate * (MARGIN if b == 1 else BATCH_MARGIN)  # what a round must beat
@@ -373,7 +407,9 @@ class SpecPlanner:
                 tokens = sum(per_row)
                 rate = tokens / self.round_cost(e, max(drafts), b, tokens / b)
                 top_rate = max(top_rate, rate)
-                score = rate * (ANCHOR_MARGIN if self._anchored(e, d, fixed) else 1.0)
+                score = rate
+                if self._anchored(e, d, fixed):  # untimed: it is tried before any other
+                    score *= ANCHOR_MARGIN if (e, max(drafts), b) in self._measured else 1e9
                 if rate > floor and score > best_score:
                     best_score, best = score, (e, drafts, rate)
         top_gain = top_rate / plain_rate
@@ -400,8 +436,13 @@ class SpecPlanner:
     def probe_due(self, plan: Plan) -> bool:
         """Whether the next step should be a probe step (counts the step)."""
         self.since_probe += 1
-        due = self.since_probe >= (SPEC_PROBE_EVERY if plan.exit_layer is not None
-                                   else self.probe_every)
+        if plan.exit_layer is None:
+            every = self.probe_every
+        elif self.anchor is not None and plan.exit_layer == self.anchor[0]:
+            every = ANCHOR_PROBE_EVERY
+        else:
+            every = SPEC_PROBE_EVERY
+        due = self.since_probe >= every
         if due:
             self.since_probe = 0
         return due
@@ -411,7 +452,13 @@ class SpecPlanner:
         less often; once a round wins, the next probe comes after the usual interval. A tenth
         of the measured/modelled ratio's excess over 1 is forgotten, so that rounds not yet
         taken are put to the test again now and then (shapes already measured keep their
-        times)."""
+        times) - except the preferred round while another plan runs: its measured time is
+        forgotten, so that it is tried again (a slow spell of the machine while it ran must
+        not price it out for the rest of the process)."""
+        a = self.anchor
+        if (a is not None and (plan.exit_layer, max(plan.drafts, default=0)) != a
+                and self._measured.pop((a[0], a[1], 1), None) is not None):
+            self._version[0] += 1
         for b, r in self._ratio.items():
             self._ratio[b] = 1.0 + RATIO_KEEP * (r - 1.0)
             self._keep[b] = RATIO_KEEP * self._keep.get(b, 1.0)
@@ -421,5 +468,5 @@ class SpecPlanner:
             self.probe_every = min(MAX_PROBE_EVERY, self.probe_every * 2)
 
 
-__all__ = ["ANCHOR_MARGIN", "DECAY", "Agreement", "Plan", "SpecPlanner", "candidate_exits",
-           "expected_tokens"]
+__all__ = ["ANCHOR_MARGIN", "ANCHOR_PROBE_EVERY", "DECAY", "Agreement", "Plan", "SpecPlanner",
+           "candidate_exits", "expected_tokens"]

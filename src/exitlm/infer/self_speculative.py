@@ -205,8 +205,7 @@ class SelfSpecDecoder(Decoder):
         vocab = None if self.vocab >= model.config.vocab_size else self.vocab
         planner = SpecPlanner(costs_of(self.runner), model.num_layers, exits,
                               vocab=vocab, lazy_head=self.lazy, anchor=anchor)
-        fixed = options.num_speculations
-        planner.plan([{e: 0.5 for e in exits}], [MAX_AUTO_DRAFT], [fixed])  # measure b = 1
+        planner.measure_costs(options.num_speculations)
         return planner
 
     def resolved_options(self) -> dict[str, object]:
@@ -269,8 +268,11 @@ class SelfSpecDecoder(Decoder):
             return emits
         t0 = time.perf_counter()
         if plan.exit_layer is None:
+            first = not planner.plain_timed(b)
             emits = self._plain_step(batch)
             planner.timed_plain(b, time.perf_counter() - t0)
+            if first:  # the plan waited for this timing: plan again now
+                self._plan = None
             return emits
         limits = [min(d, max(0, s.remaining - 1)) for d, s in zip(plan.drafts, batch.seqs,
                                                                   strict=True)]

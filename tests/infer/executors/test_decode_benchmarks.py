@@ -4,7 +4,8 @@ tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theor
 ``benchmarks/tp_decode.py --quick`` (TP against one process per weight format),
 ``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch),
 ``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages),
-``benchmarks/chunked_prefill.py --quick`` (a long prompt whole or in parts). They
+``benchmarks/chunked_prefill.py --quick`` (a long prompt whole or in parts),
+``benchmarks/adaptive_self_spec.py --quick --fresh 1`` (the planner of a fresh process). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -108,3 +109,16 @@ def test_chunked_prefill_quick() -> None:
     assert parts["tokens_while_it_filled"] == 2 * out["streams"]  # 96 = 3 parts: 2 steps between
     for s in (whole, parts):
         assert s["long_tokens_equal_whole"] is True and s["max_gap_s"] > 0
+
+
+def test_adaptive_self_spec_fresh_passes() -> None:
+    """``--fresh``: passes on models loaded anew per variant (a new process's planner), the
+    shipped model's recorded round fixed beside adaptive rounds, outputs checked."""
+    out = _run("adaptive_self_spec.py", "--model", "layerskip-code", "--quick", "--exits",
+               "10", "--specs", "4", "--fresh", "1")
+    fresh = out["fresh"]
+    assert fresh["exact_match"] is True and len(fresh["passes"]) == 1
+    assert set(fresh["over_ar"]) == {"ar", "adaptive", "hint-fixed"}
+    assert fresh["over_ar"]["ar"] == 1.0
+    assert all(r > 0 for r in fresh["over_ar"].values())
+    assert out["results"]["adaptive"]["exact_match"] == 1.0
