@@ -15,11 +15,12 @@ import torch
 
 from _ee_models import chi_square, ee_model, exact_joint, one_thread, random_prompts  # noqa: F401
 from exitlm.config import DraftHint
-from exitlm.infer import Engine, SamplingOptions, generate
+from exitlm.infer import Engine, SamplingOptions, adaptive, generate
 from exitlm.infer.adaptive import (
     ANCHOR_MARGIN,
     MAX_PROBE_EVERY,
     MIN_PROBE_EVERY,
+    PLAIN_RETIME_EVERY,
     Agreement,
     Plan,
     SpecPlanner,
@@ -276,10 +277,16 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 
     for name in ("layer", "head", "chain", "layers"):
         fake(name)
-    monkeypatch.setattr(SpecPlanner, "timed_round", lambda self, *a: None)
+    def counted_round(self: SpecPlanner, e: int, d: int, b: int, *args: object) -> None:
+        self._since_plain[0] += b == 1  # (the plain step's re-timing counts rounds)
+
     def modelled_plain(self: SpecPlanner, b: int, seconds: float) -> None:
         self._plain[b] = self.num_layers * self.costs.layer(b) + self.costs.head(
             self.num_layers, b)
+        if b == 1:
+            self._since_plain[0] = 0
+
+    monkeypatch.setattr(SpecPlanner, "timed_round", counted_round)
 
     monkeypatch.setattr(SpecPlanner, "timed_plain", modelled_plain)
     yield Holder
@@ -316,7 +323,8 @@ def test_rounds_at_the_agreeing_exit(forced: object, backend: str) -> None:
     assert got.options["adaptive"] is True
 
 
-def test_a_fresh_models_first_step_is_a_timed_plain_step(forced: object) -> None:
+def test_a_fresh_models_first_step_is_a_timed_plain_step(
+        forced: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first generation on a model times a plain step before its first round (the
     planner's plain cost is then measured, not modelled); the next generation starts from
     that time and drafts at once. Both give plain decoding's tokens."""
@@ -331,6 +339,12 @@ def test_a_fresh_models_first_step_is_a_timed_plain_step(forced: object) -> None
     assert again.stats.plain_steps == 0 and again.sequences[0].exit_layers[1] < L
     ar = generate(model, None, prompt, max_new_tokens=NEW)
     assert first.token_ids == again.token_ids == ar.token_ids
+    # every PLAIN_RETIME_EVERY rounds a plain step is timed again, then rounds go on
+    monkeypatch.setattr(adaptive, "PLAIN_RETIME_EVERY", 2)
+    often = generate(model, None, prompt, strategy="self-spec", max_new_tokens=NEW)
+    assert often.token_ids == ar.token_ids
+    st = often.stats
+    assert st.plain_steps >= 2 and st.rounds >= 2 * st.plain_steps - 2
 
 
 @pytest.mark.parametrize("drafts", [None, 3])
@@ -500,7 +514,8 @@ def test_a_plain_step_is_timed_before_any_round() -> None:
     """Until a plain step was timed, the planner plans plain steps: the modelled plain step
     comes from timings on a small scratch cache with the weights in the processor's caches
     (on ``layerskip-code`` 2.4 ms where a step takes 3.3), and rounds, priced from their
-    measured times, lost to it on a fresh process's first prompt."""
+    measured times, lost to it on a fresh process's first prompt. One sequence's plain step is
+    timed again every PLAIN_RETIME_EVERY rounds (the machine's load changes)."""
     costs = FakeCosts()
     planner = SpecPlanner(costs, 8, (2, 4, 6), vocab=None, lazy_head=True)  # type: ignore
     rates = [{2: 0.99, 4: 0.99, 6: 0.99}]
@@ -510,6 +525,15 @@ def test_a_plain_step_is_timed_before_any_round() -> None:
     assert planner.plain_timed(1) and planner.plan(rates, [30], [None]).exit_layer is not None
     assert not planner.plain_timed(2)
     assert planner.plan(rates * 2, [30, 30], [None, None]).exit_layer is None
+    # rounds go on: after PLAIN_RETIME_EVERY of them a plain step is timed again
+    for _ in range(PLAIN_RETIME_EVERY - 1):
+        planner.timed_round(4, 3, 1, 0.0, planner._modelled(4, 3, 1))
+    assert planner.plan(rates, [30], [None]).exit_layer is not None
+    planner.timed_round(4, 3, 1, 0.0, planner._modelled(4, 3, 1))
+    assert not planner.plain_timed(1)
+    assert planner.plan(rates, [30], [None]).exit_layer is None
+    planner.timed_plain(1, planner.plain_cost(1))
+    assert planner.plan(rates, [30], [None]).exit_layer is not None
 
 
 def test_an_untimed_preferred_round_is_tried_before_any_other() -> None:

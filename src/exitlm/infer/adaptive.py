@@ -36,7 +36,8 @@ measured plain step over that model (a batch of ``b`` sequences takes other code
 ``b`` rows of one). Every batch size, one sequence included, decodes plainly until a plain
 step was timed: the modelled plain step comes from the same scratch timings as the rounds'
 calls, which flatter it (on ``layerskip-code`` 2.4 ms where a step takes 3.3), and rounds,
-soon priced from their measured times, lost to it on a fresh process's first prompt. For one
+soon priced from their measured times, lost to it on a fresh process's first prompt; and
+one sequence's plain step is timed again after every :data:`PLAIN_RETIME_EVERY` rounds. For one
 sequence the round's calls are measured as they are made instead (the chain of ``d`` drafts,
 layers ``E..L`` over ``d + 1`` positions): a fused native chain costs far less than its layers
 one by one. The times actually taken are tracked too: plain steps replace the modelled plain
@@ -136,6 +137,11 @@ TIME_CLIP = 1.3
 round that the operating system preempted must not price its shape out of the plan (on a
 2-core VM a round at exit 10 with 4 drafts was once averaged to 13.3 ms, its usual time
 8.7 ms, and the planner left it for the rest of the run)."""
+PLAIN_RETIME_EVERY = 64
+"""Rounds of one sequence after which a plain step is timed again (before the next round):
+rounds are timed whenever they are taken, a plain step only when one is, so without it the
+plain time measured once - under whatever load the machine had then - would price plain
+steps for the rest of the process."""
 RATIO_KEEP = 0.9
 """Share of the measured/modelled ratio's excess over 1 kept at a probe step."""
 ANCHOR_MARGIN = 1.5
@@ -247,6 +253,8 @@ class SpecPlanner:
         """Measured over modelled seconds of rounds, by sequences."""
         self._keep: dict[int, float] = memory.setdefault("keep", {})
         """Share of the fitted correction's excess still applied, by sequences."""
+        self._since_plain: list[int] = memory.setdefault("since_plain", [0])
+        """Rounds of one sequence since its plain step was last timed."""
         self._version: list[int] = memory.setdefault("version", [0])
         """Bumped by every measured step or round (the fits below are redone after it)."""
         self._fits: dict[int, tuple[int, tuple[float, float] | None]] = {}
@@ -339,9 +347,9 @@ class SpecPlanner:
         return tokens * head
 
     def plain_timed(self, b: int) -> bool:
-        """Whether a plain step for ``b`` sequences was timed (before it, :meth:`plan` plans
-        one)."""
-        return b in self._plain
+        """Whether a plain step for ``b`` sequences was timed - for one sequence, within the
+        last :data:`PLAIN_RETIME_EVERY` rounds (otherwise :meth:`plan` plans one)."""
+        return b in self._plain and (b > 1 or self._since_plain[0] < PLAIN_RETIME_EVERY)
 
     def measure_costs(self, drafts: int | None = None) -> None:
         """Time now whatever the plans of one sequence price (the primitives' timings are
@@ -359,6 +367,8 @@ class SpecPlanner:
         """Note the measured time of a plain step for ``b`` sequences."""
         old = self._plain.get(b)
         self._plain[b] = seconds if old is None else _average(old, seconds)
+        if b == 1:
+            self._since_plain[0] = 0
         self._version[0] += 1
 
     def timed_round(self, exit_layer: int, drafts: int, b: int, tokens: float,
@@ -374,6 +384,8 @@ class SpecPlanner:
         self._ratio[b] = ratio if old_ratio is None else (
             TIME_DECAY * old_ratio + (1 - TIME_DECAY) * ratio)
         self._keep[b] = 1.0
+        if b == 1:
+            self._since_plain[0] += 1
         self._version[0] += 1
 
     # ----- choices ----------------------------------------------------------------------------
@@ -386,7 +398,7 @@ class SpecPlanner:
         yields only to a round promising :data:`ANCHOR_MARGIN` times its throughput, and to
         none before it was timed. Plain steps until one was timed for ``b`` sequences."""
         b = len(limits)
-        if b not in self._plain:  # a plain step is timed before any round (module docstring)
+        if not self.plain_timed(b):  # a plain step is timed first (module docstring)
             return Plan(None, (0,) * b)
         plain_rate = b / self.plain_cost(b)
         floor = plain_rate * (MARGIN if b == 1 else BATCH_MARGIN)  # what a round must beat
@@ -468,5 +480,5 @@ class SpecPlanner:
             self.probe_every = min(MAX_PROBE_EVERY, self.probe_every * 2)
 
 
-__all__ = ["ANCHOR_MARGIN", "ANCHOR_PROBE_EVERY", "DECAY", "Agreement", "Plan", "SpecPlanner",
-           "candidate_exits", "expected_tokens"]
+__all__ = ["ANCHOR_MARGIN", "ANCHOR_PROBE_EVERY", "DECAY", "PLAIN_RETIME_EVERY", "Agreement",
+           "Plan", "SpecPlanner", "candidate_exits", "expected_tokens"]

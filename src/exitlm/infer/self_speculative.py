@@ -268,10 +268,10 @@ class SelfSpecDecoder(Decoder):
             return emits
         t0 = time.perf_counter()
         if plan.exit_layer is None:
-            first = not planner.plain_timed(b)
+            wanted = not planner.plain_timed(b)
             emits = self._plain_step(batch)
             planner.timed_plain(b, time.perf_counter() - t0)
-            if first:  # the plan waited for this timing: plan again now
+            if wanted:  # the plan waited for this timing: plan again now
                 self._plan = None
             return emits
         limits = [min(d, max(0, s.remaining - 1)) for d, s in zip(plan.drafts, batch.seqs,
