@@ -125,7 +125,6 @@ def _fresh(bench: Any, passes: int, new: int) -> dict[str, Any]:
         for name in names:  # warm-up, as exitlm bench's
             run(name, bench.prompt_ids[0], 4)
         sums = {n: [0, 0.0] for n in names}
-        ref: list[list[int]] = []
         for i, ids in enumerate(bench.prompt_ids):
             order = names[i % len(names):] + names[: i % len(names)]
             outs = {}
@@ -137,7 +136,6 @@ def _fresh(bench: Any, passes: int, new: int) -> dict[str, Any]:
             if any(outs[n] != outs["ar"] for n in names):
                 raise RuntimeError(f"fresh pass {p}: a variant's output differs from plain "
                                    f"decoding's on prompt {i}")
-            ref.append(outs["ar"])
         base = sums["ar"][0] / sums["ar"][1]
         per_pass.append({n: sums[n][0] / sums[n][1] / base for n in names})
         for n in names:
