@@ -25,7 +25,7 @@ from exitlm.config import ConfigError, ExitConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.loaded import LoadedModel, settled
-from exitlm.io.st import all_finite, atomic_dir, read_json, stream_file
+from exitlm.io.st import all_finite, atomic_dir, read_json_object, stream_file
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.schema import build
 
@@ -78,9 +78,7 @@ def read_bundle(directory: Path) -> tuple[str, ExitConfig]:
             f"exit-head bundle {directory} is missing {BUNDLE_META}; reinstall exitlm or "
             "re-create it with: exitlm train --config default-ee"
         )
-    meta = read_json(meta_file)
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
+    meta = read_json_object(meta_file)
     if meta.get("format") != BUNDLE_FORMAT:
         raise CheckpointError(f"{meta_file}: bundle format {meta.get('format')!r} is not "
                               f"{BUNDLE_FORMAT}")

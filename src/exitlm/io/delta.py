@@ -36,7 +36,14 @@ from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import warn
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.loaded import LoadedModel, settled
-from exitlm.io.st import all_finite, atomic_dir, read_json, stream_file, write_safetensors
+from exitlm.io.native import config_from_dict
+from exitlm.io.st import (
+    all_finite,
+    atomic_dir,
+    read_json_object,
+    stream_file,
+    write_safetensors,
+)
 from exitlm.model.transformer import EarlyExitLM
 
 DELTA_META = "delta.json"
@@ -133,9 +140,7 @@ def check_same_architecture(base: ModelConfig, tuned: ModelConfig, what: str) ->
 def read_delta_meta(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
     """``delta.json`` of ``directory`` and the tuned model's configuration, checked."""
     file = directory / DELTA_META
-    meta = read_json(file)
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+    meta = read_json_object(file)
     if meta.get("format") != DELTA_FORMAT:
         raise CheckpointError(f"{file}: delta format {meta.get('format')!r}; this exitlm "
                               f"reads format {DELTA_FORMAT}")
@@ -143,11 +148,7 @@ def read_delta_meta(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"{file}: {key!r}: expected a {kind.__name__}, got "
                                   f"{meta.get(key)!r}")
-    try:
-        cfg = ModelConfig.from_dict(meta["config"])
-    except ConfigError as err:
-        raise CheckpointError(f"{file}: invalid model configuration: {err}") from None
-    return meta, cfg
+    return meta, config_from_dict(meta["config"], file)
 
 
 def base_of(directory: Path, meta: dict[str, Any]) -> str:

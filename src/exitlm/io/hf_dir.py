@@ -32,7 +32,14 @@ from exitlm.io.native import (
     load_tokenizer_dir,
     native_tensors_of,
 )
-from exitlm.io.st import PICKLE_SUFFIXES, read_json, refuse_pickle, stream_file, tensor_shapes
+from exitlm.io.st import (
+    PICKLE_SUFFIXES,
+    read_json,
+    read_json_object,
+    refuse_pickle,
+    stream_file,
+    tensor_shapes,
+)
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.schema import build
 
@@ -93,9 +100,7 @@ def hf_dir_config(path: Path) -> ModelConfig:
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    hf = read_json(file)
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+    hf = read_json_object(file)
     try:
         architecture_of(hf)
         cfg = config_from_hf(hf, name=path.name)

@@ -24,7 +24,7 @@ from exitlm.io.st import (
     SHARD_NAME,
     atomic_dir,
     open_safetensors,
-    read_json,
+    read_json_object,
     read_tensor,
     tensors_for_saving,
     write_safetensors,
@@ -143,15 +143,19 @@ def weight_files(path: Path) -> list[Path]:
 def native_config(path: Path) -> ModelConfig:
     """The :class:`ModelConfig` of an exitlm directory."""
     file = path / "config.json"
-    d = read_json(file)
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+    d = read_json_object(file)
     version = d.pop(FORMAT_KEY, None)
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{file}: exitlm format version {version!r}; this exitlm reads version "
             f"{FORMAT_VERSION} (upgrade exitlm or re-convert the checkpoint)"
         )
+    return config_from_dict(d, file)
+
+
+def config_from_dict(d: dict, file: Path) -> ModelConfig:
+    """:meth:`ModelConfig.from_dict` of ``d``, read from ``file``; an invalid configuration is
+    a :class:`CheckpointError` naming the file."""
     try:
         return ModelConfig.from_dict(d)
     except ConfigError as err:

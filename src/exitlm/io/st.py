@@ -93,6 +93,15 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from err
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold one JSON object (config.json, delta.json,
+    exits.json); anything else is a :class:`CheckpointError` naming the file."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value of a floating-point ``tensor`` is finite (a fast sum first, the
     element-wise test only when the sum is not finite)."""
