@@ -8,7 +8,7 @@ import torch
 from exitlm.config import ConfigError, ExitConfig, preset
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.train.layer_dropout import LayerDropout, sample_active
-from exitlm.train.losses import LossConfig, lm_cross_entropy, multi_exit_loss
+from exitlm.train.losses import LossConfig, exit_kl, lm_cross_entropy, multi_exit_loss
 
 
 def _model(**exits: object) -> EarlyExitLM:
@@ -118,6 +118,79 @@ def test_dropout_same_pattern_for_same_seed_and_step() -> None:
                for x, y in zip(a, c, strict=True))
 
 
+def test_exit_kl_is_zero_at_the_teacher_and_skips_ignored_positions() -> None:
+    teacher = torch.randn(2, 3, 7)
+    logp = torch.log_softmax(teacher, -1)
+    labels = torch.tensor([[1, -100, 2], [-100, -100, 6]])
+    assert exit_kl(logp, teacher + 3.0, labels).item() == pytest.approx(0.0, abs=1e-6)
+    student = torch.randn(2, 3, 7)
+    keep = labels != -100
+    ref = torch.nn.functional.kl_div(torch.log_softmax(student[keep], -1), logp[keep],
+                                     log_target=True, reduction="batchmean")
+    torch.testing.assert_close(exit_kl(logp, student, labels), ref)
+    # a student changed only where labels are ignored pays nothing more
+    moved = student.clone()
+    moved[0, 1] += 5.0
+    torch.testing.assert_close(exit_kl(logp, moved, labels), ref)
+
+
+def test_distill_mixes_kl_towards_the_detached_final_output() -> None:
+    """``distill = a``: every weighted exit pays ``(1 - a) CE + a KL(final || exit)``, the
+    final output its own CE; the teacher carries no gradient, so the layers after the
+    deepest early exit are trained by the final CE alone."""
+    model = _model(layers=(1, 2))
+    tokens, labels = _batch()
+    weights = {1: 0.3, 2: 0.5, 4: 1.0}
+    a = 0.6
+    res = multi_exit_loss(model, tokens, labels, weights, distill=a)
+    res.total.backward()
+    ours = _grads(model)
+    model.zero_grad()
+    out = model(tokens, exit_layers=(1, 2))
+    teacher = torch.log_softmax(out.logits.detach(), -1)
+    ref_total = 0.0
+    for layer, w in weights.items():
+        logits = out.logits if layer == 4 else out.exit_logits[layer]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1))
+        assert res.per_exit[layer] == pytest.approx(ce.item(), rel=1e-5)  # logged: the CE
+        if layer == 4:
+            term = ce
+        else:
+            kl = torch.nn.functional.kl_div(torch.log_softmax(logits, -1).reshape(-1, 256),
+                                            teacher.reshape(-1, 256), log_target=True,
+                                            reduction="batchmean")
+            assert kl.item() > 0
+            term = (1 - a) * ce + a * kl
+        ref_total = ref_total + w * term
+    assert res.total.item() == pytest.approx(float(ref_total.detach()), rel=1e-5)
+    ref_total.backward()
+    ref = _grads(model)
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # layers 3-4 only see the final CE, with or without distillation
+    model.zero_grad()
+    multi_exit_loss(model, tokens, labels, weights).total.backward()
+    plain = _grads(model)
+    for name in ref:
+        if name.startswith(("layers.2.", "layers.3.")):
+            torch.testing.assert_close(ours[name], plain[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_distill_runs_the_final_layer_as_teacher_even_without_its_weight() -> None:
+    model = _model(layers=(1, 2))
+    tokens, labels = _batch()
+    res = multi_exit_loss(model, tokens, labels, {1: 1.0, 4: 0.0}, distill=1.0)
+    assert set(res.per_exit) == {1}
+    res.total.backward()
+    out = model(tokens, exit_layers=(1,))
+    teacher = torch.log_softmax(out.logits.detach(), -1)
+    kl = exit_kl(teacher, out.exit_logits[1], labels)
+    assert res.total.item() == pytest.approx(kl.item(), rel=1e-5)
+    grads = _grads(model)
+    assert any(n.startswith("layers.0.") for n in grads)
+    assert not any(n.startswith(("layers.1.", "layers.2.", "layers.3.")) for n in grads)
+
+
 def test_loss_config_weights() -> None:
     cfg = preset("debug", exits=ExitConfig(layers=(1, 2)))
     ee = LossConfig(kind="ee-llm", exit_weights=(0.25, 0.5), final_weight=1.0,
@@ -145,5 +218,9 @@ def test_loss_config_errors() -> None:
         LossConfig(kind="bogus")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="curriculum"):
         LossConfig(kind="layerskip", curriculum="sideways")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"loss\.distill=0\.5 .*loss\.kind=final"):
+        LossConfig(kind="final", distill=0.5)
+    with pytest.raises(ConfigError, match=r"loss\.distill"):
+        LossConfig(kind="layerskip", distill=1.5)
     with pytest.raises(ConfigError, match="exits are counted from 1"):
         preset("debug", exits=ExitConfig(layers=(4,)))

@@ -94,6 +94,32 @@ def test_bad_configs(tmp_path: Path) -> None:
         Trainer(tiny_config(tmp_path, model={"overrides": {"vocab_size": 100}}))
 
 
+def test_distill_through_the_trainer_pulls_exits_towards_the_final_layer(
+        tmp_path: Path) -> None:
+    """loss.distill reaches the loss: same data, seed and schedule, the distilled run's first
+    exit ends closer (in KL) to its own final layer than the run trained on the data alone."""
+    from exitlm.train.losses import exit_kl
+
+    def gap(trainer: Trainer) -> float:
+        model = trainer.layout.host_model().eval()
+        tokens, labels = trainer.val_data.batch(range(trainer.val_data.num_samples))
+        with torch.no_grad():
+            out = model(tokens, exit_layers=(1,))
+            return float(exit_kl(torch.log_softmax(out.logits, -1), out.exit_logits[1],
+                                 labels))
+
+    train = {"steps": 40}  # (at 12 steps both exits sit on the unigram distribution)
+    loss = {"kind": "ee-llm", "exit_weights": [1.0, 1.0], "weight_schedule": "constant"}
+    data_only = Trainer(tiny_config(tmp_path, "ce", train=train, loss=loss))
+    data_only.train()
+    distilled = Trainer(tiny_config(tmp_path, "kd", train=train, loss={**loss, "distill": 0.9}))
+    recs = distilled.train()
+    assert recs[-1]["loss_1"] > 0  # the logged exit loss is still the cross-entropy
+    assert gap(distilled) < 0.8 * gap(data_only)
+    with pytest.raises(ConfigError, match=r"loss\.distill=0\.9 .*parallel\.pp=1"):
+        tiny_config(tmp_path, "pp", loss={**loss, "distill": 0.9}, parallel={"pp": 2})
+
+
 def test_fused_adamw_trains_like_the_loop(tmp_path: Path) -> None:
     loop = Trainer(tiny_config(tmp_path, "loop")).train()
     fused_cfg = tiny_config(tmp_path, "fused", optim={"fused": True})

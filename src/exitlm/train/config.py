@@ -179,6 +179,13 @@ class TrainConfig:
     train: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self) -> None:
+        if self.loss.distill > 0 and (self.parallel.pipelined or self.parallel.tp > 1):
+            raise ConfigError(
+                f"loss.distill={self.loss.distill} needs the final output beside every exit in "
+                "one process's loss, and pipeline or tensor parallelism splits them: set "
+                "loss.distill=0, or parallel.pp=1, parallel.token_slices=1 and parallel.tp=1")
+
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
 

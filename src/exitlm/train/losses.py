@@ -59,7 +59,8 @@ class ExitLosses:
     total: torch.Tensor
     """``sum_i w_i L_i`` - call ``backward`` on this."""
     per_exit: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Detached mean cross-entropy of every computed exit, keyed by 1-based layer."""
+    """Detached mean cross-entropy of every computed exit, keyed by 1-based layer (the
+    cross-entropy even when ``distill`` mixes a KL term into ``total``)."""
     weights: dict[int, float] = field(default_factory=dict)
 
 
@@ -72,6 +73,7 @@ def multi_exit_loss(
     active: Sequence[torch.Tensor | None] | None = None,
     positions: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    distill: float = 0.0,
 ) -> ExitLosses:
     """``L = sum_i w_i L_i^exit`` (EE-LLM Eq. 1; LayerSkip Eq. 5 with ``w = ẽ(t, ·)``).
 
@@ -79,6 +81,10 @@ def multi_exit_loss(
         weights: 1-based exit layer -> weight; ``num_layers`` is the final output. Exits with
             weight 0 are not computed; the forward stops after the deepest weighted exit.
         active: per-layer kept rows for LayerSkip layer dropout (one entry per layer).
+        distill: self-distillation share ``a`` (:attr:`LossConfig.distill`): every exit
+            before the final layer is trained on ``(1 - a) CE(exit, y) + a KL(final || exit)``
+            with the final output, detached, as the teacher; the final output keeps its
+            cross-entropy. The forward then always runs to the final layer.
     """
     num_layers = model.num_layers
     want = sorted(k for k, w in weights.items() if w != 0.0)
@@ -93,11 +99,42 @@ def multi_exit_loss(
     h0 = model.embed(tokens, positions)
     total = torch.zeros((), device=h0.device, dtype=torch.float32)
     per_exit: dict[int, torch.Tensor] = {}
-    for k, h in model.walk(h0, 0, want[-1], want, ctx=ctx, active=active):
-        loss = lm_cross_entropy(model.exit_logits(h, k, ctx=ctx), labels, ignore_index)
-        total = total + float(weights[k]) * loss
-        per_exit[k] = loss.detach()
+    students: dict[int, torch.Tensor] = {}  # exit -> logits, kept for the KL term
+    stop = num_layers if distill > 0 else want[-1]
+    visit = sorted({*want, stop})
+    for k, h in model.walk(h0, 0, stop, visit, ctx=ctx, active=active):
+        logits = model.exit_logits(h, k, ctx=ctx)
+        w = float(weights.get(k, 0.0))
+        if w != 0.0:
+            loss = lm_cross_entropy(logits, labels, ignore_index)
+            per_exit[k] = loss.detach()
+            if distill > 0 and k < num_layers:
+                students[k] = logits
+                loss = (1.0 - distill) * loss
+            total = total + w * loss
+        if k == num_layers and students:  # the final output teaches every weighted exit
+            teacher = F.log_softmax(logits.detach().float(), dim=-1)
+            for j, s_logits in students.items():
+                total = total + float(weights[j]) * distill * exit_kl(
+                    teacher, s_logits, labels, ignore_index)
     return ExitLosses(total, per_exit, {k: float(weights[k]) for k in want})
+
+
+def exit_kl(
+    teacher_logp: torch.Tensor, student_logits: torch.Tensor, labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Mean ``KL(p_teacher || p_student)`` over the positions whose label is not ignored.
+
+    Self-distillation of an exit towards the final layer: lossless self-speculation accepts a
+    draft exactly when the exit's greedy token is the final layer's (LayerSkip Sec. 4), so an
+    exit trained on the final layer's distribution agrees with it more often than one trained
+    on the data alone. ``teacher_logp`` is the final output's log-softmax, without gradient.
+    """
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    per_pos = (teacher_logp.exp() * (teacher_logp - student)).sum(-1)  # (B, T)
+    keep = labels != ignore_index
+    return (per_pos * keep).sum() / keep.sum().clamp_min(1)
 
 
 class LossModule(nn.Module):
@@ -106,9 +143,10 @@ class LossModule(nn.Module):
     Returns ``(total, per_exit)`` (a tuple, which every wrapper knows how to traverse).
     """
 
-    def __init__(self, model: EarlyExitLM) -> None:
+    def __init__(self, model: EarlyExitLM, distill: float = 0.0) -> None:
         super().__init__()
         self.model = model
+        self.distill = distill
 
     def forward(
         self,
@@ -117,7 +155,8 @@ class LossModule(nn.Module):
         weights: Mapping[int, float],
         active: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        res = multi_exit_loss(self.model, tokens, labels, weights, active=active)
+        res = multi_exit_loss(self.model, tokens, labels, weights, active=active,
+                              distill=self.distill)
         return res.total, res.per_exit
 
 
@@ -138,6 +177,12 @@ class LossConfig:
     layers, or ``gradual``) over every exit the model has plus the final layer.
 
     ``kind="final"``: plain language-model training (the final output only).
+
+    ``distill`` (0 to 1, default 0) moves that share of every early exit's loss from the
+    data to the final layer: ``(1 - distill) CE(exit, y) + distill KL(final || exit)``, the
+    final output detached as the teacher (self-distillation; not in either paper). Exits then
+    agree with the final layer more often, which is what lossless self-speculation and early
+    exit at a threshold are paid for (:func:`exit_kl`).
     """
 
     kind: Literal["final", "ee-llm", "layerskip"] = "final"
@@ -150,6 +195,7 @@ class LossConfig:
     e_scale: UnitFloat = 1.0
     curriculum: Curriculum = "none"
     rotation: PositiveInt = 2
+    distill: UnitFloat = 0.0
     ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self) -> None:
@@ -159,6 +205,9 @@ class LossConfig:
                               "got []")
         if self.kind == "layerskip":
             curriculum_mask(self.curriculum, 0, 1, rotation=self.rotation)
+        if self.distill > 0 and self.kind == "final":
+            raise ConfigError(f"loss.distill={self.distill} trains early exits towards the "
+                              "final layer; loss.kind=final has none (use layerskip or ee-llm)")
 
     def schedules(self, cfg: ModelConfig) -> dict[int, WeightSchedule]:
         """One :class:`WeightSchedule` per configured exit layer (EE-LLM App. C.1)."""

@@ -134,7 +134,8 @@ class Trainer(RunStateMixin):
         self.layout = parallelize(
             model, self.groups, cfg.parallel, microbatches=run.grad_accum,
             seq_len=cfg.data.seq_len, data_parallel=run.parallel, amp_dtype=self.amp_dtype,
-            layer_dropout=cfg.dropout.enabled, ignore_index=cfg.loss.ignore_index)
+            layer_dropout=cfg.dropout.enabled, ignore_index=cfg.loss.ignore_index,
+            distill=cfg.loss.distill)
         self.model = self.layout.model
         self.replicas = self.dims.dp
         self.stream = BatchStream(self.train_data, run.batch_size, seed=cfg.data.seed,

@@ -72,7 +72,7 @@ class Layout:
 
     def __init__(self, model: EarlyExitLM, groups: ProcessGroups, *, microbatches: int,
                  tp: TensorParallel | None = None, amp_dtype: torch.dtype | None = None,
-                 ignore_index: int = -100) -> None:
+                 ignore_index: int = -100, distill: float = 0.0) -> None:
         self.model = model
         self.config = model.config
         self.groups = groups
@@ -82,7 +82,7 @@ class Layout:
         self.tp = tp
         self.amp_dtype = amp_dtype
         self.ignore_index = ignore_index
-        self.module: nn.Module = LossModule(model)
+        self.module: nn.Module = LossModule(model, distill)
         self._idle: nn.Parameter | None = None
 
     # ----- parameters -------------------------------------------------------------------
@@ -383,7 +383,7 @@ class PipelineLayout(Layout):
 def parallelize(model: EarlyExitLM, groups: ProcessGroups, pcfg: ParallelConfig, *,
                 microbatches: int, seq_len: int, data_parallel: str = "ddp",
                 amp_dtype: torch.dtype | None = None, layer_dropout: bool = False,
-                ignore_index: int = -100) -> Layout:
+                ignore_index: int = -100, distill: float = 0.0) -> Layout:
     """The layout of ``model`` (built, on its device) for this process of the job
     ``groups`` describes: pipeline stages and token slices (``parallel.pp``,
     ``parallel.token_slices``), tensor parallelism (``parallel.tp``) and data parallelism
@@ -393,6 +393,8 @@ def parallelize(model: EarlyExitLM, groups: ProcessGroups, pcfg: ParallelConfig,
     dims = groups.dims
     check_even(model.config, dims.tp)
     kw: dict[str, Any] = {"amp_dtype": amp_dtype, "ignore_index": ignore_index}
+    if distill > 0:  # (TrainConfig refuses it with pipeline or tensor parallelism)
+        kw["distill"] = distill
     if pcfg.pipelined:
         if amp_dtype == torch.float16:
             raise ConfigError("pipeline training has no fp16 loss scaling; set train.amp=bf16")
