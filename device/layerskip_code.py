@@ -491,6 +491,9 @@ def _stage_recipe(stage: dict[str, Any]) -> list[str]:
             f"{cfg.get('data', {}).get('seq_len', '?')} bytes, AdamW lr "
             f"{cfg.get('optim', {}).get('lr', '?')} (warm-up "
             f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
+            + (f"exits distilled from the final layer (`loss.distill={distill}`: each exit's "
+               f"loss {1 - distill:g} x cross-entropy + {distill:g} x KL to the final output), "
+               if (distill := float(cfg.get('loss', {}).get('distill', 0) or 0)) > 0 else "")
             + f"{precision}, on "
             + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}" if on_cpu
                else f"one {m.get('device', '?')}")

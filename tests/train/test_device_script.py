@@ -197,6 +197,13 @@ def test_a_run_from_a_shipped_model_is_its_second_stage(tmp_path: Path,
     assert 'train --out "$OUT" --max-corpus-mb 120\n' in card
     assert 'train --out "$OUT" --max-corpus-mb 1\n' in card
     assert "--out=Y" not in card and card.rstrip().endswith("notes here")
+    assert "distill" not in card
+    # a stage that distilled its exits says so
+    second["config"]["loss"] = {"distill": 0.8}
+    card = mod.model_card({**second, "stages": [*stages, second]})
+    assert card.count("exits distilled from the final layer (`loss.distill=0.8`: each exit's "
+                      "loss 0.2 x cross-entropy + 0.8 x KL to the final output)") == 1
+    del second["config"]["loss"]
     # shipping the run again over the folder it went to: its stage is not counted twice
     (shipped / "training.json").write_text(json.dumps({"stages": [*stages, second]}))
     assert mod.earlier_stages(second) == stages
