@@ -15,14 +15,15 @@ from _train_util import tiny_config
 from exitlm.train.trainer import Trainer
 
 
-def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp") -> None:
+def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp",
+            distill: float = 0.0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
         cfg = tiny_config(Path(root), parallel,
                           train={"batch_size": 2, "steps": 3, "grad_accum": 2,
-                                 "parallel": parallel})
+                                 "parallel": parallel}, loss={"distill": distill})
         t = Trainer(cfg)
         recs = t.train()
         host = t.layout.host_model()
@@ -35,19 +36,23 @@ def _worker(rank: int, world: int, port: int, root: str, parallel: str = "ddp") 
         dist.destroy_process_group()
 
 
-def _spawn(world: int, root: Path, parallel: str, timeout: float = 150.0) -> None:
-    run_processes(_worker, (world, free_port(), str(root), parallel), world, timeout,
+def _spawn(world: int, root: Path, parallel: str, timeout: float = 150.0,
+           distill: float = 0.0) -> None:
+    run_processes(_worker, (world, free_port(), str(root), parallel, distill), world, timeout,
                   "DDP workers")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_match_single_process(tmp_path: Path, parallel: str) -> None:
-    _spawn(2, tmp_path, parallel)
+@pytest.mark.parametrize(("parallel", "distill"), [("ddp", 0.0), ("fsdp", 0.0), ("ddp", 0.5)])
+def test_two_processes_match_single_process(tmp_path: Path, parallel: str,
+                                            distill: float) -> None:
+    """(``loss.distill`` too: each replica's exits learn from its own final outputs.)"""
+    _spawn(2, tmp_path, parallel, distill=distill)
     r0 = json.loads((tmp_path / f"{parallel}0.json").read_text())
     r1 = json.loads((tmp_path / f"{parallel}1.json").read_text())
     assert r0["losses"] == pytest.approx(r1["losses"], rel=1e-6)
     single = Trainer(tiny_config(tmp_path, "single",
-                                 train={"batch_size": 4, "steps": 3, "grad_accum": 2}))
+                                 train={"batch_size": 4, "steps": 3, "grad_accum": 2},
+                                 loss={"distill": distill}))
     recs = single.train()
     assert [r["loss"] for r in recs] == pytest.approx(r0["losses"], rel=1e-5)
     assert [r["loss_1"] for r in recs] == pytest.approx(r0["exit1"], rel=1e-5)
