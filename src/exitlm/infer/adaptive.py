@@ -77,7 +77,8 @@ estimates, and both lean against deep, long rounds early on: the prompt's agreem
 teacher-forced on human text, while greedy continuations agree more (on ``layerskip-code``
 exit 10 agreed with the final layer at 74-85% over prompts and at 90% per draft over its own
 continuations), and the modelled cost of a shape not yet taken rests on startup timings that
-vary from run to run. On ``layerskip-code`` (bench's 8 held-out prompts x 64 bytes, one
+vary from run to run. On ``layerskip-code`` (its weights of 2026-11-27, before the exits
+were distilled; bench's 8 held-out prompts x 64 bytes, one
 thread, variants interleaved per prompt, each keeping its own measured times) the planner
 alone decoded 1.30-1.47x plain decoding; preferring its recorded E = 10, d = 4 with a margin
 of 1.2, 1.33-1.54x, and of 1.5, 1.50-1.57x; fixed rounds there 1.53-1.61x. A preferred
