@@ -84,7 +84,8 @@ def multi_exit_loss(
         distill: self-distillation share ``a`` (:attr:`LossConfig.distill`): every exit
             before the final layer is trained on ``(1 - a) CE(exit, y) + a KL(final || exit)``
             with the final output, detached, as the teacher; the final output keeps its
-            cross-entropy. The forward then always runs to the final layer.
+            cross-entropy. The forward then always runs to the final layer, and every
+            weighted exit's logits stay alive until the final output is computed.
     """
     num_layers = model.num_layers
     want = sorted(k for k, w in weights.items() if w != 0.0)

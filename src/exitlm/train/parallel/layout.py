@@ -392,9 +392,9 @@ def parallelize(model: EarlyExitLM, groups: ProcessGroups, pcfg: ParallelConfig,
 
     dims = groups.dims
     check_even(model.config, dims.tp)
-    kw: dict[str, Any] = {"amp_dtype": amp_dtype, "ignore_index": ignore_index}
-    if distill > 0:  # (TrainConfig refuses it with pipeline or tensor parallelism)
-        kw["distill"] = distill
+    # (TrainConfig refuses distill > 0 with pipeline or tensor parallelism)
+    kw: dict[str, Any] = {"amp_dtype": amp_dtype, "ignore_index": ignore_index,
+                          "distill": distill}
     if pcfg.pipelined:
         if amp_dtype == torch.float16:
             raise ConfigError("pipeline training has no fp16 loss scaling; set train.amp=bf16")
