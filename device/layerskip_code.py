@@ -486,15 +486,16 @@ def _stage_recipe(stage: dict[str, Any]) -> list[str]:
     cfg = stage.get("config", {})
     on_cpu = str(m.get("device", "")).endswith("(CPU)")  # (cpu_name's mark)
     precision = stage.get("model", {}).get("precision", "?")
+    distill = float(cfg.get("loss", {}).get("distill") or 0)
+    objective = (f"exits distilled from the final layer (`loss.distill={distill}`: each exit's "
+                 f"loss {1 - distill:g} x cross-entropy + {distill:g} x KL to the final "
+                 "output), " if distill > 0 else "")
     text = (f"`configs/layerskip-code.yaml`: {tr.get('steps_done', '?')} steps of "
             f"{cfg.get('train', {}).get('batch_size', '?')} x "
             f"{cfg.get('data', {}).get('seq_len', '?')} bytes, AdamW lr "
             f"{cfg.get('optim', {}).get('lr', '?')} (warm-up "
             f"{cfg.get('optim', {}).get('warmup_steps', '?')}, cosine), "
-            + (f"exits distilled from the final layer (`loss.distill={distill}`: each exit's "
-               f"loss {1 - distill:g} x cross-entropy + {distill:g} x KL to the final output), "
-               if (distill := float(cfg.get('loss', {}).get('distill', 0) or 0)) > 0 else "")
-            + f"{precision}, on "
+            + objective + f"{precision}, on "
             + (f"{m.get('cpus', '?')} cores of an {m.get('device', '?')}" if on_cpu
                else f"one {m.get('device', '?')}")
             + f" ({cal.get('step_s', 0) * 1e3:.0f} ms a step, "

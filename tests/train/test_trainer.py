@@ -11,6 +11,7 @@ import torch
 from _train_util import tiny_config
 from exitlm.config import ConfigError
 from exitlm.train.checkpoint import latest_checkpoint
+from exitlm.train.losses import exit_kl
 from exitlm.train.trainer import Trainer, lr_at
 
 
@@ -98,8 +99,6 @@ def test_distill_through_the_trainer_pulls_exits_towards_the_final_layer(
         tmp_path: Path) -> None:
     """loss.distill reaches the loss: same data, seed and schedule, the distilled run's first
     exit ends closer (in KL) to its own final layer than the run trained on the data alone."""
-    from exitlm.train.losses import exit_kl
-
     def gap(trainer: Trainer) -> float:
         model = trainer.layout.host_model().eval()
         tokens, labels = trainer.val_data.batch(range(trainer.val_data.num_samples))
