@@ -29,6 +29,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,6 +47,17 @@ KINDS = ("f32", "f16", "q8", "q4", "q8a8", "q4a8", "q4_0", "q4_0a8")
 kernels compute -8 * scale; builds from before ABI 3 cannot take them)."""
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+
+
+def x_rows(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(m, k) float32 activations whose first row starts on a 64-byte line, as the runtime's
+    (torch's allocator aligns to 64 bytes): numpy's own buffers start anywhere 16 bytes apart,
+    and a 512-bit tile's x loads that straddle two lines cost ~2x at 4-8 rows (Zen 5)."""
+    buf = np.empty(m * k + 16, np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    x = buf[start:start + m * k].reshape(m, k)
+    x[:] = rng.standard_normal((m, k), dtype=np.float32)
+    return x
 
 
 def _weight(kind: str, n: int, k: int, rng: np.random.Generator
@@ -90,7 +102,7 @@ def decode_pass(libs: dict[str, ctypes.CDLL], kind: str, passes: int,
     layer = ("qkv", "o", "gate_up", "down")
     shapes = [SHAPES[s] for s in layer] * 30 + [SHAPES["head"]]
     weights = [_weight(kind, n, k, rng) for n, k in shapes]
-    xs = {k: rng.standard_normal((1, k), dtype=np.float32) for k in (576, 1536)}
+    xs = {k: x_rows(1, k, rng) for k in (576, 1536)}
     outs = [np.empty((1, n), np.float32) for n, _ in shapes]
     times: dict[str, list[float]] = {n: [] for n in libs}
     first: dict[str, list[np.ndarray]] = {}
@@ -114,14 +126,24 @@ def decode_pass(libs: dict[str, ctypes.CDLL], kind: str, passes: int,
     return res
 
 
+def shape_of(name: str) -> tuple[int, int] | None:
+    """(N, K) of a named SmolLM2 shape or of ``NxK``, else None."""
+    if name in SHAPES:
+        return SHAPES[name]
+    m = re.fullmatch(r"(\d+)x(\d+)", name)
+    if m is None or int(m[1]) < 1 or int(m[2]) < 1:
+        return None
+    return int(m[1]), int(m[2])
+
+
 def rows_pass(libs: dict[str, ctypes.CDLL], kind: str, shape: str, rows: list[int],
               passes: int, rng: np.random.Generator) -> dict[str, Any]:
     """Microseconds per product and rows x cost for M in ``rows``, per build."""
-    n, k = SHAPES[shape]
+    n, k = shape_of(shape)  # type: ignore[misc]
     one = _weight(kind, n, k, rng)
     copies = max(2, (96 << 20) // _nbytes(one))
     weights = [one] + [_weight(kind, n, k, rng) for _ in range(copies - 1)]
-    xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in rows}
+    xs = {m: x_rows(m, k, rng) for m in rows}
     us: dict[str, dict[int, list[float]]] = {name: {m: [] for m in rows} for name in libs}
     outs: dict[str, dict[int, np.ndarray]] = {name: {} for name in libs}
     for order in _orders(list(libs), passes):
@@ -157,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int_at_least(1), default=9)
     ap.add_argument("--rows", type=int_list, default=[1, 2, 4, 8],
                     help="row counts of the rows pass, 1 first (default 1,2,4,8)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="shapes of the rows pass")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="shapes of the rows pass: names or NxK (K a multiple of 32 for the "
+                         "grouped kinds), e.g. layerskip-code's 768x256,256x256,1376x256,256x688")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-rows", action="store_true")
     args = ap.parse_args(argv)
@@ -172,8 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or rows[0] != 1 or min(rows) < 1:
         ap.error("--rows: expected positive row counts starting with 1, e.g. 1,2,4,8")
     shapes = [s for s in args.shapes.split(",") if s]
-    if any(s not in SHAPES for s in shapes):
-        ap.error(f"--shapes: choose from {list(SHAPES)}")
+    bad = [s for s in shapes if shape_of(s) is None]
+    if bad:
+        ap.error(f"--shapes: {bad}: expected names from {list(SHAPES)} or NxK")
+    if not args.no_rows and any(k not in ("f32", "f16") for k in kinds):
+        odd = [s for s in shapes if shape_of(s)[1] % 32]  # type: ignore[index]
+        if odd:
+            ap.error(f"--shapes: {odd}: the grouped kinds need K a multiple of 32")
     libs = {}
     for name, path in pairs:
         if not os.path.isfile(path):

@@ -174,6 +174,31 @@ def test_dense_tail_is_order_fixed(kind: str, k: int) -> None:
     assert torch.equal(fn(x, *args, threads=2), y)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("k", [37, 576, 1536])
+def test_dense_rows_off_a_cache_line(kind: str, k: int) -> None:
+    """x rows that do not start on a 64-byte line (a view 4-60 bytes into a buffer; K = 37:
+    rows that cannot all start on one) are copied to rows that do before the multi-row tiles
+    run (kernels.c run_dense): the same bits as the line-aligned rows, row by row, for the
+    row counts whose tiles differ (2-4, 5-8, and 8 rows of K = 1536, 48 KB, on four weight
+    rows per tile in the 512-bit build)."""
+    gen = torch.Generator().manual_seed(k + 11)
+    args, _ = _weights(kind, 40, k, gen)
+    fn = KERNELS[kind]
+    for m in (2, 5, 6, 8):
+        x = torch.randn(m, k, generator=gen)
+        want = fn(x, *args)
+        for off in (1, 4, 15):
+            buf = torch.zeros(m * k + 16)
+            view = buf[off:off + m * k].view(m, k)
+            view.copy_(x)
+            assert view.data_ptr() % 64 != 0
+            assert torch.equal(fn(view, *args), want)
+            assert torch.equal(fn(view, *args, threads=2), want)
+        for i in (0, m - 1):
+            assert torch.equal(fn(x[i:i + 1], *args)[0], want[i])
+
+
 def test_many_rows_and_leading_dims() -> None:
     gen = torch.Generator().manual_seed(3)
     for kind, fn in (KERNELS | A8).items():

@@ -129,6 +129,7 @@ typedef struct {
     /* EXITLM_ZMM, q8 with float32 activations, M > 1: the x rows in pairs, per 8-float chunk c
      * of K: x2 (P, K/8, 16) the two rows' chunks. */
     const float *x2;
+    int64_t ldx; /* floats from one x row to the next (dense kinds; 0: K) */
 } job_t;
 
 /* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that
@@ -348,7 +349,7 @@ AI void prefetch_dense(const int kind, const void *w, int64_t off) {
 /* nb W rows x mb x rows, dense (f32 / f16).  w points at row n0, x at row m0.  Each pair keeps
  * four accumulators, chunk c of K going to accumulator c % 4 (see the header). */
 AI void dense_tile(const int kind, const int nb, const int mb, const float *x, const void *w,
-                   float *y, int64_t K, int64_t ldy) {
+                   float *y, int64_t K, int64_t ldx, int64_t ldy) {
     __m256 acc[NBMAX][MBMAX][4];
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++)
@@ -363,7 +364,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
             for (int i = 0; i < nb; i++) {
                 __m256 wv = load_w(kind, w, i * K + k + 8 * c);
                 for (int j = 0; j < mb; j++)
-                    acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * K + k + 8 * c),
+                    acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * ldx + k + 8 * c),
                                                    acc[i][j][c]);
             }
     }
@@ -371,7 +372,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
         for (int i = 0; i < nb; i++) {
             __m256 wv = load_w(kind, w, i * K + k);
             for (int j = 0; j < mb; j++)
-                acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * K + k), acc[i][j][c]);
+                acc[i][j][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * ldx + k), acc[i][j][c]);
         }
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
@@ -379,7 +380,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
                                      _mm256_add_ps(acc[i][j][2], acc[i][j][3]));
             float s = hsum8(a);
             for (int64_t t = K8; t < K; t++)
-                s = fmaf(x[j * K + t], scalar_w(kind, w, i * K + t), s);
+                s = fmaf(x[j * ldx + t], scalar_w(kind, w, i * K + t), s);
             y[j * ldy + i] = s;
         }
 }
@@ -455,7 +456,7 @@ AI __m512 load_wz(int kind, const void *w, int64_t off) {
 }
 
 AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
-                    float *y, int64_t K, int64_t ldy) {
+                    float *y, int64_t K, int64_t ldx, int64_t ldy) {
     __m512 a01[NBMAX][MBMAX], a23[NBMAX][MBMAX];
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
@@ -469,7 +470,8 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
             w23[i] = load_wz(kind, w, i * K + k + 16);
         }
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
-            __m512 x01 = _mm512_loadu_ps(x + j * K + k), x23 = _mm512_loadu_ps(x + j * K + k + 16);
+            __m512 x01 = _mm512_loadu_ps(x + j * ldx + k);
+            __m512 x23 = _mm512_loadu_ps(x + j * ldx + k + 16);
             _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
                 a01[i][j] = _mm512_fmadd_ps(w01[i], x01, a01[i][j]);
                 a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
@@ -484,11 +486,11 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
                              hi256(a23[i][j])};
             for (int64_t kk = k, c = 0; kk < K8; kk += 8, c++)
                 acc[c] = _mm256_fmadd_ps(load_w(kind, w, i * K + kk),
-                                         _mm256_loadu_ps(x + j * K + kk), acc[c]);
+                                         _mm256_loadu_ps(x + j * ldx + kk), acc[c]);
             __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             float s = hsum8(a);
             for (int64_t t = K8; t < K; t++)
-                s = fmaf(x[j * K + t], scalar_w(kind, w, i * K + t), s);
+                s = fmaf(x[j * ldx + t], scalar_w(kind, w, i * K + t), s);
             y[j * ldy + i] = s;
         }
 }
@@ -538,8 +540,8 @@ AI void q8_ztile(const int nb, const int mp, const int rows, const float *x2, co
 
 #define DZ_FN(KIND, NB, MB)                                                                     \
     static void dz_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K,    \
-                                        int64_t ldy) {                                          \
-        dense_ztile(KIND, NB, MB, x, w, y, K, ldy);                                             \
+                                        int64_t ldx, int64_t ldy) {                             \
+        dense_ztile(KIND, NB, MB, x, w, y, K, ldx, ldy);                                        \
     }
 #define MB8Z(FN, KIND, NB)                                                                  \
     FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3) FN(KIND, NB, 4) FN(KIND, NB, 5)          \
@@ -547,7 +549,7 @@ AI void q8_ztile(const int nb, const int mp, const int rows, const float *x2, co
 #define ALL_ZTILES(FN, KIND) MB8Z(FN, KIND, 1) MB8Z(FN, KIND, 2) MB8Z(FN, KIND, 4)
 ALL_ZTILES(DZ_FN, 0)
 ALL_ZTILES(DZ_FN, 1)
-typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t);
+typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t);
 #define ROW8Z(P, KIND, NB)                                                                  \
     {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
@@ -569,8 +571,8 @@ static const q8z_fn Q8Z_TABLE[3][MBMAX / 2] = {Q8Z_ROW(1), Q8Z_ROW(2), Q8Z_ROW(4
 #else
 #define DENSE_FN(KIND, NB, MB)                                                                  \
     static void dense_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K, \
-                                           int64_t ldy) {                                       \
-        dense_tile(KIND, NB, MB, x, w, y, K, ldy);                                              \
+                                           int64_t ldx, int64_t ldy) {                          \
+        dense_tile(KIND, NB, MB, x, w, y, K, ldx, ldy);                                         \
     }
 /* Instantiated tiles: nb = 4 or 2 with mb <= 3, nb = 1 with mb <= 8 (tile_cfg picks among them). */
 #define MB3(FN, KIND, NB) FN(KIND, NB, 1) FN(KIND, NB, 2) FN(KIND, NB, 3)
@@ -580,7 +582,7 @@ static const q8z_fn Q8Z_TABLE[3][MBMAX / 2] = {Q8Z_ROW(1), Q8Z_ROW(2), Q8Z_ROW(4
 #define ALL_TILES(FN, KIND) MB8(FN, KIND, 1) MB3(FN, KIND, 2) MB3(FN, KIND, 4)
 ALL_TILES(DENSE_FN, 0)
 ALL_TILES(DENSE_FN, 1)
-typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t);
+typedef void (*dense_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t);
 #define ROW3(P, KIND, NB) {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3}
 #define ROW8(P, KIND, NB)                                                                   \
     {P##KIND##_##NB##_1, P##KIND##_##NB##_2, P##KIND##_##NB##_3, P##KIND##_##NB##_4,         \
@@ -1153,12 +1155,18 @@ static int tile_cfg[3][3][2] = {
  * 1.08-1.35 for nb 4 x mb 2; 8 rows: 1.44-1.72 against 1.95-2.49); f16 likewise, its
  * conversion shared by all x rows.  q8 with 5-8 x rows: four weight rows per tile (8 rows:
  * 1.60-1.69x one row against 1.47-2.29 with two, the head 1.68 against 2.29). */
-/* Dense 512-bit tiles of one weight row whose x rows exceed this many bytes take four weight
- * rows instead (half of a 48 KB L1d: the x rows are reread for every weight vector).  8 rows
- * of SmolLM2's down projection (K = 1536, 48 KB of x rows): fp32 1.61x one row against 2.37x,
- * fp16 1.79x against 2.78x; fp16 with K = 576 keeps one weight row (1.3-1.9x against 1.55-2.0
- * with four). */
-#define ZX_L1_BYTES 24576
+/* Dense 512-bit tiles of one weight row whose x rows (the first tile's: min(M, mb) rows of K
+ * floats) exceed this many bytes share each x load between several weight rows instead - fp32
+ * four weight rows x mb, fp16 two x four x rows - because the x rows, reread for every weight
+ * vector, would not stay in a 48 KB L1d next to the weight stream.  SmolLM2's down projection
+ * (K = 1536), x rows on 64-byte lines, Zen 5 (docs/measurements/multirow_zen5_2026-11-28.md):
+ * 8 rows (48 KB) fp32 2.05x one row against 2.7x with one weight row, fp16 2.3-2.4x against
+ * 3.0-3.3x; 5-6 rows (30-36 KB) keep one weight row: fp32 1.3-1.8x, fp16 1.2-1.4x against
+ * 1.9-2.5x with four (the former threshold, 24 KB; the measurements behind it, on a Sapphire
+ * Rapids core, had x rows off a line). */
+#ifndef ZX_L1_BYTES
+#define ZX_L1_BYTES 40960
+#endif
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
@@ -1174,12 +1182,16 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
         lanes_range(j, n0, n1);
         return;
     }
+    const int64_t ldx = j->ldx > 0 ? j->ldx : K;
 #ifdef EXITLM_ZMM
     const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
     int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
-    const int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
-    if (z && kind != K_Q8 && nbt == 1 && (int64_t)mbt * K * 4 > ZX_L1_BYTES)
-        nbt = 4; /* the tile's x rows would not stay in L1: each x load serves 4 W rows */
+    int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
+    if (z && kind != K_Q8 && nbt == 1 && (int64_t)(M < mbt ? M : mbt) * K * 4 > ZX_L1_BYTES) {
+        /* the tile's x rows would not stay in L1: each x load serves several W rows */
+        nbt = kind == K_F32 ? 4 : 2;
+        mbt = kind == K_F32 ? mbt : 4;
+    }
 #else
     const int nbt = tile_cfg[kind][r][0], mbt = tile_cfg[kind][r][1];
 #endif
@@ -1202,16 +1214,16 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
 #endif
         for (int64_t m = 0; m < M;) {
             const int mb = M - m >= mbt ? mbt : (int)(M - m);
-            const float *x = j->x + m * K;
+            const float *x = j->x + m * ldx;
             float *y = j->y + m * N + n;
             if (kind == K_Q8) {
                 Q8_TABLE[nbi][mb - 1](x, (const int8_t *)j->w + n * K, j->scales + n * G, y, K, N);
             } else {
                 const void *w = (const char *)j->w + n * K * (kind == K_F32 ? 4 : 2);
 #ifdef EXITLM_ZMM
-                DZ_TABLE[kind][nbi][mb - 1](x, w, y, K, N);
+                DZ_TABLE[kind][nbi][mb - 1](x, w, y, K, ldx, N);
 #else
-                DENSE_TABLE[kind][nbi][mb - 1](x, w, y, K, N);
+                DENSE_TABLE[kind][nbi][mb - 1](x, w, y, K, ldx, N);
 #endif
             }
             m += mb;
@@ -1431,20 +1443,43 @@ int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 
 void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 
+/* Run a dense job.  Multi-row tiles load every x row once per weight vector, and a vector load
+ * that straddles two 64-byte lines costs about a second load (8 rows of SmolLM2's qkv
+ * projection: 3.5x one row with x 16 bytes off a line against 1.6x on it, Zen 5, 512-bit
+ * tiles): x rows that do not all start on a line are first copied to ones that do (row stride
+ * K rounded up to 16 floats), the same values, so the same bits. */
+#define X_LINE_FLOATS 16
+static int run_dense(job_t *j, int nthreads) {
+    float *copy = NULL;
+#ifdef __AVX2__
+    const int64_t M = j->M, K = j->K;
+    if (M > 1 && ((uintptr_t)j->x % 64 != 0 || K % X_LINE_FLOATS != 0)) {
+        const int64_t ldx = (K + X_LINE_FLOATS - 1) / X_LINE_FLOATS * X_LINE_FLOATS;
+        copy = (float *)aligned_alloc(64, (size_t)M * (size_t)ldx * sizeof(float));
+        if (copy != NULL) { /* memory short: the rows as they are */
+            for (int64_t m = 0; m < M; m++) memcpy(copy + m * ldx, j->x + m * K, K * sizeof(float));
+            j->x = copy;
+            j->ldx = ldx;
+        }
+    }
+#endif
+    run_job(j, nthreads);
+    free(copy);
+    return 0;
+}
+
 int exitlm_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL};
-    run_job(&j, nthreads);
-    return 0;
+    job_t j = {K_F32, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, K};
+    return run_dense(&j, nthreads);
 }
 
 int exitlm_gemm_f16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL};
-    run_job(&j, nthreads);
-    return 0;
+    job_t j = {K_F16, x, w, NULL, NULL, NULL, y, M, N, K, NULL, NULL, NULL, NULL, K};
+    return run_dense(&j, nthreads);
 }
 
 /* Scratch for the per-call activation data: on the stack when small, else malloc'd. */
@@ -1498,7 +1533,8 @@ static int act8_init(act8_t *a, job_t *j) {
  * allocation to free, or NULL (memory short: j runs on the 256-bit tiles). */
 static float *float_pairs(job_t *j) {
     const int64_t M = j->M, K = j->K, P = (M + 1) / 2;
-    float *buf = (float *)malloc((size_t)P * (size_t)K * 2 * sizeof(float));
+    /* on a 64-byte line: the tile loads 16 floats at a time (see run_dense) */
+    float *buf = (float *)aligned_alloc(64, (size_t)P * (size_t)K * 2 * sizeof(float));
     if (buf == NULL) return NULL;
     for (int64_t m = 0; m < 2 * P; m++) {
         const int64_t p = m / 2, h = m % 2;
