@@ -81,9 +81,15 @@
  * tile's bytes of each group (a8_prefetch_next).  Measured on the AVX2 EPYC (Zen 1) this was
  * tuned on, one x row, weights streaming from DRAM: 2048 bytes ahead made q8 ~40% and q4 ~9%
  * faster (their loops are busy converting, so the hardware prefetcher falls behind; 512/1024
- * gain less, 4096 the same), 8 rows unchanged. */
+ * gain less, 4096 the same), 8 rows unchanged.  On a Zen 5 core (AVX-512) the q8 tiles gain
+ * from further ahead: PF_Q_AMD512_BYTES, taken by AMD CPUs in AVX-512 builds (dense_pf_init;
+ * one-row q8 products of SmolLM2's shapes 0.75x the time of 2048 ahead, the 49152 x 576 head
+ * 957 against 1319 us; 4096 0.88x, 16384 0.80x; docs/measurements/multirow_zen5_2026-11-28.md). */
 #ifndef PF_Q_BYTES
 #define PF_Q_BYTES 2048
+#endif
+#ifndef PF_Q_AMD512_BYTES
+#define PF_Q_AMD512_BYTES 8192
 #endif
 /* Dense (f32 / f16) weight rows are prefetched PF_DENSE_BYTES ahead into L1 (_MM_HINT_T0) and
  * PF_DENSE_FAR_BYTES ahead into L2 only (_MM_HINT_T1), so that the L1 prefetch finds its lines
@@ -323,7 +329,7 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
  * the CPU's vendor (see PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into
  * L2 in every tile; other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the
  * 512-bit tiles, and no software prefetch in the 256-bit ones. */
-static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES;
+static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES, pf_q = PF_Q_BYTES;
 static int dense_pf = 0;
 __attribute__((constructor)) static void dense_pf_init(void) {
     __builtin_cpu_init();
@@ -331,6 +337,9 @@ __attribute__((constructor)) static void dense_pf_init(void) {
     if (!dense_pf) {
         pf_near = PF_DENSE_AMD_BYTES;
         pf_far = 0;
+#ifdef EXITLM_ZMM
+        if (PF_Q_BYTES > 0) pf_q = PF_Q_AMD512_BYTES;
+#endif
     }
 }
 
@@ -391,11 +400,12 @@ AI __m256 load_q8(const int8_t *q, int64_t g, int c) {
         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 32 * g + 8 * c))));
 }
 
-/* Prefetch PF_Q_BYTES ahead along nb q8 weight rows of length K, at group g. */
+/* Prefetch pf_q bytes ahead along nb q8 weight rows of length K, at group g. */
 AI void prefetch_q8(const int nb, const int8_t *q, int64_t K, int64_t g) {
-    if (PF_Q_BYTES)
+    const int64_t ahead = pf_q;
+    if (ahead > 0)
         for (int i = 0; i < nb; i++)
-            _mm_prefetch((const char *)(q + i * K + 32 * g) + PF_Q_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + i * K + 32 * g) + ahead, _MM_HINT_T0);
 }
 
 /* nb W rows x mb x rows of q8 with float32 activations (the header's q8 arithmetic), each W row
