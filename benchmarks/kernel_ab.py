@@ -11,9 +11,14 @@ distinct copies (or a whole model's worth) so they stream from memory as in deco
 
 * ``decode``: one "token" - 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) +
   the head 49152x576, distinct weights, one x row: milliseconds per pass (median, best).
-* ``rows``: per shape, M = 1, 2, 4, 8 x rows: microseconds per product and the rows x cost
-  ``time(M) / time(1)`` of each build (of the median passes, and of the best ones: on a shared
-  machine, another job's load only ever slows a pass).
+* ``rows``: per shape (SmolLM2's by name, or any ``NxK``), M = 1, 2, 4, 8 x rows:
+  microseconds per product and the rows x cost ``time(M) / time(1)`` of each build (of the
+  median passes, and of the best ones: on a shared machine, another job's load only ever slows
+  a pass).
+
+x rows start on a 64-byte line, as the runtime's do (torch's allocator; the native blocks'
+scratch): a 512-bit load across two lines costs about two, which an unaligned numpy buffer
+would add to every multi-row cell.
 
     cc -O3 -march=native -ffp-contract=off -fPIC -shared -std=c11 -pthread \\
         -I src/exitlm/kernels -o /tmp/new.so src/exitlm/kernels/{kernels,block,reduce,channel}.c -lm
