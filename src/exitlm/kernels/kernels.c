@@ -1176,10 +1176,11 @@ static int tile_cfg[3][3][2] = {
  * four weight rows x mb, fp16 two x four x rows - because the x rows, reread for every weight
  * vector, would not stay in a 48 KB L1d next to the weight stream.  SmolLM2's down projection
  * (K = 1536), x rows on 64-byte lines, Zen 5 (docs/measurements/multirow_zen5_2026-11-28.md):
- * 8 rows (48 KB) fp32 2.05x one row against 2.7x with one weight row, fp16 2.3-2.4x against
- * 3.0-3.3x; 5-6 rows (30-36 KB) keep one weight row: fp32 1.3-1.8x, fp16 1.2-1.4x against
- * 1.9-2.5x with four (the former threshold, 24 KB; the measurements behind it, on a Sapphire
- * Rapids core, had x rows off a line). */
+ * 8 rows (48 KB) fp32 2.05x one row against 2.7-2.9x with one weight row, fp16 2.3-2.4x
+ * against 3.0-3.3x with four x eight; 5-6 rows (30-36 KB) keep one weight row: fp32 1.7-2.1x,
+ * fp16 1.3-1.5x against 2.0-2.5x and 2.3-2.8x with four (the former threshold, 24 KB, on all
+ * 8 rows whatever M; the measurements behind it, on a Sapphire Rapids core, had x rows off a
+ * line). */
 #ifndef ZX_L1_BYTES
 #define ZX_L1_BYTES 40960
 #endif
