@@ -82,7 +82,7 @@
  * tuned on, one x row, weights streaming from DRAM: 2048 bytes ahead made q8 ~40% and q4 ~9%
  * faster (their loops are busy converting, so the hardware prefetcher falls behind; 512/1024
  * gain less, 4096 the same), 8 rows unchanged.  On a Zen 5 core (AVX-512) the q8 tiles gain
- * from further ahead: PF_Q_AMD512_BYTES, taken by AMD CPUs in AVX-512 builds (dense_pf_init;
+ * from further ahead: PF_Q_AMD512_BYTES, taken by AMD CPUs in AVX-512 builds (prefetch_init;
  * one-row q8 products of SmolLM2's shapes 0.75x the time of 2048 ahead, the 49152 x 576 head
  * 957 against 1319 us; 4096 0.88x, 16384 0.80x; docs/measurements/multirow_zen5_2026-11-28.md). */
 #ifndef PF_Q_BYTES
@@ -105,7 +105,7 @@
  * EPYC VM core (AVX-512; docs/measurements/zen5_2026-11-27.md) the L2 level made the 512-bit
  * tiles 6-9% slower and the L1 level was best PF_DENSE_AMD_BYTES ahead (one-row decode pass:
  * 0.89-0.92x the time of Intel's two levels, 1024-32768 tried): AMD CPUs take that in the
- * 512-bit tiles, without the L2 level (dense_pf_init). */
+ * 512-bit tiles, without the L2 level (prefetch_init). */
 #ifndef PF_DENSE_BYTES
 #define PF_DENSE_BYTES 4096
 #endif
@@ -325,17 +325,18 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
     return _cvtsh_ss(((const uint16_t *)w)[off]);
 }
 
-/* The dense tiles' prefetch distances and whether the 256-bit tiles prefetch, set at load from
- * the CPU's vendor (see PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into
- * L2 in every tile; other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the
- * 512-bit tiles, and no software prefetch in the 256-bit ones. */
+/* Prefetch settings, chosen at load from the CPU's vendor (prefetch_init).  Dense tiles (see
+ * PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into L2 in every tile;
+ * other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the 512-bit tiles, and
+ * no software prefetch in the 256-bit ones (dense_pf).  q8 tiles with float32 activations
+ * (pf_q, see PF_Q_BYTES): PF_Q_BYTES ahead, PF_Q_AMD512_BYTES on AMD CPUs in AVX-512 builds. */
 static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES, pf_q = PF_Q_BYTES;
 /* How many tiles ahead the q4 W-rows-in-lanes tiles prefetch (a8_prefetch_next): one, two on
  * AMD CPUs in AVX-512 builds - on a Zen 5 core the one-row int4 products with int8 activations
  * took 0.90-0.94x the time (SmolLM2's head 664 -> 567 us) while q8's lanes lost 8% with two. */
 static int64_t pf_q4_tiles = 1;
 static int dense_pf = 0;
-__attribute__((constructor)) static void dense_pf_init(void) {
+__attribute__((constructor)) static void prefetch_init(void) {
     __builtin_cpu_init();
     dense_pf = __builtin_cpu_is("intel");
     if (!dense_pf) {
@@ -1462,8 +1463,8 @@ void exitlm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
 
 /* Run a dense job.  Multi-row tiles load every x row once per weight vector, and a vector load
  * that straddles two 64-byte lines costs about a second load (8 rows of SmolLM2's qkv
- * projection: 3.5x one row with x 16 bytes off a line against 1.6x on it, Zen 5, 512-bit
- * tiles): x rows that do not all start on a line are first copied to ones that do (row stride
+ * projection: 3.4x one row with x 4-32 bytes off a line against 1.4-1.6x on it, Zen 5,
+ * 512-bit tiles): x rows that do not all start on a line are first copied to ones that do (row stride
  * K rounded up to 16 floats), the same values, so the same bits. */
 #define X_LINE_FLOATS 16
 static int run_dense(job_t *j, int nthreads) {
