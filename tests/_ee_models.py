@@ -19,16 +19,18 @@ GPT2_STYLE = {"norm": "layernorm", "pos": "learned", "mlp": "gelu", "activation"
 def ee_model(
     head: str = "linear", *, every_layer: bool = False, layers: tuple[int, ...] = (1, 2, 3),
     vocab: int = 23, num_layers: int = 4, gpt2: bool = False, scale: float = 0.4, seed: int = 0,
-    eos: tuple[int, ...] = (),
+    eos: tuple[int, ...] = (), hidden: int = 64,
 ) -> EarlyExitLM:
     """A random 4-layer model with exits; large weights make next-token distributions sharp
-    enough that confidence exits happen at moderate thresholds."""
+    enough that confidence exits happen at moderate thresholds. ``hidden``: the MLP width (48:
+    MLP output layers whose input is not a multiple of the quantization group, as
+    ``layerskip-code``'s 688)."""
     torch.manual_seed(seed)
     exits = (ExitConfig(every_layer=True, norm="final") if every_layer
              else ExitConfig(layers=layers, head=head))
     cfg = ModelConfig(
         vocab_size=vocab, dim=32, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-        hidden_dim=64, max_seq_len=160, exits=exits, eos_token_ids=eos,
+        hidden_dim=hidden, max_seq_len=160, exits=exits, eos_token_ids=eos,
         **(GPT2_STYLE if gpt2 else {}),
     )
     model = EarlyExitLM(cfg).eval()

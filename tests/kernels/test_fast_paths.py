@@ -126,3 +126,22 @@ def test_fp16_products_of_few_rows_are_row_invariant() -> None:
         torch.testing.assert_close(few.float(), ref[: F16_NATIVE_ROWS - 1], rtol=2e-3, atol=2e-3)
         many = linear(x, w, b)
         torch.testing.assert_close(many.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_fp16_weights_with_fp32_activations() -> None:
+    """A float32 model holding a weight in fp16 (a quantized draft copy's layers that cannot
+    be quantized): fp32 products of the fp16 weight, each row with the bits of its one-row
+    product, the weight's values exactly (as F.linear on the weight in fp32, up to order)."""
+    from exitlm.kernels import native
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 48, generator=gen).half()
+    b = torch.randn(40, generator=gen)
+    x = torch.randn(9, 48, generator=gen)
+    with torch.no_grad():
+        got = linear(x, w, b)
+        assert got.dtype is torch.float32
+        torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-5)
+        if native.available():  # (torch's fallback is not row-invariant)
+            for i in (0, 4, 8):
+                assert torch.equal(got[i], linear(x[i : i + 1], w, b)[0])

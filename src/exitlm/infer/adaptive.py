@@ -30,6 +30,9 @@ otherwise)::
 
     T(E, d) = (d + 1) E c(b) + d h_E(b) + (L - E) c(b (d + 1)) + H
 
+(One sequence drafting through a quantized copy of the model,
+:mod:`~exitlm.runtime.draft_copy`: the copy's chain, timed on the copy, and all ``L`` layers
+over ``d + 1`` positions.)
 ``c(r)`` is one layer over ``r`` rows and ``h_E(r)`` exit ``E``'s head, both measured on this
 machine; a plain step is ``L c(b) + h_L(b)``, and a batch's modelled round is scaled by its
 measured plain step over that model (a batch of ``b`` sequences takes other code paths than
@@ -221,11 +224,15 @@ class SpecPlanner:
         max_draft: the longest draft considered.
         anchor: the model's measured best round ``(E, d)``, preferred (see the module
             docstring); ``E`` must be a candidate.
+        copy: ``(kind, costs)`` where one sequence drafts through a quantized copy of the
+            model (:mod:`~exitlm.runtime.draft_copy`) whose primitives ``costs`` measures:
+            its rounds are the copy's chain and all ``L`` layers over ``d + 1`` positions.
     """
 
     def __init__(self, costs: PrimitiveCosts, num_layers: int, candidates: Sequence[int], *,
                  vocab: int | None, lazy_head: bool, max_draft: int = MAX_AUTO_DRAFT,
-                 anchor: tuple[int, int] | None = None) -> None:
+                 anchor: tuple[int, int] | None = None,
+                 copy: tuple[str, PrimitiveCosts] | None = None) -> None:
         if not candidates:
             raise ValueError("adaptive self-speculation needs at least one candidate exit")
         if anchor is not None and anchor[0] not in candidates:
@@ -237,6 +244,7 @@ class SpecPlanner:
         self.vocab = vocab
         self.lazy_head = lazy_head
         self.max_draft = max_draft
+        self.copy_costs = None if copy is None else copy[1]
         self.probe_every = MIN_PROBE_EVERY
         self.since_probe = 0
         """Steps since the last probe step."""
@@ -246,7 +254,8 @@ class SpecPlanner:
         # cost model alone: a short generation ends before its planner has learned much
         learned = getattr(costs, "learned", None)
         memory: dict[str, dict] = ({} if learned is None
-                                   else learned.setdefault(("rounds", vocab, lazy_head), {}))
+                                   else learned.setdefault(
+                                       ("rounds", vocab, lazy_head, copy and copy[0]), {}))
         self._plain: dict[int, float] = memory.setdefault("plain", {})
         self._measured: dict[tuple[int, int, int], float] = memory.setdefault("measured", {})
         """Measured seconds of rounds by (exit, drafts, sequences), the lazy head excluded."""
@@ -326,7 +335,9 @@ class SpecPlanner:
         key = (e, d, b)
         t = self._fixed.get(key)
         if t is None:
-            if b == 1:
+            if b == 1 and self.copy_costs is not None:
+                t = self.copy_costs.chain(e, d, self.vocab) + c.layers(0, d + 1)
+            elif b == 1:
                 t = c.chain(e, d, self.vocab) + c.layers(e, d + 1)
             else:
                 t = ((d + 1) * e * c.layer(b) + d * c.head(e, b, self.vocab)

@@ -78,6 +78,13 @@ class SelfSpecOptions:
         None, "stop a round's drafting once the exit's probability of its own draft falls "
         "below this (transformers' assistant_confidence_threshold); output unchanged",
         per_request=True)
+    draft_weights: Literal["model", "int8", "int4"] | None = option(
+        None, "what the drafts run on: 'model' (the model's own first E layers; verification "
+        "reuses their keys, values and exit query - LayerSkip), 'int8' / 'int4' (a quantized "
+        "copy of the model, about +28% / +19% of its float32 memory: cheaper draft steps; "
+        "verification then runs all L layers; a float32 model on the CPU kernels; one "
+        "sequence at a time - batches draft through the model); output unchanged either way "
+        "(default: the model's recorded round's, else 'model')")
 
     def __post_init__(self) -> None:
         check(self)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from exitlm.kernels import native
 from exitlm.kernels.blas import BLAS, PLAIN_TENSORS, SMALL_ROWS, blas_layout
 from exitlm.kernels.layout import Packed
+from exitlm.kernels.quant import dense_linear
 
 F16_NATIVE_ROWS = 40
 """fp16 products of fewer rows run on the native kernel. Measured on a 2-core Sapphire Rapids VM,
@@ -73,6 +74,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ):
             y = BLAS.rows(x, weight)
             return y if bias is None else y + bias
+    if x.dtype is torch.float32 and weight.dtype is torch.float16 and x.is_cpu:
+        # a float32 model holding a weight in fp16 (a quantized draft copy's layers that
+        # cannot be quantized, runtime/draft_copy.py): the native kernel reads it as it is
+        # (row-invariant, fp32 activations); F.linear on the weight in fp32 without it
+        y = dense_linear(x, weight.detach(), torch.get_num_threads())
+        return y if bias is None else y + bias
     if (
         x.dtype is torch.float16
         and weight.dtype is torch.float16

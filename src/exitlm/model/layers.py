@@ -23,7 +23,16 @@ from exitlm.model.kv_cache import KVCache, WritePlan
 
 class Linear(nn.Linear):
     """``nn.Linear``; its own class so that a runner can tell the model's layers apart from
-    a parallel layout's (which communicate inside their forward) and give them its kernels."""
+    a parallel layout's (which communicate inside their forward) and give them its kernels.
+    A float16 weight in a float32 model (a quantized draft copy keeps the layers it cannot
+    quantize that way, :mod:`exitlm.runtime.draft_copy`) multiplies float32 activations as
+    float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype is torch.float16 and x.dtype is torch.float32:
+            return F.linear(x, w.float(), self.bias)
+        return F.linear(x, w, self.bias)
 
 
 Products = Callable[[nn.Module, torch.Tensor], torch.Tensor]
