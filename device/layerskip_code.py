@@ -392,8 +392,8 @@ def ship(args: argparse.Namespace) -> int:
             shutil.copy2(p, tmp / p.name)
         if args.draft is not None:
             set_draft(tmp, *args.draft)
-            report["draft"] = dict(zip(("exit_layer", "num_speculations"), args.draft,
-                                       strict=True))
+            report["draft"] = dict(zip(("exit_layer", "num_speculations", "weights"),
+                                       args.draft, strict=True))
         tok = byte_level_tokenizer()
         tok.eos_token_ids = (0,)
         tok.save(tmp)
@@ -409,12 +409,12 @@ def ship(args: argparse.Namespace) -> int:
     return 0
 
 
-def set_draft(folder: Path, exit_layer: int, drafts: int) -> None:
+def set_draft(folder: Path, exit_layer: int, drafts: int, weights: str = "model") -> None:
     """Record the measured best self-speculative round as ``exits.draft`` of the config in
     ``folder`` (checked against the model's exits before anything is written)."""
     from exitlm.io.native import native_config, write_native_config
 
-    write_native_config(folder, native_config(folder).with_draft(exit_layer, drafts))
+    write_native_config(folder, native_config(folder).with_draft(exit_layer, drafts, weights))
 
 
 STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "train")
@@ -597,8 +597,13 @@ def model_card(report: dict[str, Any], notes: str = "") -> str:
         lines.append("")
     draft = report.get("draft")
     if draft:
-        lines += [f"The config records E={draft['exit_layer']}, d={draft['num_speculations']} "
-                  "as the round measured fastest in timed decoding (`exits.draft`): "
+        weights = draft.get("weights", "model")
+        copy = ("" if weights == "model" else
+                f", drafting through an {weights} copy of the model (`--draft-weights "
+                f"{weights}`: a quantized copy of the weights for the drafts, the model's own "
+                "for verification; where the copy cannot run, the model drafts)")
+        lines += [f"The config records E={draft['exit_layer']}, d={draft['num_speculations']}"
+                  f"{copy} as the round measured fastest in timed decoding (`exits.draft`): "
                   "`--strategy self-spec` drafts there unless another round promises clearly "
                   "more on the text at hand, or plain steps do.", ""]
     if notes.strip():
@@ -646,10 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--notes", metavar="FILE.md",
                    help="markdown appended to the model card (what was measured after "
                         "training: decoding speed, quality)")
-    s.add_argument("--draft", metavar="E,D", type=draft_round,
+    s.add_argument("--draft", metavar="E,D[,W]", type=draft_round,
                    help="the self-speculative round measured fastest on held-out text "
-                        "(`exitlm bench --sweep speculation`): recorded as the config's "
-                        "exits.draft, which self-speculation prefers")
+                        "(`exitlm bench --sweep speculation`; W: what the drafts ran on, "
+                        "model, int8 or int4): recorded as the config's exits.draft, which "
+                        "self-speculation prefers")
     args = p.parse_args(argv)
     from exitlm.errors import ExitlmError
 

@@ -45,17 +45,28 @@ def int_list(text: str) -> list[int]:
                                          ) from None
 
 
-def draft_round(text: str) -> tuple[int, int]:
-    """An argparse ``type``: ``E,D``, a self-speculative round (draft exit ``E >= 1``, ``D``
-    drafts in [1, 64]); whether ``E`` is one of a model's exits is checked against it."""
-    parts = text.split(",")
+DRAFT_WEIGHTS = ("model", "int8", "int4")
+"""What a recorded round's drafts may run on (:class:`~exitlm.config.DraftHint`)."""
+
+
+def draft_round(text: str) -> tuple[int, int, str]:
+    """An argparse ``type``: ``E,D[,W]``, a self-speculative round (draft exit ``E >= 1``,
+    ``D`` drafts in [1, 64], drafts run on ``W``: ``model`` (default), ``int8`` or ``int4``, a
+    quantized copy); whether ``E`` is one of a model's exits is checked against it."""
+    parts = [p.strip() for p in text.split(",")]
+    weights = parts.pop() if len(parts) == 3 else "model"
     try:
         e, d = (int(p) for p in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected E,D (a draft exit and drafts per round, e.g. 10,4), got {text!r}"
+            f"expected E,D or E,D,W (a draft exit, drafts per round and optionally the "
+            f"drafts' weights, e.g. 10,4 or 9,5,int8), got {text!r}"
         ) from None
     if e < 1 or not 1 <= d <= 64:
         raise argparse.ArgumentTypeError(
             f"expected E,D with E >= 1 and D in [1, 64], got {text!r}")
-    return e, d
+    if weights not in DRAFT_WEIGHTS:
+        raise argparse.ArgumentTypeError(
+            f"expected the drafts' weights W of E,D,W to be one of {', '.join(DRAFT_WEIGHTS)}, "
+            f"got {weights!r} in {text!r}")
+    return e, d, weights

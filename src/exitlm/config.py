@@ -75,10 +75,14 @@ class DraftHint:
     Attributes:
         exit_layer: the draft exit ``E`` (one of the model's exits).
         num_speculations: drafts per round ``d``.
+        weights: what the drafts ran on: ``model`` (the model's own layers) or ``int8`` /
+            ``int4`` (a quantized copy of the model, :mod:`exitlm.runtime.draft_copy`;
+            used where the copy can run, the model's own layers elsewhere).
     """
 
     exit_layer: PositiveInt
     num_speculations: Annotated[int, Range(ge=1, le=64)]
+    weights: Literal["model", "int8", "int4"] = "model"
 
     def __post_init__(self) -> None:
         check(self, "exits.draft")
@@ -192,10 +196,11 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_draft(self, exit_layer: int, num_speculations: int) -> ModelConfig:
+    def with_draft(self, exit_layer: int, num_speculations: int, weights: str = "model"
+                   ) -> ModelConfig:
         """This config with ``exits.draft`` set (:class:`DraftHint`; its exit is checked
         against this model's exits)."""
-        hint = DraftHint(exit_layer, num_speculations)
+        hint = DraftHint(exit_layer, num_speculations, weights)  # type: ignore[arg-type]
         return self.replace(exits=dataclasses.replace(self.exits, draft=hint))
 
     # ----- serialisation -------------------------------------------------------------------

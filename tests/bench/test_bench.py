@@ -14,6 +14,7 @@ from exitlm.cli import main
 from exitlm.infer.ppd import PPDStats
 from exitlm.infer.rouge import rouge_l, words
 from exitlm.infer.self_speculative import SelfSpecStats
+from exitlm.kernels import native
 from exitlm.plan.ppd_theory import expected_latency
 
 
@@ -129,8 +130,9 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(rows) == 4 and all(r["exact_match"] == 1.0 for r in rows)
     assert sweep["adaptive"]["exact_match"] == 1.0 and sweep["adaptive"]["over_best_static"] > 0
     top = max(rows, key=lambda r: r["decode_tokens_per_s"])
-    assert sweep["best"] == {k: top[k] for k in ("exit_layer", "num_speculations", "speedup",
-                                                 "exact_match")}
+    assert sweep["best"] == {**{k: top[k] for k in ("exit_layer", "num_speculations",
+                                                    "speedup", "exact_match")},
+                             "draft_weights": "model"}
     # a round faster than plain decoding is offered for the model's config (exits.draft)
     hint = f"--draft {top['exit_layer']},{top['num_speculations']}"
     faster = {**sweep, "best": {**sweep["best"], "speedup": 1.3}}
@@ -139,6 +141,15 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     assert not any("--draft" in line for line in sweep_lines(slower))
     assert (tmp_path / "out" / "sweep_self_spec.csv").is_file()
     assert (tmp_path / "out" / "sweep_self_spec.png").is_file()
+    if native.available():  # every cell drafts through the copy asked for, output unchanged
+        rc = main([*args, "--sweep", "speculation", "--sweep-exits", "2",
+                   "--sweep-speculations", "3", "--draft-weights", "int4", "--json"])
+        assert rc == 0
+        copied = json.loads(capsys.readouterr().out)["sweep"]
+        assert copied["rows"][0]["exact_match"] == copied["adaptive"]["exact_match"] == 1.0
+        assert copied["best"]["draft_weights"] == "int4"
+        faster = {**copied, "best": {**copied["best"], "speedup": 1.3}}
+        assert any("--draft 2,3,int4" in line for line in sweep_lines(faster))
     rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])
     assert rc == 0
     table = capsys.readouterr().out

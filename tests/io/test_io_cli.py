@@ -44,8 +44,18 @@ def test_convert_records_a_draft_hint(tmp_path: Path,
     assert "measured best round: exit 2, 3 drafts" in capsys.readouterr().out
     assert main(["convert", "debug", str(tmp_path / "hf"), "--to", "hf", "--draft", "1,2"]) == 0
     assert load_model(str(tmp_path / "hf")).config.exits.draft == DraftHint(1, 2)
+    # a round measured with a quantized copy's drafts (--draft-weights) names its weights
+    for fmt in ("exitlm", "hf"):
+        out = tmp_path / f"copy-{fmt}"
+        assert main(["convert", "debug", str(out), "--to", fmt, "--draft", "2,4,int4"]) == 0
+        assert load_model(str(out)).config.exits.draft == DraftHint(2, 4, "int4")
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "copy-exitlm")]) == 0
+    assert "exit 2, 4 drafts through an int4 copy" in capsys.readouterr().out
     for args, needle in ((["--draft", "3,3"], "--draft 3,3: exits.draft.exit_layer is 3, "
                                               "which is not an exit of this model"),
+                         (["--draft", "3,3,int8"], "--draft 3,3,int8: exits.draft.exit_layer "
+                                                   "is 3"),
                          (["--draft", "2,3", "--to", "megatron"], "drop --to megatron")):
         assert main(["convert", "debug", str(tmp_path / "bad"), *args]) == 2
         err = capsys.readouterr().err

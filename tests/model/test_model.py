@@ -149,6 +149,11 @@ def test_a_draft_hint_names_one_of_the_models_exits() -> None:
         load({"exit_layer": 1, "num_speculations": 0})
     with pytest.raises(ConfigError, match=r"exits\.draft: missing key 'num_speculations'"):
         load({"exit_layer": 1})
+    assert load({"exit_layer": 1, "num_speculations": 3, "weights": "int8"}).exits.draft == (
+        DraftHint(1, 3, "int8"))
+    with pytest.raises(ConfigError, match=r"exits\.draft\.weights: expected one of .*'int4'"
+                                          r".*got 'int2'"):
+        load({"exit_layer": 1, "num_speculations": 3, "weights": "int2"})
     with pytest.raises(ConfigError, match=r"unknown .*keys \['e'\]"):
         load({"e": 1, "exit_layer": 1, "num_speculations": 2})
 

@@ -86,17 +86,20 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert "Traceback" not in missing.stderr and not shipped.exists()
     (tmp_path / "notes.md").write_text("## Decoding speed\n\nmeasured after training\n")
     for draft, needle in (("4,2", "exits.draft.exit_layer is 4, which is not an exit"),
-                          ("2", "--draft: expected E,D (a draft exit and drafts per round")):
+                          ("2", "--draft: expected E,D or E,D,W (a draft exit, drafts per "
+                                "round"),
+                          ("2,3,fp8", "the drafts' weights W of E,D,W to be one of model, int8, "
+                                      "int4, got 'fp8'")):
         bad = _ship(tmp_path, shipped, "--draft", draft)
         assert bad.returncode == 2 and needle in bad.stderr, bad.stderr[-2000:]
         assert "Traceback" not in bad.stderr and not shipped.exists()
-    ship = _ship(tmp_path, shipped, "--notes", str(tmp_path / "notes.md"), "--draft", "2,3")
+    ship = _ship(tmp_path, shipped, "--notes", str(tmp_path / "notes.md"), "--draft", "2,3,int8")
     assert ship.returncode == 0, ship.stderr[-3000:]
     card = (shipped / "README.md").read_text()
     assert "4-layer byte-level model" in card and "| perplexity |" in card
-    assert "records E=2, d=3 as the round measured fastest" in card
+    assert "records E=2, d=3, drafting through an int8 copy of the model" in card
     assert json.loads((shipped / "training.json").read_text())["draft"] == {
-        "exit_layer": 2, "num_speculations": 3}
+        "exit_layer": 2, "num_speculations": 3, "weights": "int8"}
     assert card.rstrip().endswith("## Decoding speed\n\nmeasured after training")
     assert json.loads((shipped / "training.json").read_text())["stages"][0]["train"][
         "steps_done"] == 8
@@ -105,7 +108,8 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert f"cores of an {report['machine']['device']}" in card
     loaded = load_model(shipped)
     assert loaded.tokenizer.eos_token_ids == (0,)
-    assert loaded.model.config.exits.draft == DraftHint(exit_layer=2, num_speculations=3)
+    assert loaded.model.config.exits.draft == DraftHint(exit_layer=2, num_speculations=3,
+                                                        weights="int8")
     prompt = "def f(x):\n    return"
     kw = {"max_new_tokens": 16, "threads": 1, "ignore_eos": True}
     ar = generate(loaded.model, loaded.tokenizer, prompt, **kw).token_ids

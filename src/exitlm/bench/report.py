@@ -84,10 +84,11 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
                    f"best static setting, same as ar: {_same(ad['exact_match'])}")
     top = sweep.get("best")
     if top and top["speedup"] > 1 and top["exact_match"] == 1.0:
-        e, d = top["exit_layer"], top["num_speculations"]
-        out.append(f"fastest round: E={e}, d={d} ({_ratio(top['speedup'])} vs ar); record it in "
-                   f"a copy of the model for self-spec to prefer: exitlm convert MODEL OUT "
-                   f"--draft {e},{d}")
+        e, d, w = top["exit_layer"], top["num_speculations"], top.get("draft_weights")
+        w = "" if w in (None, "model") else f",{w}"
+        out.append(f"fastest round: E={e}, d={d}{w and f', {w[1:]} drafts'} "
+                   f"({_ratio(top['speedup'])} vs ar); record it in a copy of the model for "
+                   f"self-spec to prefer: exitlm convert MODEL OUT --draft {e},{d}{w}")
     files = [f for f in (sweep.get("csv"), sweep.get("plot")) if f]
     if files:
         out.append("wrote " + ", ".join(files))

@@ -143,6 +143,9 @@ class Run:
     total_s: float
     stats: DecodeStats = field(default_factory=DecodeStats)
     exit_layers: list[int] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    """The strategy's options as resolved (``GenerationResult.options``; empty for
+    ``transformers``)."""
 
 
 class _StreamTimer:
@@ -293,7 +296,7 @@ class Bench:
         t_end = time.perf_counter()
         seq = res.sequences[0]
         return Run(seq.token_ids, seq.text, res.timings.decode_s, res.timings.decode_tokens,
-                   t_end - t0, seq.stats, seq.exit_layers)
+                   t_end - t0, seq.stats, seq.exit_layers, dict(res.options))
 
     def run(self, strategy: str, ids: list[int], new: int, opts: dict[str, Any]) -> Run:
         if strategy == "hf":
@@ -420,12 +423,17 @@ def run_comparison(b: Bench) -> dict[str, Any]:
 
 def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path) -> dict[str, Any]:
     """LayerSkip Fig. 6: self-spec speed-up over AR for every (exit layer, speculations), and
-    adaptive self-spec (no exit or draft length given) against the grid in the same run."""
+    adaptive self-spec (no exit or draft length given) against the grid in the same run; the
+    other self-spec options given (``--draft-weights``, ``--draft-vocab``, ...) apply to
+    every cell."""
+    base = {k: v for k, v in b.cfg.options.get("self-spec", {}).items()
+            if k not in ("exit_layer", "num_speculations")}
     variants: dict[str, tuple[str, dict[str, Any]]] = {"ar": ("ar", {}),
-                                                       "adaptive": ("self-spec", {})}
+                                                       "adaptive": ("self-spec", base)}
     for e in exits:
         for d in specs:
-            variants[f"E{e}-d{d}"] = ("self-spec", {"exit_layer": e, "num_speculations": d})
+            variants[f"E{e}-d{d}"] = ("self-spec", {**base, "exit_layer": e,
+                                                    "num_speculations": d})
     runs = b.measure(variants, b.cfg.max_new_tokens, b.cfg.repeats)
     ref = summarize(runs["ar"], None)["decode_tokens_per_s"]
     adaptive = summarize(runs["adaptive"], runs["ar"])
@@ -444,12 +452,21 @@ def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path)
     return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png,
             "best": {"exit_layer": best["exit_layer"],
                      "num_speculations": best["num_speculations"],
+                     "draft_weights": _draft_weights(runs[f"E{best['exit_layer']}-d"
+                                                         f"{best['num_speculations']}"]),
                      "speedup": best["speedup"], "exact_match": best["exact_match"]},
             "adaptive": {"decode_tokens_per_s": adaptive["decode_tokens_per_s"],
                          "speedup": adaptive["decode_tokens_per_s"] / ref,
                          "over_best_static": adaptive["decode_tokens_per_s"]
                          / best["decode_tokens_per_s"],
                          "exact_match": adaptive["exact_match"]}}
+
+
+def _draft_weights(runs: list[Run]) -> str | None:
+    """What a self-spec cell's drafts ran on (its resolved ``draft_weights``: the option, else
+    the model's recorded round's where a copy could run), or None where not reported."""
+    return next((r.options["draft_weights"] for r in runs if "draft_weights" in r.options),
+                None)
 
 
 def sweep_thresholds(b: Bench, thresholds: list[float], out_dir: Path) -> dict[str, Any]:

@@ -39,9 +39,10 @@ def register(subparsers: Any) -> None:
                    help="write only the output embeddings int8 (the LM head, exits' own "
                         "matrices, an int8 copy of a tied embedding: +28%% of its fp32 size; "
                         "exitlm format only); loading it needs no --head-dtype")
-    p.add_argument("--draft", type=draft_round, default=None, metavar="E,D",
+    p.add_argument("--draft", type=draft_round, default=None, metavar="E,D[,W]",
                    help="record the self-speculative round measured fastest with these "
-                        "weights (exitlm bench --sweep speculation) as the config's "
+                        "weights (exitlm bench --sweep speculation; W: what its drafts ran "
+                        "on, model (default), int8 or int4, --draft-weights) as the config's "
                         "exits.draft, which --strategy self-spec prefers (exitlm and hf "
                         "formats)")
     p.add_argument("--delta-from", default=None, metavar="BASE",
@@ -147,13 +148,14 @@ def _write_delta(args: argparse.Namespace, loaded: Any, dst: Path) -> int:
     return 0
 
 
-def with_draft(loaded: Any, exit_layer: int, drafts: int) -> None:
-    """Give ``loaded``'s config the draft hint ``(exit_layer, drafts)`` (``--draft``), checked
-    against the model's exits."""
+def with_draft(loaded: Any, exit_layer: int, drafts: int, weights: str = "model") -> None:
+    """Give ``loaded``'s config the draft hint ``(exit_layer, drafts, weights)``
+    (``--draft``), checked against the model's exits."""
     try:
-        cfg = loaded.model.config.with_draft(exit_layer, drafts)
+        cfg = loaded.model.config.with_draft(exit_layer, drafts, weights)
     except ConfigError as err:
-        raise ConfigError(f"--draft {exit_layer},{drafts}: {err}") from None
+        shown = "" if weights == "model" else f",{weights}"
+        raise ConfigError(f"--draft {exit_layer},{drafts}{shown}: {err}") from None
     loaded.model.config = loaded.config = cfg
 
 
@@ -288,9 +290,11 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  exits         layers {ex['layers']} every_layer={ex['every_layer']} "
           f"head={ex['head']} norm={ex['norm']} output={ex['output']}")
     if ex["draft"] is not None:
+        weights = ex["draft"].get("weights", "model")
         print(f"  self-spec     measured best round: exit {ex['draft']['exit_layer']}, "
-              f"{ex['draft']['num_speculations']} drafts (exits.draft; preferred when the exit "
-              "is left open)")
+              f"{ex['draft']['num_speculations']} drafts"
+              f"{'' if weights == 'model' else f' through an {weights} copy'} (exits.draft; "
+              "preferred when the exit is left open)")
     t = info["tokenizer"]
     if t is None:
         print("  tokenizer     none")
