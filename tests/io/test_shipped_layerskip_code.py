@@ -87,6 +87,11 @@ def test_lossless_strategies_emit_plain_decodings_tokens(shipped: tuple) -> None
             "self-spec (the config's round)": generate(
                 model, tok, prompt, strategy="self-spec", exit_layer=hint.exit_layer,
                 num_speculations=hint.num_speculations, **kw),
+            "self-spec (the config's round, the model's own drafts)": generate(
+                model, tok, prompt, strategy="self-spec", exit_layer=hint.exit_layer,
+                num_speculations=hint.num_speculations, draft_weights="model", **kw),
+            "self-spec (int8 drafts)": generate(model, tok, prompt, strategy="self-spec",
+                                                draft_weights="int8", **kw),
             "self-spec (fixed)": generate(model, tok, prompt, strategy="self-spec",
                                           exit_layer=best["exit"],
                                           num_speculations=best["drafts"], **kw),
