@@ -106,6 +106,11 @@ def test_the_copy_drafts_and_full_depth_verification_follows(monkeypatch: pytest
     assert got.token_ids[0] == greedy_reference(model, prompt, NEW)
     assert ("copy", 3, 2) in calls and ("verify", 0, model.num_layers) in calls
     assert not any(c[0] == "model" and c[1] > 0 for c in calls)
+    # layer evaluations: the first token's L, then L + E per position of every round (the
+    # model verifies all L layers, the copy ran E)
+    st, seq = got.stats, got.sequences[0]
+    assert seq.layer_evaluations == model.num_layers + (st.drafted + st.rounds) * (
+        model.num_layers + 2)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -459,7 +459,8 @@ class SelfSpecDecoder(Decoder):
             for s, a, k in zip(batch.seqs, accepted, counts, strict=True):
                 if k:
                     self._agreement(s).observe(e, float(a), float(a + (a < k)))
-        return [self._emit(s, drafts, e, counts[i], i, a, f) for i, (s, a, f) in
+        copied = e if drafter is not runner else 0  # the copy's layers run besides L
+        return [self._emit(s, drafts, e, counts[i], i, a, f, copied) for i, (s, a, f) in
                 enumerate(zip(batch.seqs, accepted, final, strict=True))]
 
     # ----- the parts of a round ------------------------------------------------------------
@@ -548,8 +549,11 @@ class SelfSpecDecoder(Decoder):
                 tokens = [*drafts.tokens[i, :a].tolist(), final[i]]
                 batch.record(self._final_logits(hv[i, : a + 1]), tokens, [i] * (a + 1))
 
-    def _emit(self, seq: Seq, drafts: Chain, e: int, n_i: int, i: int, a: int, final: int
-              ) -> Emit:
+    def _emit(self, seq: Seq, drafts: Chain, e: int, n_i: int, i: int, a: int, final: int,
+              copied: int = 0) -> Emit:
+        """The round's tokens and stats for row ``i``; layer evaluations: ``L`` per position
+        (drafting ``E`` + verification ``L - E``), plus ``copied`` per position for drafts
+        through a quantized copy (its layers counted like the model's, though cheaper)."""
         st: SelfSpecStats = seq.stats  # type: ignore[assignment]
         st.rounds += 1
         st.drafted += n_i
@@ -557,7 +561,7 @@ class SelfSpecDecoder(Decoder):
         st.exit_layer_sum += e
         toks = drafts.tokens[i, :a].tolist()
         num_layers = self.model.num_layers
-        return Emit([*toks, final], [e] * a + [num_layers], (n_i + 1) * num_layers)
+        return Emit([*toks, final], [e] * a + [num_layers], (n_i + 1) * (num_layers + copied))
 
 
 FinalHead = Callable[[torch.Tensor], torch.Tensor]
