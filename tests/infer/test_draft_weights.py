@@ -7,13 +7,12 @@ explicit copy that cannot run is one clear error."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from _ee_models import ee_model, random_prompts
+from _ee_models import ee_model, one_thread, random_prompts  # noqa: F401
 from _reference import greedy_reference
 from exitlm.config import ConfigError
 from exitlm.infer import generate
@@ -24,7 +23,8 @@ from exitlm.runtime import prepare
 from exitlm.runtime.costs import costs_of
 from exitlm.runtime.draft_copy import draft_runner
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no native library")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no native library"),
+              pytest.mark.usefixtures("one_thread")]
 
 NEW = 16
 MODELS = {
@@ -40,14 +40,6 @@ CASES: list[dict[str, Any]] = [
     {"exit_layer": 2, "num_speculations": 4, "draft_threshold": 0.6},
     {},  # adaptive
 ]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _prompts() -> list[list[int]]:
