@@ -2,9 +2,9 @@
 
 Self-speculative decoding drafts ``d`` tokens through the first ``E`` layers one position at a
 time; on a CPU each draft step streams those layers' weights from memory, and drafting took
-63% of a round on ``layerskip-code`` (24 layers of dim 256, fp32: 28 MB read per draft step at
-``E = 9``). A copy of the model quantized in groups of 32
-(:func:`~exitlm.kernels.quantized.quantize_model`) reads a quarter (int8) or about a sixth
+two thirds of a round on ``layerskip-code`` (24 layers of dim 256, fp32: 28 MB read per draft
+step at ``E = 9``). A copy of the model quantized in groups of 32
+(:func:`~exitlm.kernels.quantized.quantize_model`) reads about a quarter (int8) or a fifth
 (int4) of those bytes per draft step. Its drafts are not the model's own exit's - the
 verifier then runs all ``L`` layers over ``x0, d_1 .. d_n`` in the model's own weights,
 overwriting the keys and values the copy wrote for those positions - so the output stays
