@@ -163,3 +163,36 @@ def test_the_planner_prices_one_sequence_by_the_copy() -> None:
     via.timed_round(2, 3, 1, 2.0, 1.0)
     assert (2, 3, 1) in via._measured and (2, 3, 1) not in own._measured
     assert dataclasses.fields(SelfSpecOptions)  # (the options class stays a dataclass)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_sequence_left_alone_in_an_engine_drafts_through_the_copy(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests with their own budgets in one engine: a batch drafts through the model; once
+    the others have finished, the last one drafts through the copy on the engine's pooled
+    cache - every request with the reference's tokens."""
+    from _ee_models import BUDGETS
+    from exitlm.infer.engine import Engine
+    from exitlm.infer.options import SamplingOptions
+
+    model = ee_model(every_layer=True)
+    copied: list[int] = []
+    chain = type(draft_runner(prepare(model, backend="native"), kind)).chain
+
+    def spy(self: Any, tokens: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        if self.model is not model:
+            copied.append(tokens.shape[0])
+        return chain(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(type(draft_runner(prepare(model, backend="native"), kind)), "chain", spy)
+    torch.manual_seed(5)
+    prompts = random_prompts(sizes=(5, 9, 3, 7))
+    engine = Engine(model, None, "self-spec",
+                    SelfSpecOptions(exit_layer=2, num_speculations=3, draft_weights=kind),
+                    max_batch=len(prompts))
+    reqs = [engine.submit(p, SamplingOptions(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, BUDGETS, strict=True)]
+    engine.run()
+    for r, p, n in zip(reqs, prompts, BUDGETS, strict=True):
+        assert r.result(model.num_layers).token_ids == greedy_reference(model, p, n)
+    assert copied and set(copied) == {1}
