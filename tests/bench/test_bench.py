@@ -119,6 +119,7 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     assert float(rows["self-spec"]["acceptance"]) == pytest.approx(
         res["self-spec"]["acceptance_rate"], abs=0.005)
     assert f"self-spec over ar {rows['self-spec']['vs ar']}" in table
+    assert "drafted through" not in table and res["self-spec"]["draft_weights"] == "model"
     assert "p_correct" in table and not table.lstrip().startswith("{")
     rc = main([*args, "--sweep", "speculation", "--sweep-exits", "1,2",
                "--sweep-speculations", "1,3", "--json"])
@@ -150,6 +151,13 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
         assert copied["best"]["draft_weights"] == "int4"
         faster = {**copied, "best": {**copied["best"], "speedup": 1.3}}
         assert any("--draft 2,3,int4" in line for line in sweep_lines(faster))
+        rc = main([*args, "--strategies", "ar,self-spec", "--exit-layer", "2",
+                   "--draft-weights", "int4"])
+        assert rc == 0
+        assert "self-spec drafted through an int4 copy" in capsys.readouterr().out
+        res = json.loads((tmp_path / "out" / "bench.json").read_text())["results"]
+        assert res["self-spec"]["draft_weights"] == "int4" and res["self-spec"][
+            "exact_match"] == 1.0
     rc = main([*args, "--sweep", "threshold", "--sweep-thresholds", "1.0,0.2"])
     assert rc == 0
     table = capsys.readouterr().out

@@ -52,6 +52,10 @@ def _comparison(report: dict[str, Any]) -> list[str]:
     ratios = [f"{names.get(k, k)} {_ratio(v)}" for k, v in report.get("ratios", {}).items()]
     if ratios:
         out.append("decode speed-up: " + ", ".join(ratios))
+    copied = report["results"].get("self-spec", {}).get("draft_weights")
+    if copied not in (None, "model"):
+        out.append(f"self-spec drafted through an {copied} copy of the model "
+                   "(--draft-weights model: through the model itself)")
     ppd = report.get("ppd_theory")
     if ppd:
         out.append(f"ppd: p_correct {_frac(ppd['p_correct'])}, measured speed-up "

@@ -348,6 +348,9 @@ def summarize(runs: list[Run], ref: list[Run] | None) -> dict[str, Any]:
     exits = [x for r in runs for x in r.exit_layers]
     if exits:
         out["mean_exit_layer"] = sum(exits) / len(exits)
+    weights = _draft_weights(runs)
+    if weights is not None:
+        out["draft_weights"] = weights
     return out
 
 
