@@ -64,6 +64,11 @@ class RopeScaling:
         check(self, "rope_scaling")
 
 
+DraftWeights = Literal["model", "int8", "int4"]
+"""What self-speculative drafts run on: the model's own layers, or a quantized copy of the
+model (:mod:`exitlm.runtime.draft_copy`; ``--draft-weights``)."""
+
+
 @dataclass(frozen=True)
 class DraftHint:
     """The self-speculative round measured fastest for a model's weights on held-out text
@@ -82,7 +87,7 @@ class DraftHint:
 
     exit_layer: PositiveInt
     num_speculations: Annotated[int, Range(ge=1, le=64)]
-    weights: Literal["model", "int8", "int4"] = "model"
+    weights: DraftWeights = "model"
 
     def __post_init__(self) -> None:
         check(self, "exits.draft")

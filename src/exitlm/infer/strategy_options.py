@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from exitlm.config import ConfigError
+from exitlm.config import ConfigError, DraftWeights
 from exitlm.infer.options import option
 from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
@@ -78,7 +78,7 @@ class SelfSpecOptions:
         None, "stop a round's drafting once the exit's probability of its own draft falls "
         "below this (transformers' assistant_confidence_threshold); output unchanged",
         per_request=True)
-    draft_weights: Literal["model", "int8", "int4"] | None = option(
+    draft_weights: DraftWeights | None = option(
         None, "what the drafts run on: 'model' (the model's own first E layers; verification "
         "reuses their keys, values and exit query - LayerSkip), 'int8' / 'int4' (a quantized "
         "copy of the model, about +28% / +19% of its float32 memory: cheaper draft steps; "

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import get_args
 
 import torch
 from torch import nn
 
+from exitlm.config import DraftWeights
 from exitlm.kernels import native as native_lib
 from exitlm.kernels.quantized import GROUP, is_quantized, quantizable, quantize_model
 from exitlm.model.layers import Linear
@@ -36,7 +38,7 @@ from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.native import NativeRunner
 from exitlm.runtime.runner import Runner
 
-DRAFT_KINDS: tuple[str, ...] = ("int8", "int4")
+DRAFT_KINDS: tuple[str, ...] = tuple(w for w in get_args(DraftWeights) if w != "model")
 """The weights a draft copy may have (groups of 32 along the input, as ``--dtype``)."""
 
 _COPIES: weakref.WeakKeyDictionary[EarlyExitLM, dict[str, NativeRunner]] = (
@@ -56,8 +58,9 @@ def unsupported(runner: Runner, kind: str) -> str | None:
         return (f"a quantized draft copy needs a float32 model (this one is "
                 f"{str(runner.dtype).removeprefix('torch.')}): the copy computes in float32 "
                 "and writes the model's own KV cache")
-    if is_quantized(model) is not None:
-        return f"the model's weights are already {is_quantized(model)}"
+    already = is_quantized(model)
+    if already is not None:
+        return f"the model's weights are already {already}"
     if model.config.dim % GROUP:
         return (f"the model width {model.config.dim} is not a multiple of {GROUP} (the "
                 "quantization group)")
