@@ -1,7 +1,8 @@
-"""The greedy screen (exitlm.kernels.screen) gives the full head's argmax exactly: on random
+"""The greedy screens (exitlm.kernels.screen) give the full head's argmax exactly: on random
 activations, on rows built to differ in the last bits or to tie, for float32 and float16
-heads; it gives up on non-finite activations; the native runner's greedy steps through it give
-plain decoding's tokens, and it follows a weight changed in place."""
+heads and (Int4Screen) int4 heads with and without a mins array; they give up on non-finite
+activations; the native runner's greedy steps through them give plain decoding's tokens, and
+they follow a weight changed in place."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from _byte_models import sharp_byte_model
 from _native import needs_native
 from exitlm.infer import generate
 from exitlm.kernels import native, screen
-from exitlm.kernels.screen import GreedyScreen
+from exitlm.kernels.quant import QuantizedWeight, qlinear, quantize
+from exitlm.kernels.quantized import quantize_model
+from exitlm.kernels.screen import GreedyScreen, Int4Screen
 from exitlm.runtime import native as native_runner
 from exitlm.runtime import prepare
 
 pytestmark = needs_native
 
 N, K = 3000, 128
+GROUP_STRIDE = 32  # the int8 activations' groups
 
 
 def _full(x: torch.Tensor, w: torch.Tensor) -> list[int]:
@@ -143,3 +147,137 @@ def test_self_speculation_plain_steps_go_through_the_screen(screened: list[bool]
     stats = res.sequences[0].stats
     assert stats.plain_steps > 0 and all(calls)
     assert len(calls) == 1 + stats.plain_steps  # the first token, then every plain step
+
+
+def _int4_head(seed: int, q4_0: bool) -> QuantizedWeight:
+    """A random int4 head (Q4_0: random nibbles, mins -8 x scales, signed scales; else the
+    int4 quantization of a float head) with rows that tie exactly (the lowest index wins) and
+    one that differs from row 7 in one nibble."""
+    gen = torch.Generator().manual_seed(seed)
+    if q4_0:
+        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+        scales = torch.randn(N, K // 32, generator=gen) * 0.05
+        w = QuantizedWeight("int4", q, scales, scales * -8.0)
+    else:
+        w = quantize(torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen), "int4")
+    assert w.mins is not None
+    for t in (w.q, w.scales, w.mins):
+        t[2500] = t[7]
+        t[40] = t[2900] = t[1234]
+        t[100] = t[7]
+    w.q[100, 3] ^= 1
+    assert (w.kernel_mins() is None) == q4_0
+    return w
+
+
+def _int4_full(x: torch.Tensor, w: QuantizedWeight) -> list[int]:
+    """The argmax of the head's own product (float32 activations; first index on ties)."""
+    return np.argmax(qlinear(x, w).numpy(), axis=1).tolist()
+
+
+@pytest.mark.parametrize("q4_0", [True, False], ids=["q4_0", "q4_1"])
+def test_the_int4_screen_gives_the_full_heads_argmax(q4_0: bool) -> None:
+    w = _int4_head(4, q4_0)
+    sc = Int4Screen(w)
+    rows = native.unpack_q4(w.q, w.scales, w.mins)
+    gen = torch.Generator().manual_seed(5)
+    decided = 0
+    for scale in (1e-3, 1.0, 30.0):
+        x = torch.randn(16, K, generator=gen) * scale
+        x[0] = rows[7] * scale  # against 100 (one nibble off) and 2500 (a tie)
+        x[1] = rows[1234] * scale  # ties with 40 and 2900
+        x[2, ::GROUP_STRIDE] *= 40.0  # outliers: coarse int8 steps in their groups
+        x[3, :GROUP_STRIDE] = 0.0  # a group of zeros
+        got = sc.argmax(x, w, 2)
+        assert got is not None
+        assert got == _int4_full(x, w)
+        decided += len(got)
+    assert decided == 48
+    assert _int4_full(rows[1234:1235], w)[0] == 40  # (the tie really is one)
+
+
+
+def test_the_int4_screen_keeps_rows_the_int8_rounding_reorders() -> None:
+    """Rows 301 and 300 differ in two nibbles (elements 0 and 32, +1 and -1); x puts 0.045 at
+    element 0, in a group of step 0.1 (rounded to 0), and 0.044 at element 32, in a group of
+    step 0.001 (kept): the exact logits put 301 first, the int8 activations 300 - the screen
+    must still answer 301."""
+    w = _int4_head(7, True)
+    w.scales.mul_(0.02)  # other rows far below (and the float32 slack small next to the gap)
+    w.scales[300:302] = 0.05
+    w.q[301] = w.q[300]
+    w.q[300, 0] = (w.q[300, 0] & 0xF0) | 5  # element 0 (byte 0, low nibble): 5 in 300, 6 in 301
+    w.q[301, 0] = (w.q[301, 0] & 0xF0) | 6
+    w.q[300, 16] = (w.q[300, 16] & 0xF0) | 5  # element 32 (byte 16, low): 5 in 300, 4 in 301
+    w.q[301, 16] = (w.q[301, 16] & 0xF0) | 4
+    w.mins.copy_(w.scales * -8.0)
+    rows = native.unpack_q4(w.q, w.scales, w.mins)
+    x = rows[300:301] * 3.0
+    x[0, GROUP_STRIDE:2 * GROUP_STRIDE] = rows[300, GROUP_STRIDE:2 * GROUP_STRIDE] * 0.3
+    x[0, 0], x[0, 1] = 0.045, 12.7  # group 0: step 0.1
+    x[0, GROUP_STRIDE], x[0, GROUP_STRIDE + 1] = 0.044, 0.127  # group 1: step 0.001
+    exact = qlinear(x, w)[0]
+    approx = native.gemm_q4(x, w.q, w.scales, None, int8_activations=True)[0]
+    assert int(exact.argmax()) == 301 and exact[301] > exact[300]
+    assert approx[300] > approx[301]  # what the screen has to see through
+    assert Int4Screen(w).argmax(x, w) == [301]
+
+
+def test_the_int4_screen_gives_up_where_it_cannot_bound() -> None:
+    w = _int4_head(6, True)
+    sc = Int4Screen(w)
+    x = torch.randn(2, K)
+    x[1, 5] = float("nan")
+    assert sc.argmax(x, w) is None
+    tiny = torch.randn(1, K)
+    tiny[0, :GROUP_STRIDE] *= 1e-36  # a group scale below what float32 rounds relatively
+    assert sc.argmax(tiny, w) is None
+    zero = QuantizedWeight("int4", torch.zeros(N, K // 2, dtype=torch.uint8),
+                           torch.zeros(N, K // 32), torch.zeros(N, K // 32))
+    assert Int4Screen(zero).argmax(torch.randn(1, K), zero) is None  # every row a candidate
+    with pytest.raises(ValueError, match="int4"):
+        Int4Screen(quantize(torch.randn(64, K), "int8"))
+
+
+def test_greedy_decoding_through_the_int4_screen_is_plain_decoding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int4 model's greedy steps (its tied head int4) take the int4 screen, with plain
+    decoding's tokens, in plain decoding and in self-speculation; a changed weight gets a new
+    screen."""
+    monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
+    calls: list[bool] = []
+    real = Int4Screen.argmax
+
+    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
+        out = real(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Int4Screen, "argmax", counting)
+    model = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int4")
+    assert model.output_embedding().kind == "int4"
+    runner = prepare(model)
+    prompts = [[3, 7, 11, 5], [9, 1], [200, 100, 50, 25, 12]]
+    kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
+    old = screen.set_screens(False)
+    try:
+        plain = generate(runner, None, prompts, **kw).token_ids
+        spec_plain = generate(runner, None, prompts[0], strategy="self-spec", **kw).token_ids
+    finally:
+        screen.set_screens(old)
+    assert not calls
+    assert generate(runner, None, prompts, **kw).token_ids == plain
+    assert calls and all(calls)
+    calls.clear()
+    assert generate(runner, None, prompts[0], strategy="self-spec", **kw).token_ids == \
+        spec_plain == [plain[0]]
+    assert calls and all(calls)
+    with torch.no_grad():
+        model.embed_tokens.q[5:60] ^= 0x11
+    screen.set_screens(False)
+    try:
+        changed = generate(runner, None, prompts, **kw).token_ids
+    finally:
+        screen.set_screens(True)
+    assert changed != plain
+    assert generate(runner, None, prompts, **kw).token_ids == changed
