@@ -1,8 +1,9 @@
 """The greedy screens (exitlm.kernels.screen) give the full head's argmax exactly: on random
 activations, on rows built to differ in the last bits or to tie, for float32 and float16
-heads and (Int4Screen) int4 heads with and without a mins array; they give up on non-finite
-activations; the native runner's greedy steps through them give plain decoding's tokens, and
-they follow a weight changed in place."""
+heads and (QuantizedScreen) int8 heads and int4 heads with and without a mins array; they give
+up on non-finite activations; the native runner's greedy steps through them give plain
+decoding's tokens (float32, float16, int8 and int4 models), and they follow a weight changed
+in place."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from exitlm.infer import generate
 from exitlm.kernels import native, screen
 from exitlm.kernels.quant import QuantizedWeight, qlinear, quantize
 from exitlm.kernels.quantized import quantize_model
-from exitlm.kernels.screen import GreedyScreen, Int4Screen
+from exitlm.kernels.screen import GreedyScreen, QuantizedScreen
 from exitlm.runtime import native as native_runner
 from exitlm.runtime import prepare
 
@@ -105,9 +106,11 @@ def screened(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-def test_greedy_decoding_through_the_screen_is_plain_decoding(screened: list[bool]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_decoding_through_the_screen_is_plain_decoding(screened: list[bool],
+                                                              dtype: torch.dtype) -> None:
     calls = screened
-    model = sharp_byte_model(num_layers=3, max_seq_len=96)
+    model = sharp_byte_model(num_layers=3, max_seq_len=96).to(dtype)
     prompts = [[3, 7, 11, 5], [9, 1], [200, 100, 50, 25, 12]]
     kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
     runner = prepare(model)
@@ -161,25 +164,40 @@ def _int4_head(seed: int, q4_0: bool) -> QuantizedWeight:
     else:
         w = quantize(torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen), "int4")
     assert w.mins is not None
-    for t in (w.q, w.scales, w.mins):
-        t[2500] = t[7]
-        t[40] = t[2900] = t[1234]
-        t[100] = t[7]
-    w.q[100, 3] ^= 1
+    _ties(w)
     assert (w.kernel_mins() is None) == q4_0
     return w
 
 
-def _int4_full(x: torch.Tensor, w: QuantizedWeight) -> list[int]:
+def _ties(w: QuantizedWeight) -> None:
+    """Rows 2500 = 7, 40 = 2900 = 1234 (ties: the lowest index wins); 100 = 7 but one bit."""
+    for t in (w.q, w.scales, w.mins):
+        if t is not None:
+            t[2500] = t[7]
+            t[40] = t[2900] = t[1234]
+            t[100] = t[7]
+    w.q[100, 3] ^= 1
+
+
+def _quantized_head(kind: str, seed: int) -> QuantizedWeight:
+    if kind == "int8":
+        gen = torch.Generator().manual_seed(seed)
+        w = quantize(torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen), "int8")
+        _ties(w)
+        return w
+    return _int4_head(seed, kind == "q4_0")
+
+
+def _quantized_full(x: torch.Tensor, w: QuantizedWeight) -> list[int]:
     """The argmax of the head's own product (float32 activations; first index on ties)."""
     return np.argmax(qlinear(x, w).numpy(), axis=1).tolist()
 
 
-@pytest.mark.parametrize("q4_0", [True, False], ids=["q4_0", "q4_1"])
-def test_the_int4_screen_gives_the_full_heads_argmax(q4_0: bool) -> None:
-    w = _int4_head(4, q4_0)
-    sc = Int4Screen(w)
-    rows = native.unpack_q4(w.q, w.scales, w.mins)
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "int8"])
+def test_the_quantized_screen_gives_the_full_heads_argmax(kind: str) -> None:
+    w = _quantized_head(kind, 4)
+    sc = QuantizedScreen(w)
+    rows = w.dequantize()
     gen = torch.Generator().manual_seed(5)
     decided = 0
     for scale in (1e-3, 1.0, 30.0):
@@ -190,10 +208,10 @@ def test_the_int4_screen_gives_the_full_heads_argmax(q4_0: bool) -> None:
         x[3, :GROUP_STRIDE] = 0.0  # a group of zeros
         got = sc.argmax(x, w, 2)
         assert got is not None
-        assert got == _int4_full(x, w)
+        assert got == _quantized_full(x, w)
         decided += len(got)
     assert decided == 48
-    assert _int4_full(rows[1234:1235], w)[0] == 40  # (the tie really is one)
+    assert _quantized_full(rows[1234:1235], w)[0] == 40  # (the tie really is one)
 
 
 
@@ -220,12 +238,12 @@ def test_the_int4_screen_keeps_rows_the_int8_rounding_reorders() -> None:
     approx = native.gemm_q4(x, w.q, w.scales, None, int8_activations=True)[0]
     assert int(exact.argmax()) == 301 and exact[301] > exact[300]
     assert approx[300] > approx[301]  # what the screen has to see through
-    assert Int4Screen(w).argmax(x, w) == [301]
+    assert QuantizedScreen(w).argmax(x, w) == [301]
 
 
-def test_the_int4_screen_gives_up_where_it_cannot_bound() -> None:
+def test_the_quantized_screen_gives_up_where_it_cannot_bound() -> None:
     w = _int4_head(6, True)
-    sc = Int4Screen(w)
+    sc = QuantizedScreen(w)
     x = torch.randn(2, K)
     x[1, 5] = float("nan")
     assert sc.argmax(x, w) is None
@@ -234,31 +252,32 @@ def test_the_int4_screen_gives_up_where_it_cannot_bound() -> None:
     assert sc.argmax(tiny, w) is None
     zero = QuantizedWeight("int4", torch.zeros(N, K // 2, dtype=torch.uint8),
                            torch.zeros(N, K // 32), torch.zeros(N, K // 32))
-    assert Int4Screen(zero).argmax(torch.randn(1, K), zero) is None  # every row a candidate
-    with pytest.raises(ValueError, match="int4"):
-        Int4Screen(quantize(torch.randn(64, K), "int8"))
+    assert QuantizedScreen(zero).argmax(torch.randn(1, K), zero) is None  # every row a candidate
 
 
-def test_greedy_decoding_through_the_int4_screen_is_plain_decoding(
+def test_greedy_decoding_through_the_quantized_screen_is_plain_decoding(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An int4 model's greedy steps (its tied head int4) take the int4 screen, with plain
+    """An int4 model's greedy steps (its tied head int4) take the quantized screen, with plain
     decoding's tokens, in plain decoding and in self-speculation; a changed weight gets a new
-    screen."""
+    screen. An int8 model's do not (screens_head)."""
     monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
     calls: list[bool] = []
-    real = Int4Screen.argmax
+    real = QuantizedScreen.argmax
 
     def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
         out = real(self, *a, **kw)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(Int4Screen, "argmax", counting)
+    monkeypatch.setattr(QuantizedScreen, "argmax", counting)
+    int8 = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int8")
+    kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
+    generate(prepare(int8), None, [3, 7, 11, 5], **kw)
+    assert not calls and not screen.screens_head(int8.output_embedding())
     model = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int4")
     assert model.output_embedding().kind == "int4"
     runner = prepare(model)
     prompts = [[3, 7, 11, 5], [9, 1], [200, 100, 50, 25, 12]]
-    kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
     old = screen.set_screens(False)
     try:
         plain = generate(runner, None, prompts, **kw).token_ids
@@ -273,7 +292,7 @@ def test_greedy_decoding_through_the_int4_screen_is_plain_decoding(
         spec_plain == [plain[0]]
     assert calls and all(calls)
     with torch.no_grad():
-        model.embed_tokens.q[5:60] ^= 0x11
+        model.embed_tokens.q[5:60] ^= 0x11  # +-1 in both nibbles
     screen.set_screens(False)
     try:
         changed = generate(runner, None, prompts, **kw).token_ids

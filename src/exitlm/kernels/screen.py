@@ -1,4 +1,5 @@
-"""The exact argmax of an output embedding's logits from an int8 copy: :class:`GreedyScreen`.
+"""The exact argmax of an output embedding's logits from a cheaper product: :class:`GreedyScreen`
+(an int8 copy of a float head) and :class:`QuantizedScreen` (int8 activations on a quantized one).
 
 Greedy decoding needs one number per step from the LM head - the index of the largest logit -
 yet reads the whole head to get it (SmolLM2's tied 49152 x 576 embedding: 113 MB of a 538 MB
@@ -21,12 +22,17 @@ as its head does, so candidates within two float16 ulps of the maximum are kept)
 
 On SmolLM2's head 1-6 rows are candidates per step (a bound per group, ``sum_g (s_vg / 2)
 ||x_g||_1``, is tighter - 1-5 - but reading the scales costs ~0.7 ms, a fifth of the screen).
-Only float32 heads are screened: against a float16 head the int8 copy reads half the bytes,
-which its kernel (float32 activations, so that the bound stays simple) does not turn into time.
-A step whose activations are not finite, or with more than :data:`MAX_CANDIDATES` candidates,
-returns None: the caller takes the full head. (float16 heads are handled - their logits
-rounded to float16 first, as their head does, candidates within two float16 ulps of the
-maximum kept - for callers that want them.)
+Against a float16 head the int8 copy reads half the bytes, which its kernel (float32
+activations, so that the bound stays simple) turns into less time: SmolLM2's head 1.05 against
+1.10 ms with the avx512 build, 1.40 against 1.70 with the avx2 one (Zen 5). Rounding the
+activations to int8 too (the faster integer kernel) adds ``||q s|| ||x^ - x||`` to the bound,
+which on SmolLM2 took the candidates from ~5 to ~75 a step: not done for float heads. A step
+whose activations are not finite, or with more than :data:`MAX_CANDIDATES` candidates, returns
+None: the caller takes the full head.
+
+Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
+product with int8 activations. Greedy steps take it for int4 heads, where that product is much
+the faster one (:func:`screens_head`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class GreedyScreen:
         self.rounding = largest * 0.5001
         """Per row, the int8 rounding's error per unit of ``||x||_1``."""
         self.version = (weight.data_ptr(), weight._version)
+        self.candidates: list[int] = []
+        """The rows recomputed exactly for each row of the last :meth:`argmax` (benchmarks)."""
 
     def current(self, weight: torch.Tensor) -> bool:
         """Whether this screen was made from ``weight`` as it is now."""
@@ -96,6 +104,7 @@ class GreedyScreen:
             return None
         kernel = native.gemm_f16 if self.half else native.gemm_f32
         tokens = []
+        self.candidates = []
         for i in range(m):
             floor = float((a[i] - d[i]).max())
             if self.half:
@@ -103,6 +112,7 @@ class GreedyScreen:
                     return None
                 floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
             cand = np.flatnonzero(a[i] + d[i] >= floor)
+            self.candidates.append(len(cand))
             if not 0 < len(cand) <= MAX_CANDIDATES:
                 return None
             rows = weight[torch.from_numpy(cand)]
@@ -113,45 +123,62 @@ class GreedyScreen:
         return tokens
 
 
-class Int4Screen:
-    """The exact argmax of an int4 head's logits - those of its float32-activation product
-    (:func:`~exitlm.kernels.quant.qlinear`) - from its integer product with the activations
-    rounded to int8 (``gemm_q4(..., int8_activations=True)``, the fused blocks' arithmetic;
-    SmolLM2's Q4_0 head: ~0.55 ms against ~0.93).
+def _round_like_kernels(x: torch.Tensor) -> np.ndarray | None:
+    """``x`` ``(M, K)`` float32 rounded as the native kernels round activations to int8
+    (``kernels.c`` ``quantize_x``, float32 operation for operation: ``d_g = absmax / 127`` per
+    group of 32, ``xq = nearbyint(x * (1 / d_g))``), as the float32 values ``d_g xq``; None when
+    a group's scale is not finite or below :data:`_TINY`. Fed these values, an int8-activation
+    product finds the same ``xq`` (and ``d_g`` within two ulps) and multiplies them."""
+    grp = x.numpy().reshape(x.shape[0], -1, GROUP)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        d = np.abs(grp).max(axis=-1, keepdims=True) / np.float32(127.0)
+        if not ((d == 0) | ((d >= _TINY) & (d <= 3.0e38))).all():
+            return None  # also NaN and inf
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0))
+    return (np.clip(np.rint(grp * inv), -127.0, 127.0).astype(np.float32) * d).reshape(x.shape)
 
-    The row ``x`` is rounded here as the kernels round it (``kernels.c`` ``quantize_x``:
-    ``d_g = absmax / 127``, ``xq = nearbyint(x * (1 / d_g))``, float32), to ``x^ = d_g xq``
-    rounded to float32, and ``x^`` is what the integer product gets: it finds the same ``xq``
-    (and ``d_g`` within two ulps), and its group sums ``X_g`` - the ``min`` terms - are those of
-    ``x^`` too, so it computes ``w . x^`` for the dequantized rows ``w = s nib + min`` up to
-    float32 summation. Then
+
+class QuantizedScreen:
+    """The exact argmax of an int8 or int4 head's logits - those of its float32-activation
+    product (:func:`~exitlm.kernels.quant.qlinear`) - from its integer product with the
+    activations rounded to int8 (``int8_activations=True``, the fused blocks' arithmetic;
+    SmolLM2's head on a Zen 5 core: Q4_0 0.51 against 0.89 ms; Q8_0 0.78 against 0.96, 0.95
+    against 1.23 with the avx2 build).
+
+    The row ``x`` is rounded here as the kernels round it (:func:`_round_like_kernels`), to
+    ``x^``, and the integer product gets ``x^``: it finds the same int8 values, and an int4
+    product's group sums ``X_g`` (its ``min`` terms) are those of ``x^`` too, so it computes
+    ``w . x^`` for the dequantized rows ``w`` (``q s``; int4 ``s nib + min``) up to float32
+    summation. Then
 
         |a_v - e_v| <= ||w_v||_2 (||x^ - x||_2 + 4u ||x^||_2)
                        + gamma (R_v + M_v) (||x||_2 + ||x^||_2)  +  4u |a_v|
 
-    (Cauchy-Schwarz; ``R_v``, ``M_v`` the norms of the row's ``s nib`` and ``min`` parts, which
-    bound both products' float32 sums over their ``2 G`` accumulations and group sums, and the
-    integer product's ``d_g`` a few ulps off: ``gamma``, Higham, *Accuracy and Stability of
-    Numerical Algorithms*, Sec. 3.1). Candidates
-    and their exact logits as in :class:`GreedyScreen`; on SmolLM2's Q4_0 head a median of ~15
-    rows. Rows with a group scale below :data:`_TINY` (where float32 rounding is not relative)
-    are not screened. It keeps no reference to the weight."""
+    (Cauchy-Schwarz; ``R_v``, ``M_v`` the norms of the row's ``q s`` / ``s nib`` and ``min``
+    parts, which bound both products' float32 sums over their ``2 G`` accumulations and group
+    sums, and the integer product's ``d_g`` a few ulps off: ``gamma``, Higham, *Accuracy and
+    Stability of Numerical Algorithms*, Sec. 3.1). Candidates and their exact logits as in
+    :class:`GreedyScreen`; on SmolLM2's Q4_0 head a median of ~12 rows. It keeps no reference
+    to the weight."""
 
     def __init__(self, weight: QuantizedWeight) -> None:
-        if weight.kind != "int4" or weight.mins is None:
-            raise ValueError(f"Int4Screen: an int4 weight is needed, got {weight.kind}")
         n, k = weight.shape
         g = k // GROUP
         parts = torch.empty(n, dtype=torch.float64)
         whole = torch.empty(n, dtype=torch.float64)
         for i in range(0, n, _CHUNK):
-            b = weight.q[i : i + _CHUNK].view(-1, g, 16)
-            sn = torch.cat((b & 15, b >> 4), dim=-1).double()
+            if weight.kind == "int8":
+                sn = weight.q[i : i + _CHUNK].view(-1, g, GROUP).double()
+            else:
+                b = weight.q[i : i + _CHUNK].view(-1, g, 16)
+                sn = torch.cat((b & 15, b >> 4), dim=-1).double()
             sn.mul_(weight.scales[i : i + _CHUNK, :, None].double())
             parts[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
-            sn.add_(weight.mins[i : i + _CHUNK, :, None].double())
+            if weight.mins is not None:
+                sn.add_(weight.mins[i : i + _CHUNK, :, None].double())
             whole[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
-        spread = weight.mins.double().square().sum(dim=1) * GROUP
+        spread = (torch.zeros(n, dtype=torch.float64) if weight.mins is None
+                  else weight.mins.double().square().sum(dim=1) * GROUP)
         self.norms = (whole.sqrt() * 1.0001).float()
         """Per row, ``||w_v||_2`` (a little above)."""
         gamma = (2 * g + 48) * _U * 1.1
@@ -159,38 +186,46 @@ class Int4Screen:
         """Per row, what float32 summation may add per unit of ``||x||_2 + ||x^||_2``."""
         self.widest = float(self.radius.max()) * 1.0001 if n else 0.0
         """The largest of :attr:`radius` (the screen takes it for every row: it is small)."""
-        self.n, self.k = n, k
-        self.version = _int4_version(weight)
+        self.kind, self.n, self.k = weight.kind, n, k
+        self.version = _quantized_version(weight)
+        self.candidates: list[int] = []
+        """The rows recomputed exactly for each row of the last :meth:`argmax` (benchmarks)."""
 
     def current(self, weight: QuantizedWeight) -> bool:
         """Whether this screen was made from ``weight``'s tensors as they are now."""
-        return _int4_version(weight) == self.version
+        return _quantized_version(weight) == self.version
+
+    def _product(self, x: torch.Tensor, weight: QuantizedWeight, rows: torch.Tensor | None,
+                 threads: int, act8: bool) -> torch.Tensor:
+        """The head's native product of ``x`` (with int8 activations when ``act8``), of the
+        weight's ``rows`` only when given."""
+        q, sc = weight.q, weight.scales
+        if weight.kind == "int8":
+            if rows is not None:
+                q, sc = q[rows], sc[rows]
+            return native.gemm_q8(x, q, sc, threads, int8_activations=act8)
+        mins = weight.kernel_mins()
+        if rows is not None:
+            q, sc, mins = q[rows], sc[rows], None if mins is None else mins[rows]
+        return native.gemm_q4(x, q, sc, mins, threads, int8_activations=act8)
 
     def argmax(self, x: torch.Tensor, weight: QuantizedWeight, threads: int = 1
                ) -> list[int] | None:
         """``argmax(qlinear(x, weight))`` for each row of ``x`` ``(M, K)`` float32 (first index
         on ties), or None when a row cannot be screened (values not finite, a tiny group scale,
         too many candidates)."""
-        m = x.shape[0]
-        xs = x.numpy()
-        grp = xs.reshape(m, -1, GROUP)
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            d = np.abs(grp).max(axis=-1, keepdims=True) / np.float32(127.0)  # quantize_x
-            if not ((d == 0) | ((d >= _TINY) & (d <= 3.0e38))).all():
-                return None  # also NaN and inf
-            inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0))
-        xh = np.clip(np.rint(grp * inv), -127.0, 127.0).astype(np.float32) * d
-        kmins = weight.kernel_mins()
-        a = native.gemm_q4(torch.from_numpy(xh.reshape(m, -1)), weight.q, weight.scales,
-                           kmins, threads, int8_activations=True).numpy()
-        xd, hd = xs.astype(np.float64), xh.reshape(m, -1).astype(np.float64)
-        eps = np.linalg.norm(hd - xd, axis=1)
+        xh = _round_like_kernels(x)
+        if xh is None:
+            return None
+        a = self._product(torch.from_numpy(xh), weight, None, threads, True).numpy()
+        xd, hd = x.numpy().astype(np.float64), xh.astype(np.float64)
         hn = np.linalg.norm(hd, axis=1)
-        e1 = (eps + 4 * _U * hn) * 1.0001
+        e1 = (np.linalg.norm(hd - xd, axis=1) + 4 * _U * hn) * 1.0001
         e2 = (np.linalg.norm(xd, axis=1) + hn) * 1.0001
         norms = self.norms.numpy()
         tokens = []
-        for i in range(m):
+        self.candidates = []
+        for i in range(x.shape[0]):
             ai = a[i]
             top = float(np.abs(ai).max())
             if not math.isfinite(top):
@@ -200,21 +235,31 @@ class Int4Screen:
             u = norms * float(e1[i])
             floor = float((ai - u).max()) - 2 * extra
             cand = np.flatnonzero(ai + u >= floor)
+            self.candidates.append(len(cand))
             if not 0 < len(cand) <= MAX_CANDIDATES:
                 return None
-            idx = torch.from_numpy(cand)
-            exact = native.gemm_q4(x[i : i + 1], weight.q[idx], weight.scales[idx],
-                                   None if kmins is None else kmins[idx], 1)[0]
+            exact = self._product(x[i : i + 1], weight, torch.from_numpy(cand), 1, False)[0]
             tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
         return tokens
 
 
-def _int4_version(weight: QuantizedWeight) -> tuple[int, ...]:
+def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
     """Where ``weight``'s tensors are and how often they were written (a model's
     :class:`~exitlm.kernels.quantized.QuantizedEmbedding` builds a new ``QuantizedWeight`` per
     access from the same buffers)."""
     return tuple(v for t in (weight.q, weight.scales, weight.mins) if t is not None
                  for v in (t.data_ptr(), t._version))
+
+
+def screens_head(weight: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether greedy steps screen a head of ``weight``'s kind: float32 and float16 heads
+    (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Not int8 heads: their
+    integer product is ~0.1 ms faster than their float32-activation one on SmolLM2's head
+    (0.97 against 1.04 ms; 1.13 against 1.26 with the avx2 build), which the screen's own steps
+    cost back (decoding 0.96-0.98x; ``benchmarks/greedy_heads.py``)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.kind == "int4"
+    return weight.dtype in (torch.float32, torch.float16)
 
 
 _SWITCH = {"on": True}
@@ -233,5 +278,5 @@ def set_screens(on: bool) -> bool:
     return old
 
 
-__all__ = ["BUILD_TOKENS", "MAX_CANDIDATES", "MIN_ROWS", "GreedyScreen", "Int4Screen",
-           "screens_enabled", "set_screens"]
+__all__ = ["BUILD_TOKENS", "MAX_CANDIDATES", "MIN_ROWS", "GreedyScreen",
+           "QuantizedScreen", "screens_enabled", "screens_head", "set_screens"]

@@ -46,7 +46,13 @@ from exitlm.kernels.native_block import (
     weight_struct,
 )
 from exitlm.kernels.quant import GROUP, ROW_THRESHOLD, QuantizedWeight
-from exitlm.kernels.screen import BUILD_TOKENS, GreedyScreen, Int4Screen, screens_enabled
+from exitlm.kernels.screen import (
+    BUILD_TOKENS,
+    GreedyScreen,
+    QuantizedScreen,
+    screens_enabled,
+    screens_head,
+)
 from exitlm.kernels.screen import MIN_ROWS as MIN_SCREEN_ROWS
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.layers import Block, Linear, Norm
@@ -79,7 +85,7 @@ NATIVE_HEAD_ROWS = 64
 verification, batches); longer ones (logits over whole sequences) take the products."""
 
 _NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
-_SCREENS: dict[int, tuple[weakref.ref[torch.Tensor], GreedyScreen | Int4Screen]] = {}
+_SCREENS: dict[int, tuple[weakref.ref[torch.Tensor], GreedyScreen | QuantizedScreen]] = {}
 """Each output embedding's screen (:meth:`NativeRunner.greedy`) by the ``id`` of its tensor (an
 int4 weight's nibbles), for as long as that tensor lives: runners come and go with ``generate``
 calls, the int8 copy takes ~0.1 s to make. (Tensors compare elementwise, so they cannot be weak
@@ -87,8 +93,8 @@ dictionary keys.)"""
 
 
 def _screen_of(weight: torch.Tensor | QuantizedWeight, make: bool = True
-               ) -> GreedyScreen | Int4Screen | None:
-    """``weight``'s screen (:class:`Int4Screen` for an int4 weight), made (again, when
+               ) -> GreedyScreen | QuantizedScreen | None:
+    """``weight``'s screen (:class:`QuantizedScreen` for a quantized weight), made (again, when
     ``make``) when it has none or was changed since."""
     anchor = weight.q if isinstance(weight, QuantizedWeight) else weight
     got = _SCREENS.get(id(anchor))
@@ -96,7 +102,8 @@ def _screen_of(weight: torch.Tensor | QuantizedWeight, make: bool = True
         return got[1]
     if not make:
         return None
-    screen = Int4Screen(weight) if isinstance(weight, QuantizedWeight) else GreedyScreen(weight)
+    screen = (QuantizedScreen(weight) if isinstance(weight, QuantizedWeight)
+              else GreedyScreen(weight))
     if got is None or got[0]() is not anchor:
         weakref.finalize(anchor, _SCREENS.pop, id(anchor), None)
     _SCREENS[id(anchor)] = (weakref.ref(anchor), screen)
@@ -375,24 +382,24 @@ class NativeRunner(Runner):
     def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
                cache: KVCache | None = None, ahead: int = 0) -> list[int]:
         """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of
-        its fp32 output embedding (an int8 copy and an error bound: the same tokens as
-        the argmax of :meth:`logits`, a quarter of the head's bytes read) or an
-        :class:`~exitlm.kernels.screen.Int4Screen` of an int4 one (its integer product with
-        int8 activations and an error bound); other heads, and rows the screen cannot decide,
-        through the logits."""
+        its fp32 / fp16 output embedding (an int8 copy and an error bound: the same tokens as
+        the argmax of :meth:`logits`, a quarter / half of the head's bytes read) or a
+        :class:`~exitlm.kernels.screen.QuantizedScreen` of an int4 one (its integer product
+        with int8 activations and an error bound); other heads, and rows the screens
+        cannot decide, through the logits."""
         model = self.model
         if (not screens_enabled() or model.output_layout is not None or not h.is_cpu
                 or torch.is_grad_enabled() or h.shape[0] > NATIVE_HEAD_ROWS):
             return super().greedy(h, layer, positions=positions, cache=cache, ahead=ahead)
         feats, weight = model.exit_features(h[:, -1:], layer, positions, cache, None,
                                             ops=self.products)
-        plain = (type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
+        plain = (type(weight) in PLAIN_TENSORS and screens_head(weight)
                  and feats.dtype is weight.dtype and weight.is_cpu and weight.is_contiguous()
                  and weight.shape[0] >= MIN_SCREEN_ROWS and weight.shape[1] % GROUP == 0)
-        int4 = (isinstance(weight, QuantizedWeight) and weight.kind == "int4"
-                and feats.dtype is torch.float32 and weight.q.is_cpu
-                and weight.shape[0] >= MIN_SCREEN_ROWS)
-        screen = _screen_of(weight, make=ahead >= BUILD_TOKENS) if plain or int4 else None
+        quantized = (isinstance(weight, QuantizedWeight) and screens_head(weight)
+                     and feats.dtype is torch.float32 and weight.q.is_cpu
+                     and weight.shape[0] >= MIN_SCREEN_ROWS)
+        screen = _screen_of(weight, make=ahead >= BUILD_TOKENS) if plain or quantized else None
         if screen is not None:
             flat = feats.reshape(-1, feats.shape[-1]).float().contiguous()
             tokens = screen.argmax(flat, weight if isinstance(weight, QuantizedWeight)
