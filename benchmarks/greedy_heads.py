@@ -183,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, dtype=prec)
         source = loaded.source
         tok = loaded.tokenizer
-        if tok is None:
-            raise SystemExit("greedy_heads.py: the model has no tokenizer")
-        ctx = loaded.model.config.max_seq_len
-        text_ids = held_out_prompt_ids(tok, 1, ctx, 0, keep=steps)[0]
-        prompts = held_out_prompt_ids(tok, n_prompts, ctx, new, keep=64)
+        cfg = loaded.model.config
+        if tok is not None:
+            text_ids = held_out_prompt_ids(tok, 1, cfg.max_seq_len, 0, keep=steps)[0]
+            prompts = held_out_prompt_ids(tok, n_prompts, cfg.max_seq_len, new, keep=64)
+        else:  # a model without a tokenizer (a random preset): seeded random ids
+            gen = torch.Generator().manual_seed(0)
+            text_ids = torch.randint(cfg.vocab_size, (min(steps, cfg.max_seq_len),),
+                                     generator=gen).tolist()
+            keep = max(1, min(64, cfg.max_seq_len - new - 1))
+            prompts = [torch.randint(cfg.vocab_size, (keep,), generator=gen).tolist()
+                       for _ in range(n_prompts)]
         runner = prepare(loaded.model)
         heads = head_steps(runner, features(loaded.model, text_ids, steps), args.passes)
         note(f"{prec}: head {heads['screened_us_median']} us screened, "

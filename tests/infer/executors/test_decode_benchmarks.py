@@ -5,7 +5,8 @@ tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theor
 ``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch),
 ``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages),
 ``benchmarks/chunked_prefill.py --quick`` (a long prompt whole or in parts),
-``benchmarks/adaptive_self_spec.py --quick --fresh 1`` (the planner of a fresh process). They
+``benchmarks/adaptive_self_spec.py --quick --fresh 1`` (the planner of a fresh process),
+``benchmarks/greedy_heads.py --quick`` (screened against whole heads per precision). They
 run, print one JSON object with the documented fields, and report every method exact where
 it must be. (Timings are never compared with each other.)"""
 
@@ -122,3 +123,19 @@ def test_adaptive_self_spec_fresh_passes() -> None:
     assert fresh["over_ar"]["ar"] == 1.0
     assert all(r > 0 for r in fresh["over_ar"].values())
     assert out["results"]["adaptive"]["exact_match"] == 1.0
+
+
+def test_greedy_heads_quick() -> None:
+    out = _run("greedy_heads.py", "--quick", "--model", "debug")
+    assert list(out["results"]) == ["float32", "float16", "int8", "int4"]
+    for prec, res in out["results"].items():
+        head = res["head_step"]
+        assert head["agree"] is True and head["steps"] > 0, prec
+        assert head["screened_us_median"] > 0 and head["full_us_median"] > 0
+        assert head["candidates_median"] >= 1
+        assert res["greedy_screens"] is (prec != "int8")
+        if res["greedy_screens"]:
+            assert res["decoding"]["identical"] is True
+        else:
+            assert res["decoding"] is None
+    assert out["results"]["int8"]["head_step"]["screen"] == "QuantizedScreen"
