@@ -1,8 +1,8 @@
 """Greedy steps through the screened LM head against the whole head, per precision, same run.
 
 A greedy step needs only the argmax of the head's logits. The native runner screens the head
-(``exitlm.kernels.screen``: an int8 copy of an fp32 / fp16 head, ``GreedyScreen``; the head's
-own integer product with int8 activations for an int8 / int4 head, ``QuantizedScreen``) and
+(``exitlm.kernels.screen``: an int8 copy of a float head, ``GreedyScreen``; the head's own
+integer product with int8 activations for a quantized head, ``QuantizedScreen``) and
 recomputes only the rows that can still win. For each precision this script loads the model in
 it and measures, in one process:
 
@@ -13,8 +13,9 @@ it and measures, in one process:
   argmax (``agree``: it is by construction, the script checks);
 * plain greedy decoding with screens on and off, alternating per prompt: tokens/s of the
   fastest and of the median runs, and whether the tokens are identical - for the heads greedy
-  steps screen (``greedy_screens``; ``exitlm.kernels.screen.screens_head``: not int8 heads,
-  whose screen this script still times).
+  steps screen (``greedy_screens``; ``exitlm.kernels.screen.screens_head``: float32 and int4
+  heads; the float16 and int8 heads' screens are timed all the same, which is why they are
+  not used).
 
     python benchmarks/greedy_heads.py                            # fp32, fp16, int8, int4
     python benchmarks/greedy_heads.py --model SmolLM2.Q4_0.gguf --precisions int4

@@ -23,12 +23,13 @@ as its head does, so candidates within two float16 ulps of the maximum are kept)
 On SmolLM2's head 1-6 rows are candidates per step (a bound per group, ``sum_g (s_vg / 2)
 ||x_g||_1``, is tighter - 1-5 - but reading the scales costs ~0.7 ms, a fifth of the screen).
 Against a float16 head the int8 copy reads half the bytes, which its kernel (float32
-activations, so that the bound stays simple) turns into less time: SmolLM2's head 1.05 against
-1.10 ms with the avx512 build, 1.40 against 1.70 with the avx2 one (Zen 5). Rounding the
-activations to int8 too (the faster integer kernel) adds ``||q s|| ||x^ - x||`` to the bound,
-which on SmolLM2 took the candidates from ~5 to ~75 a step: not done for float heads. A step
-whose activations are not finite, or with more than :data:`MAX_CANDIDATES` candidates, returns
-None: the caller takes the full head.
+activations, so that the bound stays simple) turns into little time: greedy steps do not
+screen float16 heads (:func:`screens_head`); the class handles them (their logits rounded to
+float16 first, as their head does, candidates within two float16 ulps of the maximum kept).
+Rounding the activations to int8 too (the faster integer kernel) adds ``||q s|| ||x^ - x||``
+to the bound, which on SmolLM2 took the candidates from ~5 to ~75 a step: not done for float
+heads. A step whose activations are not finite, or with more than :data:`MAX_CANDIDATES`
+candidates, returns None: the caller takes the full head.
 
 Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
 product with int8 activations. Greedy steps take it for int4 heads, where that product is much
@@ -252,14 +253,15 @@ def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
 
 
 def screens_head(weight: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether greedy steps screen a head of ``weight``'s kind: float32 and float16 heads
-    (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Not int8 heads: their
-    integer product is ~0.1 ms faster than their float32-activation one on SmolLM2's head
-    (0.97 against 1.04 ms; 1.13 against 1.26 with the avx2 build), which the screen's own steps
-    cost back (decoding 0.96-0.98x; ``benchmarks/greedy_heads.py``)."""
+    """Whether greedy steps screen a head of ``weight``'s kind: float32 heads
+    (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Measured on SmolLM2's
+    head (Zen 5, ``benchmarks/greedy_heads.py``), the screens of the others save too little for
+    what their own steps cost: float16 1.23 against 1.29 ms a step (1.55 against 1.72 with the
+    avx2 build), decoding 0.99-1.02x; int8 0.97 against 1.04 ms (1.13 against 1.26), decoding
+    0.96-0.98x."""
     if isinstance(weight, QuantizedWeight):
         return weight.kind == "int4"
-    return weight.dtype in (torch.float32, torch.float16)
+    return weight.dtype is torch.float32
 
 
 _SWITCH = {"on": True}

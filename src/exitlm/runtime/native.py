@@ -86,10 +86,10 @@ verification, batches); longer ones (logits over whole sequences) take the produ
 
 _NATIVE_HEADS = {torch.float32: native.gemm_f32, torch.float16: native.gemm_f16}
 _SCREENS: dict[int, tuple[weakref.ref[torch.Tensor], GreedyScreen | QuantizedScreen]] = {}
-"""Each output embedding's screen (:meth:`NativeRunner.greedy`) by the ``id`` of its tensor (an
-int4 weight's nibbles), for as long as that tensor lives: runners come and go with ``generate``
-calls, the int8 copy takes ~0.1 s to make. (Tensors compare elementwise, so they cannot be weak
-dictionary keys.)"""
+"""Each output embedding's screen (:meth:`NativeRunner.greedy`) by the ``id`` of its tensor (a
+quantized weight's ``q``: its module builds a new ``QuantizedWeight`` per access), for as long as
+that tensor lives: runners come and go with ``generate`` calls, the int8 copy takes ~0.1 s to
+make. (Tensors compare elementwise, so they cannot be weak dictionary keys.)"""
 
 
 def _screen_of(weight: torch.Tensor | QuantizedWeight, make: bool = True
@@ -382,8 +382,8 @@ class NativeRunner(Runner):
     def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
                cache: KVCache | None = None, ahead: int = 0) -> list[int]:
         """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of
-        its fp32 / fp16 output embedding (an int8 copy and an error bound: the same tokens as
-        the argmax of :meth:`logits`, a quarter / half of the head's bytes read) or a
+        its fp32 output embedding (an int8 copy and an error bound: the same tokens as the
+        argmax of :meth:`logits`, a quarter of the head's bytes read) or a
         :class:`~exitlm.kernels.screen.QuantizedScreen` of an int4 one (its integer product
         with int8 activations and an error bound); other heads, and rows the screens
         cannot decide, through the logits."""
