@@ -77,6 +77,23 @@ def test_the_screen_gives_the_full_heads_argmax(dtype: torch.dtype) -> None:
     assert _full(w[1234:1235].float(), w)[0] == 40  # (the tie really is one)
 
 
+def test_the_screen_keeps_rows_the_int8_activations_reorder() -> None:
+    """x: 1.0 at element 0 (the group's step 1 / 127), 0.49 steps at the 31 others (rounded to
+    0). Row 62 holds 127/128 at those 31, row 63 only 1/64 at element 0 (both exact in int8):
+    the int8 activations see 0 against 1/64, the exact logits 0.119 against 0.016 - row 62,
+    which only the activations' term of the bound keeps among the candidates."""
+    w = torch.zeros(64, 32)
+    w[62, 1:] = 127 / 128
+    w[63, 0] = 1 / 64
+    x = torch.full((1, 32), 0.49 / 127)
+    x[0, 0] = 1.0
+    assert _full(x, w) == [62]
+    sc = GreedyScreen(w)
+    approx = native.gemm_q8(x, sc.q, sc.scales, int8_activations=True)[0]
+    assert approx[63] > approx[62]  # what the screen has to see through
+    assert sc.argmax(x, w) == [62]
+
+
 def test_the_screen_gives_up_where_it_cannot_bound() -> None:
     w = _head(3)
     sc = GreedyScreen(w)

@@ -1,41 +1,42 @@
 """The exact argmax of an output embedding's logits from a cheaper product: :class:`GreedyScreen`
-(an int8 copy of a float head) and :class:`QuantizedScreen` (int8 activations on a quantized one).
+(an int8 copy of a float head) and :class:`QuantizedScreen` (a quantized head itself), both with
+the activations rounded to int8.
 
 Greedy decoding needs one number per step from the LM head - the index of the largest logit -
 yet reads the whole head to get it (SmolLM2's tied 49152 x 576 embedding: 113 MB of a 538 MB
 fp32 token, ~30% of its time). A screen reads an int8 copy of the head instead (a quarter of
-the bytes; Q8_0 groups of 32, :func:`~exitlm.kernels.quant.quantize`) and bounds, row by row,
-how far each approximate logit ``a_v`` can lie from the logit ``e_v`` the full head computes:
+the bytes; Q8_0 groups of 32, :func:`~exitlm.kernels.quant.quantize`), multiplies it with the
+activations rounded to int8 as the native kernels round them (``x^``,
+:func:`_round_like_kernels`; the integer product, ``gemm_q8(..., int8_activations=True)``, gets
+``x^`` itself and computes ``(q s) . x^`` up to float32 summation), and bounds, row by row, how
+far each approximate logit ``a_v`` can lie from the logit ``e_v`` the full head computes:
 
-    |a_v - e_v| <= (S_v / 2) ||x||_1  +  2 gamma_K R_v ||x||_2  =  Delta_v
+    |a_v - e_v| <= (S_v / 2) ||x||_1  +  ||q_v s_v||_2 (||x^ - x||_2 + 4u ||x^||_2)
+                   +  2 gamma_K R_v (||x||_2 + ||x^||_2)  =  Delta_v
 
 (the int8 rounding of the weights, ``|w - q s| <= s / 2`` per element of a group with scale
-``s``, at most ``S_v``, the row's largest scale; and float32 summation, ``gamma_K ~ (K + K/32 +
-8) u`` (Higham, *Accuracy and Stability of Numerical Algorithms*, Sec. 3.1), of both products,
-``sum |w| |x| <= R_v ||x||_2`` by Cauchy-Schwarz with ``R_v`` the larger of the row's two
-norms). Every row whose interval ``[a_v - Delta_v, a_v + Delta_v]`` reaches the largest lower
-bound is a candidate; the argmax is among them, and the full head's own kernel computes their
-logits - the same bits as in the full product, since every output element of the native
-products is a fixed function of its weight row and input row. The token is therefore always the
-full head's argmax (first index on ties; a float16 model's logits are rounded to float16 first,
-as its head does, so candidates within two float16 ulps of the maximum are kept).
+``s``, at most ``S_v``, the row's largest scale; that of the activations, by Cauchy-Schwarz;
+and float32 summation, ``gamma_K ~ (K + K/32 + 8) u`` (Higham, *Accuracy and Stability of
+Numerical Algorithms*, Sec. 3.1), of both products, ``sum |w| |x| <= R_v ||x||_2`` with ``R_v``
+the larger of the row's two norms). Every row whose interval ``[a_v - Delta_v, a_v + Delta_v]``
+reaches the largest lower bound is a candidate; the argmax is among them, and the full head's
+own kernel computes their logits - the same bits as in the full product, since every output
+element of the native products is a fixed function of its weight row and input row. The token
+is therefore always the full head's argmax (first index on ties; a float16 model's logits are
+rounded to float16 first, as its head does, so candidates within two float16 ulps of the
+maximum are kept).
 
-On SmolLM2's head 1-6 rows are candidates per step (a bound per group, ``sum_g (s_vg / 2)
-||x_g||_1``, is tighter - 1-5 - but reading the scales costs ~0.7 ms, a fifth of the screen).
-Against a float16 head the int8 copy reads half the bytes, which its kernel (float32
-activations, so that the bound stays simple) turns into little time: greedy steps do not
-screen float16 heads (:func:`screens_head`); the class handles them (their logits rounded to
-float16 first, as their head does, candidates within two float16 ulps of the maximum kept).
-Rounding the activations to int8 too (the faster integer kernel) adds ``||q s|| ||x^ - x||``
-to the bound, which on SmolLM2 took the candidates from ~5 to ~75 a step: not done for float
-heads. A step whose activations are not finite, or with more than :data:`MAX_CANDIDATES`
-candidates, returns None: the caller takes the full head.
+On SmolLM2's head a median of ~24 rows are candidates per step (p90 ~110; a few steps take
+thousands, up to :func:`_cap`, then the full head). With float32 activations the int8 copy's
+bound lacks the activations' term (1-6 candidates) but its product is slower: the step 1.28
+against 1.13 ms with the avx512 build, 1.83 against 1.19 with the avx2 one (Zen 5,
+``benchmarks/greedy_heads.py``). Greedy steps screen float32 heads; float16 heads save too
+little (:func:`screens_head`). A step whose activations are not finite (or tiny), or with too
+many candidates, returns None: the caller takes the full head.
 
 Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
-product with int8 activations. Greedy steps take it for int4 heads, where that product is much
-the faster one (:func:`screens_head`).
+product. Greedy steps take it for int4 heads, where that product is much the faster one.
 """
-
 from __future__ import annotations
 
 import math
@@ -48,7 +49,8 @@ from exitlm.kernels import native
 from exitlm.kernels.quant import GROUP, QuantizedWeight, quantize
 
 MAX_CANDIDATES = 256
-"""More candidates than this: the full head is as cheap (the step returns None)."""
+"""More candidates than this, and than a sixteenth of the head's rows (SmolLM2: 3,072), and the
+step returns None: the full head is about as cheap."""
 MIN_ROWS = 4096
 """Heads with fewer rows are read whole (a screen saves nothing worth its copy)."""
 BUILD_TOKENS = 32
@@ -61,7 +63,7 @@ _HALF_MAX = 60000.0  # float16 logits beyond this may round to inf: take the ful
 
 
 class GreedyScreen:
-    """An int8 copy of a float32 (or float16) output embedding ``(N, K)`` and the constants of
+    """An int8 copy of a float32 or float16 output embedding ``(N, K)`` and the constants of
     its error bound (module docstring). It keeps no reference to the weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -74,12 +76,22 @@ class GreedyScreen:
         self.n, self.k = n, k
         largest = self.scales.amax(dim=1)
         # ||q s||_2 <= ||w||_2 + sqrt(K) max |q s - w|; float32 norms within K u of exact
-        norms = torch.linalg.vector_norm(w, dim=1) * 1.001 + largest * (0.5001 * k ** 0.5)
+        bound = torch.linalg.vector_norm(w, dim=1) * 1.001 + largest * (0.5001 * k ** 0.5)
         gamma = (k + k // GROUP + 8) * _U * 1.01  # the terms of one sum, group scales too
-        self.radius = (2.0 * gamma * 1.001) * norms
-        """Per row, what float32 summation may add per unit of ``||x||_2``."""
+        self.radius = (2.0 * gamma * 1.001) * bound
+        """Per row, what float32 summation may add per unit of ``||x||_2 + ||x^||_2``."""
+        self.widest = float(self.radius.max()) * 1.0001 if n else 0.0
+        """The largest of :attr:`radius` (the screen takes it for every row: it is small)."""
         self.rounding = largest * 0.5001
-        """Per row, the int8 rounding's error per unit of ``||x||_1``."""
+        """Per row, the int8 rounding of the weights' error per unit of ``||x||_1``."""
+        copy = torch.empty(n, dtype=torch.float64)
+        for i in range(0, n, _CHUNK):
+            rows = self.q[i : i + _CHUNK].view(-1, k // GROUP, GROUP).double()
+            copy[i : i + _CHUNK] = (rows * self.scales[i : i + _CHUNK, :, None].double()
+                                    ).square().sum(dim=(1, 2))
+        self.norms = (copy.sqrt() * 1.0001).float()
+        """Per row, ``||q s||_2``: the activations' int8 rounding's error per unit of
+        ``||x^ - x||_2``."""
         self.version = (weight.data_ptr(), weight._version)
         self.candidates: list[int] = []
         """The rows recomputed exactly for each row of the last :meth:`argmax` (benchmarks)."""
@@ -93,28 +105,37 @@ class GreedyScreen:
         """The full head's argmax for each row of ``x`` ``(M, K)`` float32 (what the head's
         native product would get: ``weight`` float32 / float16, the weight this screen was made
         from), or None when a row cannot be screened (module docstring)."""
-        m = x.shape[0]
-        approx = native.gemm_q8(x, self.q, self.scales, threads)
-        l1 = (x.double().abs().sum(dim=1) * 1.0001).float()
-        norm2 = (x.double().norm(dim=1) * 1.0001).float()
-        delta = torch.outer(l1, self.rounding).addr_(norm2, self.radius)
-        delta.mul_(1.0001)
-        delta.add_(approx.abs(), alpha=4 * _U)  # the rounding of a +- delta below
-        a, d = approx.numpy(), delta.numpy()
-        if not (np.isfinite(a).all() and np.isfinite(d).all()):
+        xh = _round_like_kernels(x)
+        if xh is None:
             return None
+        a = native.gemm_q8(torch.from_numpy(xh), self.q, self.scales, threads,
+                           int8_activations=True).numpy()
+        xd, hd = x.numpy().astype(np.float64), xh.astype(np.float64)
+        hn = np.linalg.norm(hd, axis=1)
+        l1 = np.abs(xd).sum(axis=1) * 1.0002
+        e1 = (np.linalg.norm(hd - xd, axis=1) + 4 * _U * hn) * 1.0002
+        e2 = (np.linalg.norm(xd, axis=1) + hn) * 1.0001
+        rounding, norms = self.rounding.numpy(), self.norms.numpy()
         kernel = native.gemm_f16 if self.half else native.gemm_f32
         tokens = []
         self.candidates = []
-        for i in range(m):
-            floor = float((a[i] - d[i]).max())
+        for i in range(x.shape[0]):
+            ai = a[i]
+            top = float(np.abs(ai).max())
+            if not math.isfinite(top):
+                return None
+            # Delta_v <= (S_v / 2) ||x||_1 + ||q s|| (||x^ - x||_2 + 4u ||x^||_2) + extra
+            extra = float(e2[i]) * self.widest + 4 * _U * top
+            u = rounding * float(l1[i])
+            u += norms * float(e1[i])
+            floor = float((ai - u).max()) - 2 * extra
             if self.half:
                 if abs(floor) > _HALF_MAX:
                     return None
                 floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
-            cand = np.flatnonzero(a[i] + d[i] >= floor)
+            cand = np.flatnonzero(ai + u >= floor)
             self.candidates.append(len(cand))
-            if not 0 < len(cand) <= MAX_CANDIDATES:
+            if not 0 < len(cand) <= _cap(self.n):
                 return None
             rows = weight[torch.from_numpy(cand)]
             exact = kernel(x[i : i + 1], rows, 1)[0]
@@ -122,6 +143,11 @@ class GreedyScreen:
                 exact = exact.half()
             tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
         return tokens
+
+
+def _cap(n: int) -> int:
+    """The most candidates a screen recomputes for a head of ``n`` rows (more: the full head)."""
+    return max(MAX_CANDIDATES, n // 16)
 
 
 def _round_like_kernels(x: torch.Tensor) -> np.ndarray | None:
@@ -237,7 +263,7 @@ class QuantizedScreen:
             floor = float((ai - u).max()) - 2 * extra
             cand = np.flatnonzero(ai + u >= floor)
             self.candidates.append(len(cand))
-            if not 0 < len(cand) <= MAX_CANDIDATES:
+            if not 0 < len(cand) <= _cap(self.n):
                 return None
             exact = self._product(x[i : i + 1], weight, torch.from_numpy(cand), 1, False)[0]
             tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
@@ -255,10 +281,10 @@ def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
 def screens_head(weight: torch.Tensor | QuantizedWeight) -> bool:
     """Whether greedy steps screen a head of ``weight``'s kind: float32 heads
     (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Measured on SmolLM2's
-    head (Zen 5, ``benchmarks/greedy_heads.py``), the screens of the others save too little for
-    what their own steps cost: float16 1.23 against 1.29 ms a step (1.55 against 1.72 with the
-    avx2 build), decoding 0.99-1.02x; int8 0.97 against 1.04 ms (1.13 against 1.26), decoding
-    0.96-0.98x."""
+    head (Zen 5, ``benchmarks/greedy_heads.py``), the screens of the others save too little to
+    show in decoding: float16 1.07 against 1.30 ms a step (1.15 against 1.74 with the avx2
+    build), decoding 1.02-1.05x, within the noise of llama.cpp comparisons, for 28 MB more;
+    int8 0.97 against 1.04 ms (1.13 against 1.26), decoding 0.96-0.98x."""
     if isinstance(weight, QuantizedWeight):
         return weight.kind == "int4"
     return weight.dtype is torch.float32
