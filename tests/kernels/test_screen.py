@@ -107,18 +107,19 @@ def test_the_screen_gives_up_where_it_cannot_bound() -> None:
 
 @pytest.fixture
 def screened(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Screens for heads of any size; every screened argmax call recorded (whether it found
-    the argmax), in order."""
+    """Screens for heads of any size; every screened argmax call (either screen) recorded
+    (whether it found the argmax), in order."""
     monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
     calls: list[bool] = []
-    real = GreedyScreen.argmax
+    for cls in (GreedyScreen, QuantizedScreen):
+        real = cls.argmax
 
-    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
+        def counting(self, *a, _real=real, **kw):  # type: ignore[no-untyped-def]
+            out = _real(self, *a, **kw)
+            calls.append(out is not None)
+            return out
 
-    monkeypatch.setattr(GreedyScreen, "argmax", counting)
+        monkeypatch.setattr(cls, "argmax", counting)
     return calls
 
 
@@ -270,20 +271,11 @@ def test_the_quantized_screen_gives_up_where_it_cannot_bound() -> None:
 
 
 def test_greedy_decoding_through_the_quantized_screen_is_plain_decoding(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        screened: list[bool]) -> None:
     """An int4 model's greedy steps (its tied head int4) take the quantized screen, with plain
     decoding's tokens, in plain decoding and in self-speculation; a changed weight gets a new
     screen. int8 and float16 models' do not (screens_head)."""
-    monkeypatch.setattr(native_runner, "MIN_SCREEN_ROWS", 1)
-    calls: list[bool] = []
-    real = QuantizedScreen.argmax
-
-    def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
-        out = real(self, *a, **kw)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(QuantizedScreen, "argmax", counting)
+    calls = screened
     int8 = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int8")
     kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
     generate(prepare(int8), None, [3, 7, 11, 5], **kw)

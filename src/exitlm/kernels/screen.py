@@ -40,6 +40,7 @@ product. Greedy steps take it for int4 heads, where that product is much the fas
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -110,44 +111,65 @@ class GreedyScreen:
             return None
         a = native.gemm_q8(torch.from_numpy(xh), self.q, self.scales, threads,
                            int8_activations=True).numpy()
-        xd, hd = x.numpy().astype(np.float64), xh.astype(np.float64)
-        hn = np.linalg.norm(hd, axis=1)
-        l1 = np.abs(xd).sum(axis=1) * 1.0002
-        e1 = (np.linalg.norm(hd - xd, axis=1) + 4 * _U * hn) * 1.0002
-        e2 = (np.linalg.norm(xd, axis=1) + hn) * 1.0001
+        l1, e1, e2 = _terms(x, xh)
         rounding, norms = self.rounding.numpy(), self.norms.numpy()
         kernel = native.gemm_f16 if self.half else native.gemm_f32
-        tokens = []
-        self.candidates = []
-        for i in range(x.shape[0]):
-            ai = a[i]
-            top = float(np.abs(ai).max())
-            if not math.isfinite(top):
-                return None
-            # Delta_v <= (S_v / 2) ||x||_1 + ||q s|| (||x^ - x||_2 + 4u ||x^||_2) + extra
-            extra = float(e2[i]) * self.widest + 4 * _U * top
+
+        def slack(i: int) -> np.ndarray:  # (S_v / 2) ||x||_1 + ||q s|| (||x^ - x|| + 4u ||x^||)
             u = rounding * float(l1[i])
             u += norms * float(e1[i])
-            floor = float((ai - u).max()) - 2 * extra
-            if self.half:
-                if abs(floor) > _HALF_MAX:
-                    return None
-                floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
-            cand = np.flatnonzero(ai + u >= floor)
-            self.candidates.append(len(cand))
-            if not 0 < len(cand) <= _cap(self.n):
-                return None
-            rows = weight[torch.from_numpy(cand)]
-            exact = kernel(x[i : i + 1], rows, 1)[0]
-            if self.half:
-                exact = exact.half()
-            tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
-        return tokens
+            return u
+
+        def exact(i: int, cand: np.ndarray) -> np.ndarray:
+            out = kernel(x[i : i + 1], weight[torch.from_numpy(cand)], 1)[0]
+            return (out.half() if self.half else out).numpy()
+
+        self.candidates = []
+        return _choose(a, slack, e2 * self.widest, _cap(self.n), exact, self.half,
+                       self.candidates)
 
 
 def _cap(n: int) -> int:
     """The most candidates a screen recomputes for a head of ``n`` rows (more: the full head)."""
     return max(MAX_CANDIDATES, n // 16)
+
+
+def _terms(x: torch.Tensor, xh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``x`` and its int8 rounding ``xh``, a little above: ``||x||_1``,
+    ``||x^ - x||_2 + 4u ||x^||_2`` and ``||x||_2 + ||x^||_2`` (float64)."""
+    xd, hd = x.numpy().astype(np.float64), xh.astype(np.float64)
+    hn = np.linalg.norm(hd, axis=1)
+    l1 = np.abs(xd).sum(axis=1) * 1.0002
+    e1 = (np.linalg.norm(hd - xd, axis=1) + 4 * _U * hn) * 1.0002
+    return l1, e1, (np.linalg.norm(xd, axis=1) + hn) * 1.0001
+
+
+def _choose(a: np.ndarray, slack: Callable[[int], np.ndarray], extra: np.ndarray, cap: int,
+            exact: Callable[[int, np.ndarray], np.ndarray], half: bool, counts: list[int]
+            ) -> list[int] | None:
+    """The argmax of each row ``i`` of the exact logits from the approximate ones ``a``: the
+    rows ``v`` whose ``a_v + slack(i)_v`` reaches the largest ``a_v - slack(i)_v`` within
+    ``2 (extra_i + 4u max |a|)`` (float16 logits: two float16 ulps more) are the candidates,
+    ``exact(i, candidates)`` their exact logits (first index on ties); None when a row has no
+    finite logits or more than ``cap`` candidates. ``counts`` gets each row's candidates."""
+    tokens = []
+    for i in range(a.shape[0]):
+        ai = a[i]
+        top = float(np.abs(ai).max())
+        if not math.isfinite(top):
+            return None
+        u = slack(i)
+        floor = float((ai - u).max()) - 2 * (float(extra[i]) + 4 * _U * top)
+        if half:
+            if abs(floor) > _HALF_MAX:
+                return None
+            floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
+        cand = np.flatnonzero(ai + u >= floor)
+        counts.append(len(cand))
+        if not 0 < len(cand) <= cap:
+            return None
+        tokens.append(int(cand[int(np.argmax(exact(i, cand)))]))
+    return tokens
 
 
 def _round_like_kernels(x: torch.Tensor) -> np.ndarray | None:
@@ -245,29 +267,18 @@ class QuantizedScreen:
         if xh is None:
             return None
         a = self._product(torch.from_numpy(xh), weight, None, threads, True).numpy()
-        xd, hd = x.numpy().astype(np.float64), xh.astype(np.float64)
-        hn = np.linalg.norm(hd, axis=1)
-        e1 = (np.linalg.norm(hd - xd, axis=1) + 4 * _U * hn) * 1.0001
-        e2 = (np.linalg.norm(xd, axis=1) + hn) * 1.0001
+        _, e1, e2 = _terms(x, xh)
         norms = self.norms.numpy()
-        tokens = []
+
+        def slack(i: int) -> np.ndarray:  # ||w_v|| (||x^ - x|| + 4u ||x^||)
+            return norms * float(e1[i])
+
+        def exact(i: int, cand: np.ndarray) -> np.ndarray:
+            return self._product(x[i : i + 1], weight, torch.from_numpy(cand), 1,
+                                 False)[0].numpy()
+
         self.candidates = []
-        for i in range(x.shape[0]):
-            ai = a[i]
-            top = float(np.abs(ai).max())
-            if not math.isfinite(top):
-                return None
-            # slack_v = norms_v e1 + radius_v e2 + 4u |a_v| <= norms_v e1 + extra
-            extra = float(e2[i]) * self.widest + 4 * _U * top
-            u = norms * float(e1[i])
-            floor = float((ai - u).max()) - 2 * extra
-            cand = np.flatnonzero(ai + u >= floor)
-            self.candidates.append(len(cand))
-            if not 0 < len(cand) <= _cap(self.n):
-                return None
-            exact = self._product(x[i : i + 1], weight, torch.from_numpy(cand), 1, False)[0]
-            tokens.append(int(cand[int(np.argmax(exact.numpy()))]))
-        return tokens
+        return _choose(a, slack, e2 * self.widest, _cap(self.n), exact, False, self.candidates)
 
 
 def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
