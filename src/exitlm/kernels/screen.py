@@ -191,8 +191,8 @@ class QuantizedScreen:
     """The exact argmax of an int8 or int4 head's logits - those of its float32-activation
     product (:func:`~exitlm.kernels.quant.qlinear`) - from its integer product with the
     activations rounded to int8 (``int8_activations=True``, the fused blocks' arithmetic;
-    SmolLM2's head on a Zen 5 core: Q4_0 0.51 against 0.89 ms; Q8_0 0.78 against 0.96, 0.95
-    against 1.23 with the avx2 build).
+    SmolLM2's head on a Zen 5 core, a greedy step: Q4_0 0.60 against 0.91 ms, 0.78 against 1.44
+    with the avx2 build; Q8_0 0.97 against 1.04, 1.13 against 1.26).
 
     The row ``x`` is rounded here as the kernels round it (:func:`_round_like_kernels`), to
     ``x^``, and the integer product gets ``x^``: it finds the same int8 values, and an int4
@@ -207,7 +207,7 @@ class QuantizedScreen:
     parts, which bound both products' float32 sums over their ``2 G`` accumulations and group
     sums, and the integer product's ``d_g`` a few ulps off: ``gamma``, Higham, *Accuracy and
     Stability of Numerical Algorithms*, Sec. 3.1). Candidates and their exact logits as in
-    :class:`GreedyScreen`; on SmolLM2's Q4_0 head a median of ~12 rows. It keeps no reference
+    :class:`GreedyScreen`; on SmolLM2's Q4_0 head a median of 6-12 rows. It keeps no reference
     to the weight."""
 
     def __init__(self, weight: QuantizedWeight) -> None:
