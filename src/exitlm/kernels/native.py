@@ -338,6 +338,14 @@ def bind(kind: str, *weights: torch.Tensor | None) -> BoundGemm:
     raise ValueError(f"bind: kind must be 'f32', 'f16', 'q8' or 'q4', got {kind!r}")
 
 
+def q4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Packed Q4 ``(N, K/2)`` (see :func:`gemm_q4`) as its nibbles ``(N, K/32, 32)`` uint8, in
+    element order: each group's low nibbles, then its high ones."""
+    n, kh = q.shape
+    b = q.view(n, kh // 16, 16)
+    return torch.cat((b & 15, b >> 4), dim=-1)
+
+
 def unpack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize packed Q4 (see :func:`gemm_q4`; ``mins=None``: ``-8 * scales``) to
@@ -346,8 +354,5 @@ def unpack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     if mins is None:
         mins = scales * -8.0
     n, kh = q.shape
-    g = kh // 16
-    b = q.view(n, g, 16)
-    nib = torch.cat((b & 15, b >> 4), dim=-1).float()  # (n, g, 32): low nibbles, then high
-    w = nib * scales.unsqueeze(-1) + mins.unsqueeze(-1)
+    w = q4_nibbles(q).float() * scales.unsqueeze(-1) + mins.unsqueeze(-1)
     return w.view(n, 2 * kh).to(dtype)

@@ -37,6 +37,7 @@ many candidates, returns None: the caller takes the full head.
 Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
 product. Greedy steps take it for int4 heads, where that product is much the faster one.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,11 +86,7 @@ class GreedyScreen:
         """The largest of :attr:`radius` (the screen takes it for every row: it is small)."""
         self.rounding = largest * 0.5001
         """Per row, the int8 rounding of the weights' error per unit of ``||x||_1``."""
-        copy = torch.empty(n, dtype=torch.float64)
-        for i in range(0, n, _CHUNK):
-            rows = self.q[i : i + _CHUNK].view(-1, k // GROUP, GROUP).double()
-            copy[i : i + _CHUNK] = (rows * self.scales[i : i + _CHUNK, :, None].double()
-                                    ).square().sum(dim=(1, 2))
+        _, copy = _square_norms(QuantizedWeight("int8", self.q, self.scales, None))
         self.norms = (copy.sqrt() * 1.0001).float()
         """Per row, ``||q s||_2``: the activations' int8 rounding's error per unit of
         ``||x^ - x||_2``."""
@@ -212,30 +209,17 @@ class QuantizedScreen:
 
     def __init__(self, weight: QuantizedWeight) -> None:
         n, k = weight.shape
-        g = k // GROUP
-        parts = torch.empty(n, dtype=torch.float64)
-        whole = torch.empty(n, dtype=torch.float64)
-        for i in range(0, n, _CHUNK):
-            if weight.kind == "int8":
-                sn = weight.q[i : i + _CHUNK].view(-1, g, GROUP).double()
-            else:
-                b = weight.q[i : i + _CHUNK].view(-1, g, 16)
-                sn = torch.cat((b & 15, b >> 4), dim=-1).double()
-            sn.mul_(weight.scales[i : i + _CHUNK, :, None].double())
-            parts[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
-            if weight.mins is not None:
-                sn.add_(weight.mins[i : i + _CHUNK, :, None].double())
-            whole[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
+        parts, whole = _square_norms(weight)
         spread = (torch.zeros(n, dtype=torch.float64) if weight.mins is None
                   else weight.mins.double().square().sum(dim=1) * GROUP)
         self.norms = (whole.sqrt() * 1.0001).float()
         """Per row, ``||w_v||_2`` (a little above)."""
-        gamma = (2 * g + 48) * _U * 1.1
+        gamma = (2 * (k // GROUP) + 48) * _U * 1.1
         self.radius = ((parts.sqrt() + spread.sqrt()) * (gamma * 1.0001)).float()
         """Per row, what float32 summation may add per unit of ``||x||_2 + ||x^||_2``."""
         self.widest = float(self.radius.max()) * 1.0001 if n else 0.0
         """The largest of :attr:`radius` (the screen takes it for every row: it is small)."""
-        self.kind, self.n, self.k = weight.kind, n, k
+        self.n = n
         self.version = _quantized_version(weight)
         self.candidates: list[int] = []
         """The rows recomputed exactly for each row of the last :meth:`argmax` (benchmarks)."""
@@ -279,6 +263,24 @@ class QuantizedScreen:
 
         self.candidates = []
         return _choose(a, slack, e2 * self.widest, _cap(self.n), exact, False, self.candidates)
+
+
+def _square_norms(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a quantized ``weight``, in float64: ``||q s||_2^2`` (int4: ``||s nib||_2^2``,
+    without the mins) and the dequantized row's ``||w||_2^2`` (the same for int8)."""
+    n, k = weight.shape
+    parts = torch.empty(n, dtype=torch.float64)
+    whole = torch.empty(n, dtype=torch.float64)
+    for i in range(0, n, _CHUNK):
+        q = weight.q[i : i + _CHUNK]
+        sn = q.view(-1, k // GROUP, GROUP) if weight.kind == "int8" else native.q4_nibbles(q)
+        sn = sn.double()
+        sn.mul_(weight.scales[i : i + _CHUNK, :, None].double())
+        parts[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
+        if weight.mins is not None:
+            sn.add_(weight.mins[i : i + _CHUNK, :, None].double())
+        whole[i : i + _CHUNK] = sn.square().sum(dim=(1, 2))
+    return parts, whole
 
 
 def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
