@@ -60,15 +60,14 @@ def features(model: Any, ids: list[int], rows: int) -> torch.Tensor:
 def head_steps(runner: Any, feats: torch.Tensor, passes: int) -> dict[str, Any]:
     """The screen against the whole head on each row of ``feats`` (module docstring)."""
     from exitlm.kernels.quant import QuantizedWeight
-    from exitlm.kernels.screen import GreedyScreen, QuantizedScreen
+    from exitlm.kernels.screen import screen_for
 
     model = runner.model
     weight = model.output_embedding()
     if isinstance(weight, torch.Tensor):
         weight = weight.detach()
     t0 = time.perf_counter()
-    screen = (QuantizedScreen(weight) if isinstance(weight, QuantizedWeight)
-              else GreedyScreen(weight))
+    screen = screen_for(weight)
     made_s = time.perf_counter() - t0
     if isinstance(weight, torch.Tensor) and weight.dtype is torch.float16:
         rows = feats.half()

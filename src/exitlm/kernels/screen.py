@@ -291,6 +291,14 @@ def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
                  for v in (t.data_ptr(), t._version))
 
 
+def screen_for(weight: torch.Tensor | QuantizedWeight) -> GreedyScreen | QuantizedScreen:
+    """A new screen of ``weight``: :class:`QuantizedScreen` for a quantized head, else
+    :class:`GreedyScreen`."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedScreen(weight)
+    return GreedyScreen(weight)
+
+
 def screens_head(weight: torch.Tensor | QuantizedWeight) -> bool:
     """Whether greedy steps screen a head of ``weight``'s kind: float32 heads
     (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Measured on SmolLM2's
@@ -320,4 +328,4 @@ def set_screens(on: bool) -> bool:
 
 
 __all__ = ["BUILD_TOKENS", "MAX_CANDIDATES", "MIN_ROWS", "GreedyScreen",
-           "QuantizedScreen", "screens_enabled", "screens_head", "set_screens"]
+           "QuantizedScreen", "screen_for", "screens_enabled", "screens_head", "set_screens"]

@@ -50,6 +50,7 @@ from exitlm.kernels.screen import (
     BUILD_TOKENS,
     GreedyScreen,
     QuantizedScreen,
+    screen_for,
     screens_enabled,
     screens_head,
 )
@@ -102,8 +103,7 @@ def _screen_of(weight: torch.Tensor | QuantizedWeight, make: bool = True
         return got[1]
     if not make:
         return None
-    screen = (QuantizedScreen(weight) if isinstance(weight, QuantizedWeight)
-              else GreedyScreen(weight))
+    screen = screen_for(weight)
     if got is None or got[0]() is not anchor:
         weakref.finalize(anchor, _SCREENS.pop, id(anchor), None)
     _SCREENS[id(anchor)] = (weakref.ref(anchor), screen)
