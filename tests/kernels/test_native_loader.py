@@ -77,7 +77,7 @@ def test_every_installed_build_the_cpu_runs_gives_the_same_bits() -> None:
     for (n, k), kind in itertools.product(((37, 160), (70, 2080)),
                                           ("f32", "f16", "q8", "q4", "q8a8", "q4a8")):
         args = _weights(kind, n, k, gen)  # 2080: 65 groups, past the int8 tiles' block of 64
-        for m in (1, 3, 8):
+        for m in (1, 3, 5, 8, 13):  # 5, 13: uneven passes of the dense tiles (run_range)
             x = torch.randn(m, k, generator=gen)
             ref = _product(builds["baseline"], kind, x, args, 1)
             for isa, lib in builds.items():

@@ -280,6 +280,17 @@ static float pair_a8(int kind, const int8_t *xq, const float *xd, const float *x
     return y;
 }
 
+#ifndef EXITLM_ZMM
+/* x rows per pass of a 256-bit dense tile of at most mbt x rows over M: the passes mbt needs,
+ * the rows spread evenly over them (M = 6 as 3 + 3 rather than 4 + 2).  (The 512-bit tiles keep
+ * full passes: there, 9 rows of SmolLM2's down projection took 1.35-1.5x the time as 5 + 4.) */
+static int even_passes(int kind, int64_t M, int mbt) {
+    if (kind == K_Q8 || M <= mbt) return mbt;
+    const int64_t passes = (M + mbt - 1) / mbt;
+    return (int)((M + passes - 1) / passes);
+}
+#endif
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     int64_t K = j->K, G = K / 32;
     for (int64_t n = n0; n < n1; n++)
@@ -327,8 +338,13 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
 
 /* Prefetch settings, chosen at load from the CPU's vendor (prefetch_init).  Dense tiles (see
  * PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into L2 in every tile;
- * other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the 512-bit tiles, and
- * no software prefetch in the 256-bit ones (dense_pf).  q8 tiles with float32 activations
+ * other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the 512-bit tiles and
+ * in the 256-bit tiles of several x rows, and no software prefetch in the 256-bit tiles of one x
+ * row (dense_pf).  The 256-bit tiles of several x rows are busy long enough per weight line that
+ * the hardware prefetcher falls behind: on a Zen 5 core running the AVX2 build (one thread,
+ * weights streaming from memory; docs/measurements/avx2_multirow_2026-11-28.md) the prefetch
+ * took SmolLM2's fp32 down projection at 4 rows from 2.1x one row's time to 1.2x, gate_up at 8
+ * rows (with the passes of tile_cfg) from 3.7x to 2.2x, while one row lost 8-40% with it.  q8 tiles with float32 activations
  * (pf_q, see PF_Q_BYTES): PF_Q_BYTES ahead, PF_Q_AMD512_BYTES on AMD CPUs in AVX-512 builds. */
 static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES, pf_q = PF_Q_BYTES;
 /* How many tiles ahead the q4 W-rows-in-lanes tiles prefetch (a8_prefetch_next): one, two on
@@ -371,7 +387,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
             for (int c = 0; c < 4; c++) acc[i][j][c] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
     int64_t k = 0;
-    const int pf = dense_pf;
+    const int pf = dense_pf || mb > 1; /* see dense_pf */
     for (; k + 32 <= K8; k += 32) {
         if (pf)
             for (int i = 0; i < nb; i++) prefetch_dense(kind, w, i * K + k);
@@ -1153,12 +1169,18 @@ static void lanes_range(const job_t *j, int64_t n0, int64_t n1) {
  * 1 with mb <= 8 (measured with benchmarks/gemv_kernels.py on an AVX2 EPYC).  Dense kinds read
  * one weight row at a time: on that Zen 1 core a one-row fp32 product streamed ~27 GB/s with
  * four rows interleaved (one accumulator each) and ~39 GB/s row after row with four
- * accumulators (llama.cpp's order of access).  For 5+ x rows two weight rows share the x loads
- * (f32, M = 8: 36 ms per 30 SmolLM2 layers against 45-50 with one). */
+ * accumulators (llama.cpp's order of access).  More than four x rows run in passes of at most
+ * four over each weight row (run_range spreads the rows evenly: 6 as 3 + 3, 8 as 4 + 4), the
+ * row's lines in L1 after the first: on a Zen 5 core (AVX2 build, the multi-row prefetch of
+ * dense_pf; docs/measurements/avx2_multirow_2026-11-28.md) 8 rows of SmolLM2's and
+ * layerskip-code's shapes took 0.53-0.86x the time of the former two weight rows x three x
+ * rows, whose 24 accumulators do not fit in 16 registers (on the Zen 1 EPYC, without the
+ * prefetch, that tile had beaten one weight row: 36 ms per 30 SmolLM2 layers at M = 8
+ * against 45-50). */
 static int tile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
-    /* f32 */ {{1, 1}, {1, 4}, {2, 3}},
-    /* f16 */ {{1, 1}, {1, 4}, {2, 3}},
+    /* f32 */ {{1, 1}, {1, 4}, {1, 4}},
+    /* f16 */ {{1, 1}, {1, 4}, {1, 4}},
     /* q8  */ {{4, 1}, {1, 8}, {1, 8}},
 };
 
@@ -1193,6 +1215,17 @@ static int ztile_cfg[3][3][2] = {
 };
 #endif
 
+#ifndef EXITLM_ZMM
+/* x rows per pass of a 256-bit dense tile of at most mbt x rows over M: the passes mbt needs,
+ * the rows spread evenly over them (M = 6 as 3 + 3 rather than 4 + 2).  (The 512-bit tiles keep
+ * full passes: there, 9 rows of SmolLM2's down projection took 1.35-1.5x the time as 5 + 4.) */
+static int even_passes(int kind, int64_t M, int mbt) {
+    if (kind == K_Q8 || M <= mbt) return mbt;
+    const int64_t passes = (M + mbt - 1) / mbt;
+    return (int)((M + passes - 1) / passes);
+}
+#endif
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, r = tile_rows(M);
@@ -1211,7 +1244,8 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
         mbt = kind == K_F32 ? mbt : 4;
     }
 #else
-    const int nbt = tile_cfg[kind][r][0], mbt = tile_cfg[kind][r][1];
+    const int nbt = tile_cfg[kind][r][0];
+    const int mbt = even_passes(kind, M, tile_cfg[kind][r][1]);
 #endif
     for (int64_t n = n0; n < n1;) {
         const int nb = n1 - n >= nbt ? nbt : (n1 - n >= 2 && nbt >= 2 ? 2 : 1);
