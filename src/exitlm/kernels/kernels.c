@@ -280,17 +280,6 @@ static float pair_a8(int kind, const int8_t *xq, const float *xd, const float *x
     return y;
 }
 
-#ifndef EXITLM_ZMM
-/* x rows per pass of a 256-bit dense tile of at most mbt x rows over M: the passes mbt needs,
- * the rows spread evenly over them (M = 6 as 3 + 3 rather than 4 + 2).  (The 512-bit tiles keep
- * full passes: there, 9 rows of SmolLM2's down projection took 1.35-1.5x the time as 5 + 4.) */
-static int even_passes(int kind, int64_t M, int mbt) {
-    if (kind == K_Q8 || M <= mbt) return mbt;
-    const int64_t passes = (M + mbt - 1) / mbt;
-    return (int)((M + passes - 1) / passes);
-}
-#endif
-
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     int64_t K = j->K, G = K / 32;
     for (int64_t n = n0; n < n1; n++)
