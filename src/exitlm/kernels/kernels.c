@@ -328,8 +328,8 @@ AI float scalar_w(int kind, const void *w, int64_t off) {
 /* Prefetch settings, chosen at load from the CPU's vendor (prefetch_init).  Dense tiles (see
  * PF_DENSE_BYTES): Intel PF_DENSE_BYTES into L1 and PF_DENSE_FAR_BYTES into L2 in every tile;
  * other vendors (AMD) PF_DENSE_AMD_BYTES into L1 and nothing into L2 in the 512-bit tiles and
- * in the 256-bit tiles of several x rows, and no software prefetch in the 256-bit tiles of one x
- * row (dense_pf).  The 256-bit tiles of several x rows are busy long enough per weight line that
+ * in the 256-bit tiles of several x rows (but on Zen 1: dense_pf_rows), and no software prefetch
+ * in the 256-bit tiles of one x row (dense_pf).  The 256-bit tiles of several x rows are busy long enough per weight line that
  * the hardware prefetcher falls behind: on a Zen 5 core running the AVX2 build (one thread,
  * weights streaming from memory; docs/measurements/avx2_multirow_2026-11-28.md) the prefetch
  * took SmolLM2's fp32 down projection at 4 rows from 2.1x one row's time to 1.2x, gate_up at 8
@@ -341,6 +341,9 @@ static int64_t pf_near = PF_DENSE_BYTES, pf_far = PF_DENSE_FAR_BYTES, pf_q = PF_
  * took 0.90-0.94x the time (SmolLM2's head 664 -> 567 us) while q8's lanes lost 8% with two. */
 static int64_t pf_q4_tiles = 1;
 static int dense_pf = 0;
+/* Whether the 256-bit dense tiles of several x rows prefetch (dense_pf): all CPUs but the one
+ * the former tiles were tuned on (tiles_init). */
+static int dense_pf_rows = 1;
 __attribute__((constructor)) static void prefetch_init(void) {
     __builtin_cpu_init();
     dense_pf = __builtin_cpu_is("intel");
@@ -376,7 +379,7 @@ AI void dense_tile(const int kind, const int nb, const int mb, const float *x, c
             for (int c = 0; c < 4; c++) acc[i][j][c] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
     int64_t k = 0;
-    const int pf = dense_pf || mb > 1; /* see dense_pf */
+    const int pf = dense_pf || (mb > 1 && dense_pf_rows); /* see dense_pf */
     for (; k + 32 <= K8; k += 32) {
         if (pf)
             for (int i = 0; i < nb; i++) prefetch_dense(kind, w, i * K + k);
@@ -1163,15 +1166,32 @@ static void lanes_range(const job_t *j, int64_t n0, int64_t n1) {
  * row's lines in L1 after the first: on a Zen 5 core (AVX2 build, the multi-row prefetch of
  * dense_pf; docs/measurements/avx2_multirow_2026-11-28.md) 8 rows of SmolLM2's and
  * layerskip-code's shapes took 0.53-0.86x the time of the former two weight rows x three x
- * rows, whose 24 accumulators do not fit in 16 registers (on the Zen 1 EPYC, without the
- * prefetch, that tile had beaten one weight row: 36 ms per 30 SmolLM2 layers at M = 8
- * against 45-50). */
+ * rows, whose 24 accumulators do not fit in 16 registers.  On the Zen 1 EPYC, without the
+ * prefetch, that tile had beaten passes of one weight row x three x rows (36 ms per 30 SmolLM2
+ * layers at M = 8 against 45-50), so a Zen 1 core keeps it (tiles_init). */
 static int tile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 4}},
     /* f16 */ {{1, 1}, {1, 4}, {1, 4}},
     /* q8  */ {{4, 1}, {1, 8}, {1, 8}},
 };
+
+#ifndef EXITLM_ZMM
+/* A Zen 1 core (128-bit datapath: 256-bit operations split in two, one 256-bit load a cycle)
+ * keeps the configuration measured best on it: two weight rows x three x rows for 5+ rows, no
+ * software prefetch in the dense tiles (the passes of one weight row and their prefetch above
+ * were measured on a Zen 5 core only). */
+__attribute__((constructor)) static void tiles_init(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("znver1")) {
+        dense_pf_rows = 0;
+        for (int kind = K_F32; kind <= K_F16; kind++) {
+            tile_cfg[kind][2][0] = 2;
+            tile_cfg[kind][2][1] = 3;
+        }
+    }
+}
+#endif
 
 #ifdef EXITLM_ZMM
 /* The 512-bit tiles: nb W rows in {1, 2, 4} x mb <= 8 x rows (q8: x rows in pairs, mb rounded
