@@ -5,6 +5,7 @@ so that the inner loop is ``pytest -m "not dist and not real_model"``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ DIST = ("comm", "infer/executors", "train/parallel", "serve", "robustness", "tra
 # One intra-op thread: tiny models gain nothing from more, and on a loaded 2-core machine
 # (or with distributed tests spawning processes) extra OpenMP threads stall each other.
 torch.set_num_threads(1)
+# Every process times its runners' primitives afresh (exitlm.runtime.cost_store): tests never
+# share timings through the user's cache (tests/runtime/test_cost_store.py turns it on).
+os.environ["EXITLM_COST_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

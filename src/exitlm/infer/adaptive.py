@@ -374,6 +374,9 @@ class SpecPlanner:
             for d in range(1, (drafts or self.max_draft) + 1):
                 self._modelled(e, d, 1)
         self._lazy_head(1, 1.0)
+        for costs in (self.costs, self.copy_costs):
+            if costs is not None:
+                costs.persist()  # the next process on this machine reads them
 
     def timed_plain(self, b: int, seconds: float) -> None:
         """Note the measured time of a plain step for ``b`` sequences."""

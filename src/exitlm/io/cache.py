@@ -25,9 +25,11 @@ KINDS: dict[str, tuple[str, re.Pattern[str], bool]] = {
     "token-orders": ("token_order", re.compile(r"[0-9a-f]{32}\.safetensors"), False),
     "kernels": ("kernels", re.compile(r"[0-9a-f]{64}\.so"), False),
     "bench-models": ("bench-gguf", re.compile(r".+-\d+-\d+"), True),
+    "costs": ("costs", re.compile(r"[0-9a-f]{32}\.json"), False),
 }
 """Converted GGUF models, tokenized corpora, token frequency orders, compiled C kernels,
-and the benchmark's converted GGUF files."""
+the benchmark's converted GGUF files, and runners' primitive timings
+(:mod:`exitlm.runtime.cost_store`)."""
 
 
 @dataclass(frozen=True)

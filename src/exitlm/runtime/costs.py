@@ -19,6 +19,10 @@ of two). Measuring never touches a caller's cache or the model.
 Only a runner whose primitives run in this process alone may be timed this way (a
 tensor-parallel shard's products pair with other ranks' calls):
 :meth:`~exitlm.runtime.runner.Runner.supports` ``("local")``.
+
+The timings outlive the process: they are read from, and written to, exitlm's cache
+(:mod:`exitlm.runtime.cost_store`), keyed by the machine, the kernels, the thread count and the
+model's shapes, so that a new process on the same machine does not time them again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from exitlm.model.kv_cache import KVCache
+from exitlm.runtime import cost_store
 from exitlm.runtime.runner import Runner
 
 CONTEXT = 64
@@ -65,6 +70,22 @@ class PrimitiveCosts:
         self.learned: dict[object, dict] = {}
         """What callers learned of the runner's speed while decoding (an adaptive planner's
         measured step and round times), kept with the costs for the runner's later engines."""
+        self._store: str | None = None
+        """The name of these timings in exitlm's cache (:mod:`~exitlm.runtime.cost_store`),
+        None when they are not kept there."""
+        self._stored = 0
+        """How many of :attr:`_seen` the cache holds already."""
+        if cost_store.enabled():
+            self._store = cost_store.store_key(runner, _kind(runner))
+            self._seen.update(cost_store.load(self._store))
+            self._stored = len(self._seen)
+
+    def persist(self) -> None:
+        """Write the timings to exitlm's cache when some were taken since they were read
+        (:mod:`~exitlm.runtime.cost_store`; nothing when that is switched off)."""
+        if (self._store is not None and len(self._seen) > self._stored
+                and cost_store.save(self._store, self._seen)):
+            self._stored = len(self._seen)
 
     @property
     def runner(self) -> Runner:
