@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import draft_round, finite_float, int_at_least  # (torch-free)
+from exitlm.args import draft_round, finite_float, int_at_least, unit_float  # (torch-free)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "layerskip-code.yaml"
@@ -394,13 +394,16 @@ def ship(args: argparse.Namespace) -> int:
             set_draft(tmp, *args.draft)
             report["draft"] = dict(zip(("exit_layer", "num_speculations", "weights"),
                                        args.draft, strict=True))
+        if args.threshold is not None:
+            set_threshold(tmp, args.threshold)
+            report["threshold"] = args.threshold
         tok = byte_level_tokenizer()
         tok.eos_token_ids = (0,)
         tok.save(tmp)
         (tmp / "training.json").write_text(json.dumps(
             {k: report[k] for k in ("argv", "machine", "model", "corpus", "calibration", "config",
                                     "train", "exits", "stdlib_agreement", "shipped_with_python",
-                                    "self_spec", "draft", "total_s", "stages")
+                                    "self_spec", "draft", "threshold", "total_s", "stages")
              if k in report}, indent=1) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(model_card(report, notes), encoding="utf-8")
     loaded = load_model(str(target))
@@ -415,6 +418,14 @@ def set_draft(folder: Path, exit_layer: int, drafts: int, weights: str = "model"
     from exitlm.io.native import native_config, write_native_config
 
     write_native_config(folder, native_config(folder).with_draft(exit_layer, drafts, weights))
+
+
+def set_threshold(folder: Path, threshold: float) -> None:
+    """Record the early-exit threshold measured to keep plain decoding's output as
+    ``exits.threshold`` of the config in ``folder``."""
+    from exitlm.io.native import native_config, write_native_config
+
+    write_native_config(folder, native_config(folder).with_threshold(threshold))
 
 
 STAGE_KEYS = ("argv", "machine", "model", "corpus", "calibration", "config", "train")
@@ -606,6 +617,12 @@ def model_card(report: dict[str, Any], notes: str = "") -> str:
                   f"{copy} as the round measured fastest in timed decoding (`exits.draft`): "
                   "`--strategy self-spec` drafts there unless another round promises clearly "
                   "more on the text at hand, or plain steps do.", ""]
+    threshold = report.get("threshold")
+    if threshold is not None:
+        lines += [f"The config records `exits.threshold` {threshold:g}, the early-exit "
+                  "confidence threshold measured to keep plain decoding's output on held-out "
+                  "prompts: `--strategy early-exit` uses it when `--threshold` is not given.",
+                  ""]
     if notes.strip():
         lines += [notes.strip(), ""]
     return "\n".join(lines)
@@ -656,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(`exitlm bench --sweep speculation`; W: what the drafts ran on, "
                         "model, int8 or int4): recorded as the config's exits.draft, which "
                         "self-speculation prefers")
+    s.add_argument("--threshold", metavar="T", type=unit_float,
+                   help="the early-exit confidence threshold measured to keep plain decoding's "
+                        "output on held-out text (`exitlm bench --sweep threshold`): recorded "
+                        "as the config's exits.threshold, early exit's default for the model")
     args = p.parse_args(argv)
     from exitlm.errors import ExitlmError
 

@@ -36,6 +36,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def unit_float(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1] (a probability, a threshold)."""
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """An argparse ``type``: comma-separated integers (``"2,4,6"``)."""
     try:

@@ -31,6 +31,7 @@ from exitlm.schema import (
     PositiveFloat,
     PositiveInt,
     Range,
+    UnitFloat,
     build,
     check,
 )
@@ -112,6 +113,11 @@ class ExitConfig:
             ties them) or ``own`` (a new matrix per exit).
         draft: the self-speculative round measured fastest with these exits' weights
             (:class:`DraftHint`), or ``None``. Replacing a checkpoint's exits drops it.
+        threshold: the confidence threshold measured to keep plain decoding's output with
+            these exits' weights on held-out text (``exitlm bench --sweep threshold``),
+            early exit's default for the model (EE-LLM Sec. 5.2: an exit emits its token when
+            its maximum probability reaches the threshold), or ``None`` (the strategy's
+            default). Replacing a checkpoint's exits drops it.
     """
 
     layers: tuple[int, ...] = ()
@@ -120,6 +126,7 @@ class ExitConfig:
     norm: ExitNorm = "own"
     output: ExitOutput = "final_head"
     draft: DraftHint | None = None
+    threshold: UnitFloat | None = None
 
     def __post_init__(self) -> None:
         check(self, "exits")
@@ -207,6 +214,10 @@ class ModelConfig:
         against this model's exits)."""
         hint = DraftHint(exit_layer, num_speculations, weights)  # type: ignore[arg-type]
         return self.replace(exits=dataclasses.replace(self.exits, draft=hint))
+
+    def with_threshold(self, threshold: float) -> ModelConfig:
+        """This config with ``exits.threshold`` set (checked: a probability in [0, 1])."""
+        return self.replace(exits=dataclasses.replace(self.exits, threshold=threshold))
 
     # ----- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

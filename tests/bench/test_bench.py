@@ -221,3 +221,27 @@ def test_bench_fits_prompts_to_a_short_context(
     assert "prompt 1/" not in err  # nothing ran
     assert main([*args, "--max-new-tokens", "256"]) == 2
     assert "--max-new-tokens 256 leaves no room" in capsys.readouterr().err
+
+
+def test_unseen_code_prompts_script(tmp_path: Path) -> None:
+    """benchmarks/unseen_code_prompts.py writes seeded JSONL prompts that ``exitlm bench
+    --prompts`` reads; a package list with nothing installed is one line and exit 2."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "unseen_code_prompts.py"
+
+    def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), "--out", str(out), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for out in (first, again):
+        proc = run(out, "--count", "4", "--packages", "pip,setuptools", "--seed", "3")
+        assert proc.returncode == 0, proc.stderr
+    assert first.read_text() == again.read_text()  # seeded
+    prompts = load_prompts(first)
+    assert len(prompts) == 4 and all("def " in p and 80 < len(p) < 600 for p in prompts)
+    proc = run(tmp_path / "none.jsonl", "--packages", "no_such_package_here")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no usable *.py files" in proc.stderr and not (tmp_path / "none.jsonl").exists()

@@ -88,3 +88,46 @@ def test_config_errors() -> None:
         generate(model, None, [1, 2], strategy="early-exit", exit_layers=(1,))
     with pytest.raises(ConfigError, match="max_pending"):
         generate(model, None, [1, 2], strategy="early-exit", max_pending=0)
+
+
+def _with_threshold(model: torch.nn.Module, threshold: float | None) -> torch.nn.Module:
+    model.config = model.config.with_threshold(threshold)  # type: ignore[union-attr]
+    return model
+
+
+def test_a_recorded_threshold_is_the_default_and_an_explicit_one_wins() -> None:
+    """``exits.threshold`` (the confidence a model records as keeping plain decoding's output)
+    is early exit's default for that model; ``--threshold`` and a request's own threshold
+    override it; without one the default stays 0.9."""
+    torch.manual_seed(5)
+    prompts = random_prompts()
+    kw = {"strategy": "early-exit", "max_new_tokens": 16, "ignore_eos": True}
+
+    def run(model: torch.nn.Module, **opts: object) -> tuple[list, list, float]:
+        res = generate(model, None, prompts, **kw, **opts)
+        return res.token_ids, [s.exit_layers for s in res.sequences], res.options["threshold"]
+
+    plain = ee_model("linear", scale=0.6)
+    low = run(plain, threshold=0.3)
+    default = run(plain)
+    assert default == run(plain, threshold=0.9) and default[2] == 0.9
+    assert low[1] != default[1]  # the thresholds differ in where tokens exit
+    recorded = _with_threshold(ee_model("linear", scale=0.6), 0.3)
+    assert run(recorded) == low  # the recorded threshold is the default
+    assert run(recorded, threshold=0.9) == default  # an explicit one wins
+    engine = Engine(recorded, strategy="early-exit", max_batch=2)
+    try:
+        own = engine.submit(prompts[0], SamplingOptions(max_new_tokens=16, ignore_eos=True),
+                            threshold=0.9)
+        inherits = engine.submit(prompts[0], SamplingOptions(max_new_tokens=16,
+                                                             ignore_eos=True))
+        engine.run()
+        assert own.token_ids == default[0][0]
+        assert (inherits.token_ids, inherits.exit_layers) == (low[0][0], low[1][0])
+    finally:
+        engine.close()
+
+
+def test_a_recorded_threshold_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"exits.threshold.*\[0, 1\]|threshold.*1.5"):
+        _with_threshold(ee_model("linear"), 1.5)

@@ -67,6 +67,36 @@ def test_convert_records_a_draft_hint(tmp_path: Path,
     assert "expected E,D with E >= 1 and D in [1, 64], got '2,0'" in capsys.readouterr().err
 
 
+def test_convert_records_an_early_exit_threshold(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--threshold T`` writes exits.threshold into the copy (exitlm and HF formats; an
+    exit-head bundle keeps it too); ``exitlm info`` shows it; early exit on the copy takes it
+    as its default."""
+    for fmt in ("exitlm", "hf"):
+        out = tmp_path / fmt
+        assert main(["convert", "debug", str(out), "--to", fmt, "--threshold", "0.95"]) == 0
+        assert load_model(str(out)).config.exits.threshold == 0.95
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "exitlm")]) == 0
+    assert "early exit    threshold 0.95" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "exitlm"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exits"]["threshold"] == 0.95
+    from exitlm.infer import generate
+
+    res = generate(load_model(str(tmp_path / "exitlm")).model, None, [[1, 2, 3]],
+                   strategy="early-exit", max_new_tokens=2)
+    assert res.options["threshold"] == 0.95
+    assert main(["convert", "debug", str(tmp_path / "bad"), "--threshold", "0.9", "--to",
+                 "megatron"]) == 2
+    assert "drop --to megatron" in capsys.readouterr().err
+    for bad in ("1.5", "-0.1", "nan", "high"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["convert", "debug", str(tmp_path / "bad"), "--threshold", bad])
+        assert exit_.value.code == 2 and not (tmp_path / "bad").exists()
+        err = capsys.readouterr().err
+        assert "--threshold" in err and "Traceback" not in err, err
+
+
 def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", str(tmp_path)]) == 2
     assert str(tmp_path) in capsys.readouterr().err

@@ -54,6 +54,8 @@ def test_loads_by_name_with_a_byte_tokenizer(shipped: tuple) -> None:
     # the measured best round self-speculation prefers, as the card records it
     assert cfg.exits.draft is not None and 1 <= cfg.exits.draft.exit_layer < cfg.num_layers
     assert card["draft"] == dataclasses.asdict(cfg.exits.draft)
+    # and the early-exit threshold it records (the default of --strategy early-exit)
+    assert cfg.exits.threshold is not None and card.get("threshold") == cfg.exits.threshold
 
 
 def test_exits_agree_at_the_documented_rates(shipped: tuple) -> None:
@@ -98,6 +100,10 @@ def test_lossless_strategies_emit_plain_decodings_tokens(shipped: tuple) -> None
             "ppd": generate(model, tok, prompt, strategy="ppd", **kw),
             "early-exit threshold 1": generate(model, tok, prompt, strategy="early-exit",
                                                threshold=1.0, **kw),
+            # lossy in general; the config's threshold kept plain decoding's output on the
+            # held-out prompts it was chosen on (model card), and on these
+            "early-exit at the config's threshold": generate(model, tok, prompt,
+                                                             strategy="early-exit", **kw),
         }
         for name, res in runs.items():
             assert res.token_ids == ar, f"{name} differs from plain decoding on {prompt[:40]!r}"

@@ -50,11 +50,13 @@ def test_bundle_round_trip(tmp_path: Path) -> None:
         b = loaded.model(x, exit_layers=(2,)).exit_logits[2]
     torch.testing.assert_close(a, b)
     assert find_bundle("default-ee") is not None
-    # a measured best round travels with the heads
+    # a measured best round and early-exit threshold travel with the heads
     hinted = load_model(str(tmp_path / "base"),
-                        exits=ExitConfig(layers=(2,), head="mlp", draft=DraftHint(2, 3))).model
+                        exits=ExitConfig(layers=(2,), head="mlp", draft=DraftHint(2, 3),
+                                         threshold=0.97)).model
     again = save_bundle(hinted, tmp_path / "hinted", str(tmp_path / "base"))
-    assert load_model(str(again)).config.exits.draft == DraftHint(2, 3)
+    exits = load_model(str(again)).config.exits
+    assert (exits.draft, exits.threshold) == (DraftHint(2, 3), 0.97)
 
 
 @pytest.mark.real_model

@@ -93,13 +93,18 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
         bad = _ship(tmp_path, shipped, "--draft", draft)
         assert bad.returncode == 2 and needle in bad.stderr, bad.stderr[-2000:]
         assert "Traceback" not in bad.stderr and not shipped.exists()
-    ship = _ship(tmp_path, shipped, "--notes", str(tmp_path / "notes.md"), "--draft", "2,3,int8")
+    bad = _ship(tmp_path, shipped, "--threshold", "1.2")
+    assert bad.returncode != 0 and "--threshold" in bad.stderr and not shipped.exists()
+    ship = _ship(tmp_path, shipped, "--notes", str(tmp_path / "notes.md"), "--draft", "2,3,int8",
+                 "--threshold", "0.97")
     assert ship.returncode == 0, ship.stderr[-3000:]
     card = (shipped / "README.md").read_text()
     assert "4-layer byte-level model" in card and "| perplexity |" in card
     assert "records E=2, d=3, drafting through an int8 copy of the model" in card
+    assert "records `exits.threshold` 0.97" in card
     assert json.loads((shipped / "training.json").read_text())["draft"] == {
         "exit_layer": 2, "num_speculations": 3, "weights": "int8"}
+    assert json.loads((shipped / "training.json").read_text())["threshold"] == 0.97
     assert card.rstrip().endswith("## Decoding speed\n\nmeasured after training")
     assert json.loads((shipped / "training.json").read_text())["stages"][0]["train"][
         "steps_done"] == 8
@@ -110,6 +115,7 @@ def test_train_then_ship_at_toy_scale(tmp_path: Path) -> None:
     assert loaded.tokenizer.eos_token_ids == (0,)
     assert loaded.model.config.exits.draft == DraftHint(exit_layer=2, num_speculations=3,
                                                         weights="int8")
+    assert loaded.model.config.exits.threshold == 0.97
     prompt = "def f(x):\n    return"
     kw = {"max_new_tokens": 16, "threads": 1, "ignore_eos": True}
     ar = generate(loaded.model, loaded.tokenizer, prompt, **kw).token_ids

@@ -69,7 +69,8 @@ class RecomputeDecoder(Decoder):
         return {"hidden": self.model.config.dim}
 
     def resolved_options(self) -> dict[str, object]:
-        return {**super().resolved_options(), "exit_layers": list(self.checks)}
+        return {**super().resolved_options(), "exit_layers": list(self.checks),
+                "threshold": self.options.threshold_for(self.model.config)}
 
     def prefill_span(self) -> tuple[int | None, tuple[int, ...]]:
         return None, tuple(self.checks)
@@ -88,11 +89,12 @@ class RecomputeDecoder(Decoder):
         q = cache.lengths.clone()
         pending = (cache.lengths - cache.fill[self.num_layers - 1]).tolist()
         thresholds: list[float | None] = []
+        config = self.model.config
         for s, p in zip(batch.seqs, pending, strict=True):
             force = p >= s.options.max_pending
             s.stats.forced_full += int(force)  # type: ignore[attr-defined]
-            may = s.options.threshold < 1.0 and not force
-            thresholds.append(s.options.threshold if may else None)
+            threshold = s.options.threshold_for(config)
+            thresholds.append(threshold if threshold < 1.0 and not force else None)
         # no row may exit and none has pending tokens: one segment, no checks
         checks = self.checks if any(t is not None for t in thresholds) or any(pending) else ()
         seg = self.runner.segments(batch.lasts(self.device)[:, 0], batch.aux["hidden"], cache,

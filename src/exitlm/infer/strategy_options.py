@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from exitlm.config import ConfigError, DraftWeights
+from exitlm.config import ConfigError, DraftWeights, ModelConfig
 from exitlm.infer.options import option
 from exitlm.schema import PositiveInt, Range, UnitFloat, check
 
@@ -23,13 +23,19 @@ class AROptions:
     """Options of plain autoregressive decoding (none beyond :class:`SamplingOptions`)."""
 
 
+DEFAULT_THRESHOLD = 0.9
+"""Early exit's confidence threshold for a model that records none (``exits.threshold``)."""
+
+
 @dataclass(frozen=True)
 class EarlyExitOptions:
     """Options of the ``early-exit`` strategy (see :mod:`exitlm.infer.early_exit`)."""
 
-    threshold: UnitFloat = option(
-        0.9, "confidence threshold on an exit's maximum probability (EE-LLM); 1.0 never "
-        "exits early (exactly greedy decoding)", per_request=True)
+    threshold: UnitFloat | None = option(
+        None, "confidence threshold on an exit's maximum probability (EE-LLM); 1.0 never "
+        "exits early (exactly greedy decoding); default: the model's recorded exits.threshold "
+        f"(measured to keep plain decoding's output), else {DEFAULT_THRESHOLD}",
+        per_request=True)
     exit_layers: tuple[PositiveInt, ...] | None = option(
         None, "the exits checked, in order (default: the model's exit heads; for a LayerSkip "
         "model with only every-layer exits, the layers at 1/4, 1/2 and 3/4 depth - each "
@@ -46,6 +52,14 @@ class EarlyExitOptions:
     exit_layer: PositiveInt | None = option(
         None, "fixed-layer exit at E for every token (LayerSkip Sec. 4.2, lossy); overrides "
         "the confidence rule")
+
+    def threshold_for(self, config: ModelConfig) -> float:
+        """The threshold in force on a model of ``config``: this option, else the model's
+        recorded ``exits.threshold``, else :data:`DEFAULT_THRESHOLD`."""
+        if self.threshold is not None:
+            return self.threshold
+        recorded = config.exits.threshold
+        return DEFAULT_THRESHOLD if recorded is None else recorded
 
     def __post_init__(self) -> None:
         check(self)

@@ -59,7 +59,8 @@ def save_bundle(
         "format": BUNDLE_FORMAT, "base": base,
         "exits": {"layers": list(exits.layers), "every_layer": exits.every_layer,
                   "head": exits.head, "norm": exits.norm, "output": exits.output,
-                  **({} if exits.draft is None else {"draft": dataclasses.asdict(exits.draft)})},
+                  **({} if exits.draft is None else {"draft": dataclasses.asdict(exits.draft)}),
+                  **({} if exits.threshold is None else {"threshold": exits.threshold})},
         "info": info or {},
     }
     target = Path(path)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import draft_round, finite_float, int_at_least
+from exitlm.args import draft_round, finite_float, int_at_least, unit_float
 from exitlm.config import PRESETS, ConfigError
 from exitlm.io.cache import KINDS as KIND_NAMES
 
@@ -45,6 +45,11 @@ def register(subparsers: Any) -> None:
                         "on, model (default), int8 or int4, --draft-weights) as the config's "
                         "exits.draft, which --strategy self-spec prefers (exitlm and hf "
                         "formats)")
+    p.add_argument("--threshold", type=unit_float, default=None, metavar="T",
+                   help="record the early-exit confidence threshold measured to keep plain "
+                        "decoding's output with these weights (exitlm bench --sweep "
+                        "threshold) as the config's exits.threshold, --strategy early-exit's "
+                        "default for the model (exitlm and hf formats)")
     p.add_argument("--delta-from", default=None, metavar="BASE",
                    help="write SRC as a low-rank delta over BASE (a name or path SRC was "
                         "trained from; BASE's weights are fingerprinted): a fine-tuned model in "
@@ -95,9 +100,10 @@ def _convert(args: argparse.Namespace) -> int:
     for flag, value in (("--quantize", args.quantize), ("--quantize-head", args.quantize_head)):
         if value and args.to != "exitlm":
             raise ConfigError(f"{flag} writes exitlm checkpoints only; drop --to {args.to}")
-    if args.draft and args.to == "megatron":
-        raise ConfigError("--draft is recorded in exitlm and Hugging Face checkpoints (their "
-                          "exit configuration); drop --to megatron")
+    for given, name in ((args.draft, "--draft"), (args.threshold is not None, "--threshold")):
+        if given and args.to == "megatron":
+            raise ConfigError(f"{name} is recorded in exitlm and Hugging Face checkpoints "
+                              "(their exit configuration); drop --to megatron")
     if args.quantize and args.quantize_head:
         raise ConfigError(f"--quantize {args.quantize} quantizes the heads already; drop "
                           "--quantize-head")
@@ -119,6 +125,8 @@ def _convert(args: argparse.Namespace) -> int:
                         head_dtype=args.quantize_head)
     if args.draft is not None:
         with_draft(loaded, *args.draft)
+    if args.threshold is not None:
+        loaded.model.config = loaded.config = loaded.model.config.with_threshold(args.threshold)
     if args.delta_from is not None:
         return _write_delta(args, loaded, dst)
     if args.to == "megatron":
@@ -295,6 +303,9 @@ def _info(args: argparse.Namespace) -> int:
               f"{ex['draft']['num_speculations']} drafts"
               f"{'' if weights == 'model' else f' through an {weights} copy'} (exits.draft; "
               "preferred when the exit is left open)")
+    if ex["threshold"] is not None:
+        print(f"  early exit    threshold {ex['threshold']:g}, measured to keep plain decoding's "
+              "output (exits.threshold; the default when --threshold is not given)")
     t = info["tokenizer"]
     if t is None:
         print("  tokenizer     none")

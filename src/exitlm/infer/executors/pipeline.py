@@ -289,7 +289,7 @@ class PipelineDecoder(Decoder):
         for s, f in zip(batch.seqs, force, strict=True):
             s.stats.forced_full += int(f)  # type: ignore[attr-defined]
         rows = Rows([st.slot for st in states], q.tolist(), [False] * n, force,
-                     [s.options.threshold for s in batch.seqs])
+                     [s.options.threshold_for(runner.model.config) for s in batch.seqs])
         positions = q[:, None].to(self.device)
         h = runner.embed(batch.lasts(self.device), positions)
         tokens: dict[int, int] = {}
