@@ -18,6 +18,7 @@ but ``[key, seconds]`` pairs, is ignored and replaced. ``exitlm cache`` lists an
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -29,8 +30,8 @@ from typing import Any
 
 import torch
 
-import exitlm
 from exitlm.env import switched_off
+from exitlm.kernels import native
 from exitlm.paths import cache_root
 
 STORE_DAYS = 7.0
@@ -60,14 +61,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _version() -> str:
+    """exitlm's installed version (``unknown`` for a source tree that was never installed)."""
+    try:
+        return importlib.metadata.version("exitlm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _library(runner: Any) -> list[Any]:
     """The kernels a runner's products run: the native library file (path, size, time) or the
     torch fallback; on CUDA the device's name."""
     device = runner.device
     if device.type == "cuda":
         return ["cuda", torch.cuda.get_device_name(device), torch.version.cuda]
-    from exitlm.kernels import native
-
     path = native.kernel_path()
     if path.library is None:
         return ["torch", path.reason]
@@ -82,7 +89,7 @@ def store_key(runner: Any, kind: tuple[Any, ...]) -> str:
     processor and the thread count."""
     parts = {
         "format": FORMAT,
-        "versions": [exitlm.__version__, torch.__version__],
+        "versions": [_version(), torch.__version__],
         "kind": [str(k) if not isinstance(k, frozenset) else sorted(k) for k in kind],
         "config": runner.model.config.to_dict(),
         "kernels": _library(runner),
