@@ -8,6 +8,7 @@ from pathlib import Path
 
 def cache_root() -> Path:
     """``$EXITLM_CACHE`` (``~`` expanded) or ``~/.cache/exitlm``: converted models, token
-    orders, tokenized corpora, benchmark files and the kernels' developer builds."""
+    orders, tokenized corpora, benchmark files, the kernels' developer builds and runners'
+    primitive timings (:mod:`exitlm.runtime.cost_store`)."""
     env = os.environ.get("EXITLM_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "exitlm"
