@@ -169,6 +169,18 @@ def test_bench_end_to_end_on_a_preset(tmp_path: Path, capsys: pytest.CaptureFixt
         got = shown[f"{r['threshold']:g}"]["vs ar"]
         assert float(got[:-1]) == pytest.approx(r["speedup"], abs=0.005)
     assert (tmp_path / "out" / "sweep_thresholds.png").is_file()
+    # the fastest threshold that kept the output everywhere is offered for the config
+    sweep = json.loads((tmp_path / "out" / "sweep_threshold.json").read_text())["sweep"]
+    kept = [r for r in rows if r["exact_match"] == 1.0]
+    top = max(kept, key=lambda r: r["speedup"])
+    assert sweep["best"] == {"threshold": top["threshold"], "speedup": top["speedup"],
+                             "prompts": 2}
+    hint = f"--threshold {top['threshold']:g}"
+    assert any(hint in line for line in sweep_lines({**sweep, "best": {**sweep["best"],
+                                                                       "speedup": 1.3}}))
+    assert not any("--threshold" in line for line in sweep_lines(
+        {**sweep, "best": {**sweep["best"], "speedup": 0.9}}))
+    assert not any("--threshold" in line for line in sweep_lines({**sweep, "best": None}))
 
 
 @pytest.mark.usefixtures("_keep_threads")

@@ -87,7 +87,14 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
                    f"{_ratio(ad['speedup'])} vs ar, {_ratio(ad['over_best_static'])} vs the "
                    f"best static setting, same as ar: {_same(ad['exact_match'])}")
     top = sweep.get("best")
-    if top and top["speedup"] > 1 and top["exact_match"] == 1.0:
+    if top and "threshold" in top and top["speedup"] > 1:
+        t = f"{top['threshold']:g}"
+        out.append(f"fastest threshold that kept plain decoding's output on all "
+                   f"{top.get('prompts', 'the')} prompts: {t} ({_ratio(top['speedup'])} vs ar); "
+                   "check it on more prompts, of text the model never saw (--prompts, "
+                   "--num-prompts), before recording it as early exit's default in a copy of "
+                   f"the model: exitlm convert MODEL OUT --threshold {t}")
+    elif top and "threshold" not in top and top["speedup"] > 1 and top["exact_match"] == 1.0:
         e, d, w = top["exit_layer"], top["num_speculations"], top.get("draft_weights")
         w = "" if w in (None, "model") else f",{w}"
         out.append(f"fastest round: E={e}, d={d}{w and f', {w[1:]} drafts'} "

@@ -491,7 +491,13 @@ def sweep_thresholds(b: Bench, thresholds: list[float], out_dir: Path) -> dict[s
                      / max(1, len(exits))})
     csv_path = _write_csv(out_dir / "sweep_thresholds.csv", rows)
     png = _speed_quality(out_dir / "sweep_thresholds.png", rows)
-    return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png}
+    # the fastest threshold that kept plain decoding's output on every prompt: what a model's
+    # config may record as early exit's default (exits.threshold)
+    kept = [r for r in rows if r["exact_match"] == 1.0]
+    best = max(kept, key=lambda r: r["speedup"], default=None)
+    return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png,
+            "best": None if best is None else {
+                **{k: best[k] for k in ("threshold", "speedup")}, "prompts": len(runs["ar"])}}
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
