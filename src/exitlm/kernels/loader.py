@@ -57,6 +57,7 @@ __all__ = [
     "SOURCES",
     "KernelPath",
     "build_dev",
+    "cpuinfo",
     "kernel_path",
     "library",
     "library_file",
@@ -188,15 +189,22 @@ def load_variant(isa: str) -> ctypes.CDLL | None:
     return base if isa == "baseline" else _open(library_file(isa, folder))
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags as the OS lists them (part of the developer cache key)."""
+def cpuinfo(*fields: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line that starts with one of ``fields``
+    (Linux: ``flags``, ``model name``, ...); None where there is no such line or file."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(fields):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{platform.processor()} {platform.machine()}"
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags as the OS lists them (part of the developer cache key)."""
+    flags = cpuinfo("flags", "Features")
+    return f"{platform.processor()} {platform.machine()}" if flags is None else flags
 
 
 def _cache_dir() -> Path:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from exitlm.env import switched_off
-from exitlm.kernels import native
+from exitlm.kernels import loader, native
 from exitlm.paths import cache_root
 
 STORE_DAYS = 7.0
@@ -51,14 +51,8 @@ def enabled() -> bool:
 
 def _cpu_name() -> str:
     """The processor's model name (``/proc/cpuinfo`` on Linux), else what Python says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    name = loader.cpuinfo("model name")
+    return (platform.processor() or platform.machine()) if name is None else name
 
 
 def _version() -> str:
