@@ -197,7 +197,7 @@ def train(args: argparse.Namespace) -> int:
 
     from exitlm.io.corpus import stdlib_root
     from exitlm.io.native import save_native
-    from exitlm.io.st import write_text_atomic
+    from exitlm.paths import write_text_atomic
     from exitlm.train.config import load_config
     from exitlm.train.data import eval_batches, prepare
     from exitlm.train.trainer import Trainer

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from exitlm.io.hf_map import CheckpointError
+from exitlm.paths import remove_stale_temps, temp_prefix
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -179,52 +180,6 @@ def check_replaceable(target: Path, overwrite: bool = False) -> None:
         )
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine (``True`` when unsure)."""
-    if pid == os.getpid() or os.name == "nt":
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _temp_prefix(name: str, kind: str) -> str:
-    return f".{name}.{kind}-{os.getpid()}-"
-
-
-def remove_stale_temps(target: Path) -> list[Path]:
-    """Remove what a killed writer left beside ``target``: ``.NAME.tmp-PID-*`` (a half-written
-    replacement) and ``.NAME.old-PID-*`` (a moved-aside previous version, put back when
-    ``target`` itself is missing) of processes that no longer run. Returns what was removed."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")
-    removed: list[Path] = []
-    parent = target.parent
-    if not parent.is_dir():
-        return removed
-    for entry in sorted(parent.iterdir()):
-        m = pattern.fullmatch(entry.name)
-        if m is None or pid_alive(int(m.group(2))):
-            continue
-        if m.group(1) == "old" and (entry / "d").is_dir() and not target.exists():
-            os.replace(entry / "d", target)  # the previous version was never replaced
-        remove_path(entry)
-        removed.append(entry)
-    return removed
-
-
-def remove_path(path: Path) -> None:
-    """Delete a file or a directory tree (not following a symlink); gone already is fine."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
 @contextlib.contextmanager
 def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``target``; on success it replaces ``target``.
@@ -239,7 +194,7 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target)
-    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name, "tmp"), dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "tmp"), dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should not be
@@ -251,7 +206,7 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
         old = None
         if target.exists():
             check_replaceable(target, overwrite)  # it may have changed while we wrote
-            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name, "old"),
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "old"),
                                         dir=target.parent))
             os.replace(target, old / "d")
         os.replace(tmp, target)
@@ -259,20 +214,4 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary file and ``os.replace`` (removing temporaries
-    a killed writer of the same file left)."""
-    remove_stale_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name, "tmp"), dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from exitlm.io.corpus import DataConfig, is_held_out, iter_documents
 from exitlm.io.default_model import cache_root
+from exitlm.paths import atomic_file
 
 MAX_TOKENS = 2_000_000
 """Tokens counted at most (the training split of the standard library holds ~20M; the
@@ -100,15 +99,9 @@ def corpus_token_order(tokenizer: Any, vocab_size: int, data: DataConfig | None 
         counts = count_tokens(tokenizer.encode, docs, vocab_size, max_tokens, bar)
     order = rank(counts)
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"order": order.to(torch.int64).contiguous()}, tmp,
+    with atomic_file(path) as tmp:
+        save_file({"order": order.to(torch.int64).contiguous()}, str(tmp),
                   metadata={"format": str(FORMAT), "tokens": str(int(counts.sum()))})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return order
 
 

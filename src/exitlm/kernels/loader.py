@@ -40,7 +40,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 from exitlm.env import OFF
 from exitlm.errors import warn
 from exitlm.kernels import abi
-from exitlm.paths import cache_root
+from exitlm.paths import atomic_file, cache_root
 
 __all__ = [
     "DEV_CFLAGS",
@@ -230,19 +229,14 @@ def build_dev(cc: str | None = None) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=_suffix(), dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *DEV_CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+    # atomic: a concurrent loader sees no file or a whole one
+    with atomic_file(target) as tmp:
+        proc = subprocess.run([cc, *DEV_CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             msg = (proc.stderr or proc.stdout).strip().splitlines()
             raise RuntimeError(f"{cc} failed: {msg[0] if msg else proc.returncode}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.chmod(tmp, 0o755)  # the linker may have written a new file over the empty one
     return target
 
 

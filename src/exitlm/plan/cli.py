@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exitlm.args import finite_float, int_at_least
+from exitlm.paths import write_text_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -392,10 +393,7 @@ def _load_config(name: str) -> Any:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-    os.replace(tmp, path)
+    write_text_atomic(Path(path), json.dumps(obj, indent=2))
 
 
 def _cmd_pipeline(args: argparse.Namespace) -> int:

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 
 from exitlm.env import switched_off
 from exitlm.kernels import loader, native
-from exitlm.paths import cache_root
+from exitlm.paths import cache_root, write_text_atomic
 
 STORE_DAYS = 7.0
 """Timings older than this many days are measured again."""
@@ -130,21 +129,14 @@ def load(key: str, *, now: float | None = None) -> dict[Key, float]:
 
 
 def save(key: str, timings: dict[Key, float]) -> bool:
-    """Write ``timings`` under ``key`` (a temporary file renamed over the old one); False when
+    """Write ``timings`` under ``key`` (:func:`exitlm.paths.write_text_atomic`); False when
     the cache cannot be written (a read-only home: the timings just stay in this process)."""
     path = path_of(key)
     doc = {"format": FORMAT, "written": time.time(),
            "timings": [[list(k), v] for k, v in sorted(timings.items(), key=repr)]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(doc))
     except OSError:
         return False
     return True

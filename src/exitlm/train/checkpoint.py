@@ -32,8 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exitlm.io.hf_map import CheckpointError
-from exitlm.io.st import all_finite, atomic_dir, write_text_atomic
+from exitlm.io.st import all_finite, atomic_dir
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.paths import write_text_atomic
 
 STATE_VERSION = 1
 STEP_DIR = re.compile(r"step-\d{8}")

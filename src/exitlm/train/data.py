@@ -25,7 +25,7 @@ from exitlm.config import ConfigError
 from exitlm.io import load_model
 from exitlm.io.corpus import DataConfig, is_held_out, iter_documents, list_sources, stdlib_root
 from exitlm.io.default_model import cache_root
-from exitlm.io.st import pid_alive
+from exitlm.paths import pid_alive, write_text_atomic
 from exitlm.tokenizer import Tokenizer
 
 DATA_FORMAT = 1
@@ -145,9 +145,7 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
         "val_documents": val_keys[:1000],
         "sources": [str(p) for p in cfg.paths] or [str(stdlib_root())],
     }
-    tmp = out / f"meta.json{tag}"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "meta.json")
+    write_text_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
     return out
 
 

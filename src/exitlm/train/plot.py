@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from exitlm.paths import atomic_file
+
 
 def plot_log(log: Path, out: Path) -> Path | None:
     """Plot ``loss_<layer>`` (lines) and ``val_loss_<layer>`` (markers) from a JSONL log."""
@@ -44,8 +46,9 @@ def plot_log(log: Path, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
+    try:
+        with atomic_file(out) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return out

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.errors import ConfigError, ExitlmError
-from exitlm.io.st import remove_path, write_text_atomic
+from exitlm.paths import remove_path, temp_target, write_text_atomic
 
 try:
     import fcntl
@@ -40,8 +40,6 @@ CHECKPOINTS = "checkpoints"
 OUTPUTS = (RUN_FILE, "train_config.json", "log.jsonl", "loss.png", "tb", CHECKPOINTS, "model",
            "exits")
 STEP_DIR = re.compile(r"step-\d{8}")
-# Temporaries of atomic writes: ".NAME.tmp-..." / ".NAME.old-..." (exitlm.io.st).
-_TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-[A-Za-z0-9_-]+")
 _OUT_NAMES = frozenset(OUTPUTS) | {"log.jsonl.tmp"}
 _CHECKPOINT_NAMES = frozenset({"latest"})
 _LOG_TAIL = 64 * 1024  # bytes of log.jsonl read to find the last step
@@ -239,9 +237,9 @@ def _file_ancestor(path: Path) -> Path | None:
 def _leftover(entry: Path, in_checkpoints: bool) -> bool:
     """Whether ``entry`` (in OUT, or in OUT/checkpoints) is debris of a killed exitlm write."""
     name = entry.name
-    m = _TEMP.fullmatch(name)
-    if m is not None:
-        target = m.group("name")
+    temp = temp_target(name)  # a temporary of an atomic write (exitlm.paths)
+    if temp is not None:
+        target = temp[0]
         if in_checkpoints:
             return target in _CHECKPOINT_NAMES or STEP_DIR.fullmatch(target) is not None
         return target in _OUT_NAMES

@@ -19,8 +19,8 @@ import torch
 
 from exitlm.errors import ExitlmError, warn
 from exitlm.io.hf_map import CheckpointError
-from exitlm.io.st import write_text_atomic
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.paths import write_text_atomic
 from exitlm.train.checkpoint import (
     TrainState,
     checkpoints,
