@@ -10,7 +10,13 @@ import torch
 from _tiny import tiny_text_model
 from exitlm.config import ConfigError
 from exitlm.infer import SamplingOptions, generate
-from exitlm.infer.sampling import choose, probabilities, top_k_filter, top_p_filter
+from exitlm.infer.sampling import (
+    NonFiniteLogits,
+    choose,
+    probabilities,
+    top_k_filter,
+    top_p_filter,
+)
 
 PROMPTS = [[5, 17, 99, 3], [42, 7]]
 
@@ -73,6 +79,20 @@ def test_low_temperature_and_top_k_1_equal_greedy() -> None:
                     temperature=1.5, top_k=1, seed=0).token_ids
     assert cold == greedy
     assert top1 == greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-300, 5e-324])
+def test_temperatures_too_small_for_the_dtype_sample_the_top_logits(temperature: float) -> None:
+    """logits / 1e-40 overflows to inf in fp32 (softmax: NaN); the distribution it stands for
+    puts everything on the largest logits, ties shared."""
+    logits = torch.tensor([[3.0, 1.0, 3.0, -2.0], [0.5, -1.0, 0.2, 0.1]])
+    p = probabilities(logits, SamplingOptions(temperature=temperature))
+    assert p.tolist() == [[0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    gen = torch.Generator().manual_seed(0)
+    draws = choose(logits[:1].expand(200, -1), SamplingOptions(temperature=temperature), gen)
+    assert set(draws.tolist()) == {0, 2}
+    with pytest.raises(NonFiniteLogits):  # NaN logits still refuse to sample
+        choose(torch.tensor([[1.0, math.nan]]), SamplingOptions(temperature=temperature))
 
 
 def test_options_are_validated() -> None:

@@ -23,10 +23,20 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature`` (``temperature > 0``)."""
+    """``logits / temperature`` (``temperature > 0``). A temperature so small that the quotient
+    overflows (1e-38 in fp32) divides ``logits - max`` instead (by at least the dtype's
+    smallest normal number): the same distribution (softmax does not see a shift), all of it
+    on the largest logits, where the plain quotient would hold infinities and softmax NaN."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
-    return logits if temperature == 1.0 else logits / temperature
+    if temperature == 1.0:
+        return logits
+    scaled = logits / temperature
+    peak = logits.amax(dim=-1, keepdim=True)
+    if bool(torch.isfinite(peak).all()) and not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+        tiny = torch.finfo(logits.dtype).tiny  # a smaller Python float is 0 in the tensor's dtype
+        scaled = (logits - peak) / max(temperature, tiny)
+    return scaled
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
