@@ -25,6 +25,8 @@ SPECS: dict[str, tuple[list[str], Path | None]] = {
     "limits": (["--max-batch", "2", "--max-queue", "8", "--max-prompts", "4",
                 "--max-request-bytes", "65536", "--max-prompt-tokens", "64",
                 "--max-completion-tokens", "8"], None),
+    # a short deadline for sending a request, and few connections
+    "guarded": (["--request-timeout", "5", "--max-connections", "4"], None),
     # one row, one queued request; decoding steps fail for prompts containing "FAIL"
     "faulty": (["--strategy", "faulty", "--max-batch", "1", "--max-queue", "1",
                 "--drain-timeout", "20"], HERE / "_faulty_serve.py"),

@@ -22,7 +22,12 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": [1, 999]}, 400, None),
+    (COMPLETIONS, {"prompt": [1, 999]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt"),  # a lone surrogate
+    (COMPLETIONS, b'{"prompt": ["ok", "\\udc00"]}', 400, "prompt[1]"),
+    (COMPLETIONS, b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400, None),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature"),
@@ -45,11 +50,14 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages[0].content"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "max_tokens": 500}, 400, "max_tokens"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 400}]}, 400, "messages"),
     ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/detokenize", {"tokens": [1, 300]}, 400, "tokens"),
     ("/v1/nowhere", {}, 404, None),
 ]
@@ -80,3 +88,21 @@ def test_openai_client_sees_bad_request(ar: Server) -> None:
     assert "context" in info.value.message
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=USER)
+
+
+def test_a_temperature_too_small_for_fp32_samples_and_spares_the_batch(ar: Server) -> None:
+    """logits / 1e-40 overflows in fp32: it once failed the engine step, and with it every
+    request decoding beside it. It samples the top logits now (greedy's tokens here)."""
+    import concurrent.futures
+
+    client = ar.client()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(client.completions.create, model="tiny", prompt="Hello",
+                             max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        tiny = [client.completions.create(model="tiny", prompt="Hello", max_tokens=8,
+                                          temperature=t, extra_body={"ignore_eos": True})
+                for t in (1e-40, 1e-300)]
+        assert beside.result().usage.completion_tokens == 24
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert [r.choices[0].text for r in tiny] == [greedy.choices[0].text] * 2

@@ -195,3 +195,67 @@ def test_start_up_phases_are_announced(ar: Server) -> None:
     loading = next(i for i, line in enumerate(lines) if "loading model" in line)
     preparing = next(i for i, line in enumerate(lines) if "preparing the ar engine" in line)
     assert loading < preparing < listening
+
+
+def _connect(server: Server, first: bytes = b"") -> socket.socket:
+    u = urlsplit(server.url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=GENEROUS_S)
+    if first:
+        sock.sendall(first)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes ``sock`` within ``timeout`` seconds (it sends nothing)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_requests_are_closed_after_the_request_timeout(
+        servers: dict[str, Server]) -> None:
+    """--request-timeout 5: a connection that sends nothing, half a head, or a head and half
+    its body is closed 5 s after it opened (idle connections once exhausted the process's
+    file descriptors); the half-read request ends as a client disconnect (499), without a
+    traceback; whole requests are served as before."""
+    guarded = servers["guarded"]
+    t0 = time.monotonic()
+    idle = _connect(guarded)
+    head = _connect(guarded, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    body = _connect(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                             b'{"pro')
+    assert all(_closed_by_server(s, 120) for s in (idle, head, body))
+    assert time.monotonic() - t0 >= 5.0
+    guarded.wait_for(lambda: " 499 " in guarded.log)
+    assert "client disconnected before its request body" in guarded.log
+    assert "Traceback" not in guarded.log
+    res = guarded.client().completions.create(model="tiny", prompt="Hello", max_tokens=64,
+                                              extra_body={"ignore_eos": True})
+    assert res.usage.completion_tokens == 64
+
+
+def test_connections_beyond_the_cap_are_closed_at_once(servers: dict[str, Server]) -> None:
+    """--max-connections 4: a fifth connection is closed as soon as it is accepted (and the
+    server says so once), and the server serves again once the others end."""
+    guarded = servers["guarded"]
+    held = [_connect(guarded, b"GET /health HTTP/1.1\r\n") for _ in range(4)]
+    try:
+        extra = _connect(guarded, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _closed_by_server(extra, 120)
+        guarded.wait_for(lambda: "(--max-connections): closing new ones" in guarded.log)
+    finally:
+        for sock in held:
+            sock.close()
+    guarded.wait_for(lambda: _health_status(guarded) == 200, timeout=60)
+
+
+def _health_status(server: Server) -> int:
+    try:
+        return server.call("GET", "/health")[0]
+    except OSError:
+        return 0

@@ -84,6 +84,21 @@ def test_per_request_options(servers: dict[str, Server], reference: Reference) -
     assert "fixed when the server starts" in body["error"]["message"]
 
 
+@pytest.mark.parametrize(("strategy", "name", "value"), [
+    ("early-exit", "threshold", "0.5"), ("early-exit", "threshold", True),
+    ("early-exit", "threshold", 1.5), ("early-exit", "max_pending", "1"),
+    ("early-exit", "max_pending", None), ("self-spec", "draft_threshold", " 0.5 "),
+    ("self-spec", "num_speculations", 2.0)])
+def test_per_request_options_are_typed_strictly(servers: dict[str, Server], strategy: str,
+                                                name: str, value: object) -> None:
+    """JSON numbers only ("0.5" is a string, though a YAML config may spell a number so), in
+    range, null only where the option takes it: a 400 naming the option."""
+    status, body = servers[strategy].call("POST", "/v1/completions",
+                                          {"prompt": "x", "max_tokens": 2, name: value})
+    assert status == 400, body
+    assert body["error"]["param"] == name and name in body["error"]["message"]
+
+
 @pytest.mark.parametrize(("strategy", "extra"), [
     ("ar", {}), ("self-spec", {}), ("early-exit", {"threshold": 1.0})])
 def test_eight_concurrent_clients_get_their_own_output(

@@ -81,6 +81,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-completion-tokens", type=int_at_least(1), default=None,
                    help="the largest max_tokens one choice may ask for, a 400 beyond (None: "
                         "the context); it also caps the default max_tokens")
+    p.add_argument("--request-timeout", type=_positive, default=60.0, metavar="S",
+                   help="seconds a client has to send a whole request (head and body) once it "
+                        "connects or starts one; then the connection is closed (generating "
+                        "the answer has no deadline)")
+    p.add_argument("--max-connections", type=int_at_least(1), default=1024, metavar="N",
+                   help="connections open at once; one accepted beyond them is closed at once "
+                        "(lowered to fit the process's open-file limit)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                         "/detokenize (default: $EXITLM_API_KEY, else no key)")
@@ -150,11 +157,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
     """Serve ``engine`` on ``sock`` until a signal, then drain."""
     import uvicorn  # the server's modules load only for this command
 
+    from exitlm.serve import server  # lazy: loaded when the command runs
     from exitlm.serve.app import create_app  # lazy: loaded when the command runs
-
-    # lazy: loaded when the command runs
     from exitlm.serve.limits import Limits  # lazy: loaded when the command runs
-    from exitlm.serve.server import Server, signals_end_quietly
     from exitlm.serve.state import ServerState  # lazy: loaded when the command runs
 
     limits = Limits(max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes,
@@ -165,9 +170,14 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
                         drain_timeout=args.drain_timeout, limits=limits)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    # descriptors beyond the connections: model files, threads' pipes, the engine's processes
+    spare = 256
+    files = server.raise_open_files_limit(args.max_connections + spare)
+    max_connections = max(1, min(args.max_connections, files - spare))
     config = uvicorn.Config(
         create_app(state), log_config=None, access_log=False,
         log_level="debug" if args.log_level == "debug" else "warning",
+        http=server.guarded_protocol(args.request_timeout, max_connections),
         timeout_graceful_shutdown=int(args.drain_timeout) + 2)
 
     def ready() -> None:
@@ -184,10 +194,17 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
               f"{limits.max_completion_tokens or state.context} completion tokens "
               "(--max-completion-tokens)", file=sys.stderr, flush=True)
 
-    with signals_end_quietly():
-        Server(config, ready, state).run(sockets=[sock])
+    with server.signals_end_quietly():
+        server.Server(config, ready, state).run(sockets=[sock])
     print("exitlm serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _positive(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> float:

@@ -124,7 +124,7 @@ async def _serve(state: ServerState, http: HTTPRequest, plan: Plan) -> Response:
         raise APIError(503, f"{err}; retry later", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     except ConfigError as err:
-        raise config_error(err) from None
+        raise config_error(err, "messages" if plan.chat else "prompt") from None
     except EngineBroken as err:
         raise APIError(503, str(err), code="engine_unavailable") from None
     log = _log(http)

@@ -17,14 +17,17 @@ few that change nothing here (``user``, ``metadata``, ``store``, ...).
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from exitlm.config import ConfigError
+from exitlm.errors import short_repr
 from exitlm.infer.flags import strategies_taking
 from exitlm.infer.options import MAX_LOGPROBS, SamplingOptions
 from exitlm.infer.strategies import STRATEGIES, Strategy
+from exitlm.schema import convert, describe, field_hints
 from exitlm.serve.errors import APIError, bad_request
 
 MAX_N = 16
@@ -137,7 +140,7 @@ class GenerationRequest(_Strict):
                 raise bad_request(
                     f"{name} {where}; the server runs strategy {strategy.name!r}, whose "
                     f"per-request options are {sorted(strategy.per_request) or 'none'}", name)
-            out[name] = value
+            out[name] = _strategy_value(strategy, name, value)
         return out
 
     def sampling(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingOptions:
@@ -151,7 +154,15 @@ class GenerationRequest(_Strict):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 stop_strings=self.stop_strings, ignore_eos=self.ignore_eos, logprobs=logprobs)
         except ConfigError as err:
-            raise bad_request(str(err)) from None
+            key = str(err).split(":", 1)[0].split("[", 1)[0]
+            raise bad_request(str(err), _SAMPLING_FIELDS.get(key)) from None
+
+
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                    "seed": "seed", "max_new_tokens": "max_tokens",
+                    "stop_token_ids": "stop_token_ids", "stop_strings": "stop",
+                    "logprobs": "logprobs"}
+"""The request field behind each :class:`SamplingOptions` field (named by its errors)."""
 
 
 class CompletionRequest(GenerationRequest):
@@ -236,6 +247,21 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _strategy_value(strategy: Strategy, name: str, value: Any) -> Any:
+    """``value`` of per-request option ``name`` checked by the option's type, strictly: a JSON
+    number for a number (``"0.5"`` is not one, though a YAML config may spell it so), null
+    only where the option takes it; a 400 naming the option otherwise."""
+    hint = field_hints(strategy.options_type)[name]
+    optional = type(None) in typing.get_args(hint)
+    numeric = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not (numeric or (value is None and optional)):
+        raise bad_request(f"{name}: expected {describe(hint)}, got {short_repr(value)}", name)
+    try:
+        return convert(value, hint, name)
+    except ConfigError as err:
+        raise bad_request(" ".join(str(err).split()), name) from None
 
 
 def parse(model: type[M], body: Any) -> M:

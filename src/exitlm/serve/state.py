@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from exitlm.config import ConfigError
@@ -92,10 +94,19 @@ class ServerState:
                        code="context_length_exceeded")
 
 
+MAX_INT_DIGITS = 64
+"""The longest integer a request body may hold (digits): no field takes a longer one."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 async def read_json(request: HTTPRequest, limits: Limits) -> Any:
     """The request body as JSON (a 400 for anything else, or for a body beyond
     ``limits.max_request_bytes``, refused by its ``Content-Length`` before it is read;
-    NaN and Infinity are refused). A large body marks the request for a memory trim."""
+    NaN and Infinity, integers of more than :data:`MAX_INT_DIGITS` digits and strings with a
+    lone UTF-16 surrogate (``"\\ud800"``: not Unicode text) are refused). A client that goes
+    away before its body arrived gets a 499. A large body marks the request for a memory
+    trim."""
     import json
 
     limit = limits.max_request_bytes
@@ -103,25 +114,74 @@ async def read_json(request: HTTPRequest, limits: Limits) -> Any:
     if declared.isdigit() and int(declared) > limit:
         raise limits.body_too_large(int(declared))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise limits.body_too_large()
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise limits.body_too_large()
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected before its request body arrived",
+                       code="client_disconnected") from None
     if size >= LARGE_BODY_BYTES:
         request.scope["exitlm_large"] = True
 
     def refuse(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
 
+    def integer(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise _LongInteger(len(text.lstrip("-")))
+        return int(text)
+
     body = b"".join(chunks)
     del chunks
     try:
-        return json.loads(body, parse_constant=refuse)
+        doc = json.loads(body, parse_constant=refuse, parse_int=integer)
+    except _LongInteger as err:
+        raise bad_request(f"the request body holds an integer of {err.args[0]} digits; no "
+                          f"field takes more than {MAX_INT_DIGITS}") from None
     except (ValueError, RecursionError) as err:
         raise bad_request(f"the request body is not valid JSON ({err})") from None
+    where = _lone_surrogate(doc)
+    if where is not None:
+        raise bad_request(f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                          "escape): text must be valid Unicode", param=where)
+    return doc
 
 
-def config_error(err: ConfigError) -> APIError:
-    """An engine :class:`ConfigError` (a request it cannot serve) as a 400."""
-    return bad_request(" ".join(str(err).split()))
+class _LongInteger(ValueError):
+    """An integer literal too long to be any field's value (its digits in ``args[0]``)."""
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """The path (``messages[0].content``) of a string in ``doc`` (keys included) that holds a
+    lone surrogate, else None. Iterative, so any nesting depth is fine; a path is built only
+    for the containers met and the string found, so a long list of strings or numbers costs
+    none."""
+    def name(path: str, key: Any, in_dict: bool) -> str:
+        return (f"{path}.{key}" if path else str(key)) if in_dict else f"{path}[{key}]"
+
+    if not isinstance(doc, (dict, list)):
+        return "body" if isinstance(doc, str) and _SURROGATE.search(doc) else None
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        obj, path = stack.pop()
+        in_dict = isinstance(obj, dict)
+        for key, value in (obj.items() if in_dict else enumerate(obj)):
+            if in_dict and _SURROGATE.search(key):
+                return path or "body"
+            if isinstance(value, str):
+                if _SURROGATE.search(value):
+                    return name(path, key, in_dict)
+            elif isinstance(value, (dict, list)):
+                stack.append((value, name(path, key, in_dict)))
+    return None
+
+
+def config_error(err: ConfigError, prompt_param: str | None = None) -> APIError:
+    """An engine :class:`ConfigError` (a request it cannot serve) as a 400; one about the
+    prompt (empty, a token id outside the vocabulary) names ``prompt_param``."""
+    message = " ".join(str(err).split())
+    about_prompt = message.startswith(("prompt", "the prompt"))
+    return bad_request(message, prompt_param if about_prompt else None)
