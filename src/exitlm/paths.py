@@ -26,6 +26,15 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "exitlm"
 
 
+def file_ancestor(path: Path | str) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is not a directory (a regular file
+    where a folder should be), else ``None``."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this machine (``True`` when unsure)."""
     if pid == os.getpid() or os.name == "nt":
@@ -115,5 +124,5 @@ def write_text_atomic(path: Path | str, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-__all__ = ["atomic_file", "cache_root", "pid_alive", "remove_path", "remove_stale_temps",
-           "temp_prefix", "temp_target", "write_text_atomic"]
+__all__ = ["atomic_file", "cache_root", "file_ancestor", "pid_alive", "remove_path",
+           "remove_stale_temps", "temp_prefix", "temp_target", "write_text_atomic"]

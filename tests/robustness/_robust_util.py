@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 from _train_util import tiny_config  # noqa: E402
 
 GIB = 2**30
+ON_LINUX_SYS = sys.platform.startswith("linux") and Path("/sys/kernel").is_dir()
+"""Whether /sys and /proc are Linux's: nothing can be created in them, not even by root."""
+needs_linux_sys = pytest.mark.skipif(not ON_LINUX_SYS, reason="needs Linux's /sys and /proc")
 # Temporaries exitlm creates for atomic writes; none may survive a successful run.
 TEMP_NAME = re.compile(r"(^\..+\.(tmp|old)-)|(\.tmp(-\d+)?$)")
 

@@ -84,3 +84,14 @@ def test_clear_of_one_kind_and_bad_arguments(cache: dict[str, Path],
     assert_clean_error(cli(["cache", "prune", "--max-size", "lots"], capsys), "--max-size")
     assert_clean_error(cli(["cache", "--older-than", "3"], capsys), "prune")
     assert cache["model"].is_dir() and cache["data"].is_dir()
+
+
+@pytest.mark.parametrize("action", ["list", "prune", "clear"])
+def test_a_cache_root_that_is_a_file_is_an_error(action: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "cachefile"
+    root.write_text("mine")
+    monkeypatch.setenv("EXITLM_CACHE", str(root))
+    assert_clean_error(cli(["cache", action], capsys), str(root), "not a directory")
+    assert root.read_text() == "mine"

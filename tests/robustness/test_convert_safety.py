@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _robust_util import assert_clean_error, cli, leftovers, tiny_checkpoint
+from _robust_util import assert_clean_error, cli, leftovers, needs_linux_sys, tiny_checkpoint
 
 from exitlm.io import load_model, save_model
 from exitlm.io.hf_map import CheckpointError
@@ -83,6 +83,21 @@ def test_destination_that_is_a_file(ckpt: Path, tmp_path: Path,
     for extra in ([], ["--overwrite"]):
         assert_clean_error(cli(["convert", ckpt, f, *extra], capsys), str(f), "not a directory")
     assert f.read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", [
+    "under-a-file", pytest.param("/sys/exitlm-test", marks=needs_linux_sys),
+    pytest.param("/proc/exitlm-test", marks=needs_linux_sys)])
+def test_destination_that_cannot_be_created(where: str, ckpt: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A destination the system will not create is one line naming it and the reason."""
+    afile = tmp_path / "afile.txt"
+    afile.write_text("mine")
+    dst = afile / "out" if where == "under-a-file" else Path(where)
+    reason = "afile.txt is a file" if where == "under-a-file" else "("
+    assert_clean_error(cli(["convert", ckpt, dst], capsys), str(dst), "cannot create it",
+                       reason)
+    assert afile.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile.txt", "work"]
 
 
 def test_python_api_refuses_too(ckpt: Path, tmp_path: Path) -> None:

@@ -188,3 +188,32 @@ def test_saving_non_finite_weights_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ExitlmError, match=r"refusing to save.*layers\.0\.mlp\.w_out\.weight"):
         t.save()
     assert not checkpoints(tmp_path / "run")
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", None, "--resume"])
+def test_files_named_like_outputs_without_a_run_are_never_deleted(
+        flag: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory that never held an exitlm run (no run.json) but has files with the names of
+    a run's outputs: every start refuses it, naming them, and deletes nothing."""
+    out = tmp_path / "usermodel"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "mine.txt").write_text("mine")
+    (out / "log.jsonl").write_text("log\n")
+    cfg = run_config(tmp_path, "usermodel", train={"steps": 1})
+    res = cli(["train", "--config", _yaml(tmp_path, cfg), *([flag] if flag else [])], capsys)
+    assert_clean_error(res, str(out), "log.jsonl, model", "no run.json")
+    assert (out / "model" / "mine.txt").read_text() == "mine"
+    assert (out / "log.jsonl").read_text() == "log\n"
+    assert sorted(p.name for p in out.iterdir()) == ["log.jsonl", "model"]
+
+
+def test_overwrite_checks_for_the_run_again_when_it_starts_writing(tmp_path: Path) -> None:
+    """The run's identity is checked again under the lock: outputs that appeared without a
+    run.json after the checks are not deleted either."""
+    out = tmp_path / "run"
+    trainer = Trainer(run_config(tmp_path, train={"steps": 1}), overwrite=True)
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "mine.txt").write_text("mine")
+    with pytest.raises(ExitlmError, match=r"no run\.json"):
+        trainer.train()
+    assert (out / "model" / "mine.txt").read_text() == "mine"

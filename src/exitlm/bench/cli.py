@@ -10,8 +10,9 @@
 
 Prints a table of the results (``--json``: the full report as one JSON object instead); the
 report is always written to ``--out-dir`` (``bench.json``, ``sweep_*.json`` or
-``task_*_report.json``); sweeps also write a CSV and a PNG there. See :mod:`exitlm.bench.run`
-for what is measured.
+``task_*_report.json``); sweeps also write a CSV and a PNG there. Files of those names that
+exitlm bench did not write are not replaced (unless ``--overwrite``). See
+:mod:`exitlm.bench.run` for what is measured.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exitlm.args import int_at_least, int_list
-from exitlm.bench.names import OURS, THEIRS
+from exitlm.args import int_at_least, int_list, thread_count
+from exitlm.bench.names import OURS, REPORT_FORMAT, THEIRS, out_files
 from exitlm.config import ConfigError
+from exitlm.errors import ExitlmError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategies_taking
 from exitlm.infer.strategies import STRATEGIES
+from exitlm.io.dirs import ensure_dir
+from exitlm.paths import write_text_atomic
 
 if TYPE_CHECKING:
     from exitlm.bench.run import BenchConfig
@@ -61,12 +65,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="JSONL prompts (strings or {\"prompt\": ...}); default: code-completion "
                         "prompts from held-out standard-library files")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int_at_least(1), default=8,
+                   help="prompts drawn from held-out standard-library files (without --prompts)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
                    help="tokens per prompt (default: 64; with --task, the task's own budget)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="runs per prompt and strategy; the fastest is kept")
-    p.add_argument("--threads", type=int_at_least(1), default=1,
+    p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads (1 is fastest for "
                    "batch-1 decoding on a shared CPU)")
     p.add_argument("--layerskip-exits", action="store_true",
@@ -90,6 +95,9 @@ def register(subparsers: Any) -> None:
                    help="items of --task (default: all 164 HumanEval problems / 40 docstrings)")
     p.add_argument("--out-dir", type=Path, default=Path("bench_out"),
                    help="where bench.json, CSVs and plots go")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files of the same names in --out-dir that exitlm bench did "
+                        "not write (its own earlier results are replaced anyway)")
     p.add_argument("--json", action="store_true",
                    help="print the full JSON report instead of the table")
     p.set_defaults(func=run)
@@ -119,9 +127,56 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model, dtype=args.dtype, head_dtype=args.head_dtype, strategies=strategies,
         prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens or 64,
-        repeats=max(1, args.repeats), threads=args.threads,
+        repeats=args.repeats, threads=args.threads,
         layerskip_exits=args.layerskip_exits, options=options,
     )
+
+
+def bench_report(path: Path) -> dict[str, Any] | None:
+    """The report in ``path`` when exitlm bench wrote it (a JSON object whose ``format`` is
+    :data:`~exitlm.bench.names.REPORT_FORMAT`), else None (missing, unreadable, not JSON,
+    someone else's)."""
+    from exitlm.io.st import read_json  # lazy: the parser imports no torch
+
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except ExitlmError:
+        return None
+    return data if isinstance(data, dict) and data.get("format") == REPORT_FORMAT else None
+
+
+def _named_files(report: dict[str, Any]) -> set[str]:
+    """The names of the files a report says its run wrote (a task's completions and plot, a
+    sweep's CSV and plot)."""
+    names = set()
+    for section in ("task", "sweep"):
+        part = report.get(section)
+        if isinstance(part, dict):
+            names.update(Path(v).name for k, v in part.items()
+                         if k in ("completions_file", "csv", "plot") and isinstance(v, str))
+    return names
+
+
+def check_out_files(out_dir: Path, files: tuple[str, ...], overwrite: bool) -> None:
+    """Refuse to replace a file of ``files`` (the report first, then the files it names) in
+    ``out_dir`` that exitlm bench did not write: exitlm's are the report with its ``format``
+    and the files that report names; ``overwrite`` accepts any file (never a directory)."""
+    report = bench_report(out_dir / files[0])
+    ours = set() if report is None else {files[0], *_named_files(report)}
+    present = [n for n in files if (out_dir / n).exists() or (out_dir / n).is_symlink()]
+    for name in present:
+        if not (out_dir / name).is_file():
+            raise ConfigError(f"--out-dir {out_dir}: {name} is not a file; exitlm bench "
+                              "writes its results under that name",
+                              hint="move it away or choose another --out-dir")
+    foreign = [n for n in present if n not in ours]
+    if foreign and not overwrite:
+        raise ConfigError(
+            f"--out-dir {out_dir}: {', '.join(foreign)} not written by exitlm bench; "
+            "refusing to replace", hint="choose another --out-dir, move the files away, or "
+                                        "pass --overwrite to replace them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,13 +186,11 @@ def run(args: argparse.Namespace) -> int:
     from exitlm.bench.run import Bench, describe, run_comparison, sweep_self_spec, sweep_thresholds
 
     cfg = config_from_args(args)
-    out_dir: Path = args.out_dir
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--out-dir {out_dir}: cannot create it ({err.strerror})") from None
+    out_dir: Path = ensure_dir(args.out_dir, "--out-dir")
+    files = out_files(args.task, args.sweep)
+    check_out_files(out_dir, files, args.overwrite)  # before the (slow) benchmark
     bench = Bench(cfg)
-    report: dict[str, Any] = describe(bench)
+    report: dict[str, Any] = {"format": REPORT_FORMAT, **describe(bench)}
     if args.task is not None:
         from exitlm.bench.tasks import run_task  # lazy: loaded when the command runs
 
@@ -154,9 +207,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         report.update(run_comparison(bench))
     text = json.dumps(report, indent=2, ensure_ascii=False)
-    name = (f"task_{args.task}_report.json" if args.task else "bench.json" if args.sweep is None
-            else f"sweep_{args.sweep}.json")
-    (out_dir / name).write_text(text + "\n", encoding="utf-8")
+    name = files[0]
+    check_out_files(out_dir, (name,), args.overwrite)  # it may have appeared while we ran
+    write_text_atomic(out_dir / name, text + "\n")
     if args.json:
         print(text)
     else:

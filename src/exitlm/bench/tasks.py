@@ -27,12 +27,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from exitlm.bench.names import REPORT_FORMAT, out_files
 from exitlm.bench.run import OURS, default_variants
 from exitlm.config import ConfigError
 from exitlm.eval import humaneval
 from exitlm.infer.api import encode_prompts, generate
 from exitlm.infer.rouge import rouge_l
 from exitlm.io.corpus import DataConfig, is_held_out, list_sources
+from exitlm.io.dirs import ensure_dir
+from exitlm.paths import write_text_atomic
 
 _DEF = re.compile(r"^(\s*)def \w+\(.*\).*:\s*$")
 
@@ -170,12 +173,12 @@ def run_task(bench: Any, name: str, limit: int | None, out_dir: Path,
     completions = [{"prompt": task.prompts[i], **{v: {"text": outputs[v][j],
                                                       "score": scores[v][j]} for v in variants}}
                    for j, i in enumerate(kept)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"task_{name}.json"
-    path.write_text(json.dumps({**report, "completions": completions}, indent=2) + "\n",
-                    encoding="utf-8")
+    _, completions_name, plot_name = out_files(name, None)
+    path = ensure_dir(out_dir, "--out-dir") / completions_name
+    write_text_atomic(path, json.dumps({"format": REPORT_FORMAT, **report,
+                                        "completions": completions}, indent=2) + "\n")
     report["completions_file"] = str(path)
-    report["plot"] = _plot(out_dir / f"task_{name}.png", name, task.metric, rows)
+    report["plot"] = _plot(out_dir / plot_name, name, task.metric, rows)
     return report
 
 

@@ -320,6 +320,7 @@ def _info(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     """``exitlm cache``: list, prune or clear exitlm's own cache entries."""
     from exitlm.io import cache  # lazy: loaded when the command runs
+    from exitlm.io.dirs import check_cache_root  # lazy: loaded when the command runs
 
     max_size = None
     if args.max_size is not None:
@@ -332,7 +333,7 @@ def _cache(args: argparse.Namespace) -> int:
                           "removes; add 'prune'")
     if args.action == "list" and args.dry_run:
         raise ConfigError("--dry-run applies to prune and clear")
-    root = cache.cache_root()
+    root = check_cache_root()  # a file there is an error, not an empty cache
     found = cache.entries(root, args.kind)
     if args.action == "list":
         chosen, verb = found, None

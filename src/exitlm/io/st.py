@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from exitlm.io.dirs import creating
 from exitlm.io.hf_map import CheckpointError
 from exitlm.paths import remove_stale_temps, temp_prefix
 
@@ -188,13 +189,16 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     ``target`` is moved aside first and removed after. On error the temporary directory is
     deleted and ``target`` is untouched. A ``target`` holding files exitlm did not write is
     refused unless ``overwrite`` (:func:`check_replaceable`); temporaries a killed writer
-    left are removed first (:func:`remove_stale_temps`).
+    left are removed first (:func:`remove_stale_temps`); a ``target`` that cannot be created
+    (a read-only file system, a file where a folder should be) is an
+    :class:`~exitlm.io.dirs.PathError` naming it.
     """
     target = Path(target)
     check_replaceable(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "tmp"), dir=target.parent))
+    with creating(target):  # a path that cannot be created: one line naming it and why
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "tmp"), dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should not be

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from exitlm.io.corpus import DataConfig, is_held_out, iter_documents
 from exitlm.io.default_model import cache_root
+from exitlm.io.dirs import ensure_dir
 from exitlm.paths import atomic_file
 
 MAX_TOKENS = 2_000_000
@@ -98,7 +99,7 @@ def corpus_token_order(tokenizer: Any, vocab_size: int, data: DataConfig | None 
               disable=None) as bar:
         counts = count_tokens(tokenizer.encode, docs, vocab_size, max_tokens, bar)
     order = rank(counts)
-    folder.mkdir(parents=True, exist_ok=True)
+    ensure_dir(folder)
     with atomic_file(path) as tmp:
         save_file({"order": order.to(torch.int64).contiguous()}, str(tmp),
                   metadata={"format": str(FORMAT), "tokens": str(int(counts.sum()))})

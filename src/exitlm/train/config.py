@@ -250,6 +250,9 @@ def load_config(source: str | None, overrides: list[str] | None = None) -> Train
         path = Path(source).expanduser()
         if path.is_file():
             d = read_yaml(path)
+            if d is None or d == {}:  # an empty file, only comments, or {}
+                raise ConfigError(f"{path}: the config is empty; expected a mapping of "
+                                  "sections (model, data, train, ...) or a 'preset' key")
             base = d.pop("preset", None) if isinstance(d, dict) else None
             if base is not None:
                 if not isinstance(base, str) or base not in PRESETS:
@@ -288,8 +291,8 @@ def _blame(d: dict[str, Any], source: str | None, overrides: list[str] | None,
 
 
 def read_yaml(path: Path) -> Any:
-    """The YAML document in ``path``; a :class:`ConfigError` naming the file for anything
-    that is not readable UTF-8 YAML text."""
+    """The YAML document in ``path`` (``None`` for an empty one); a :class:`ConfigError`
+    naming the file for anything that is not readable UTF-8 YAML text."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -299,7 +302,7 @@ def read_yaml(path: Path) -> Any:
     if "\x00" in text:
         raise ConfigError(f"{path}: contains NUL bytes; expected a YAML text file")
     try:
-        return yaml.safe_load(text) or {}
+        return yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError) as err:
         raise ConfigError(f"{path}: not valid YAML ({_first_line(err)})") from None
 

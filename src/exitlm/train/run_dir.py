@@ -8,7 +8,9 @@ nothing left behind by a killed run.
 * **Identity.** ``OUT/run.json`` records the run's id when it starts, and every checkpoint
   records it too. A new run refuses a directory that already holds a run's outputs (unless
   ``--overwrite``, which removes exactly those outputs and nothing else); ``--resume`` refuses
-  checkpoints of another run (see :mod:`exitlm.train.run_state`).
+  checkpoints of another run (see :mod:`exitlm.train.run_state`). Files with the outputs'
+  names in a directory without ``run.json`` are not a run's: they are refused, never removed.
+  A directory that cannot be created is one line naming it (:func:`exitlm.io.dirs.ensure_dir`).
 * **Leftovers.** What a killed write leaves - temporary directories ``.step-*.tmp-*``,
   moved-aside ``.NAME.old-*``, ``.latest.tmp-*`` and other temporary files, checkpoints a
   prune had half deleted - is removed when the next run starts. Only names exitlm itself
@@ -27,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.errors import ConfigError, ExitlmError
-from exitlm.paths import remove_path, temp_target, write_text_atomic
+from exitlm.io.dirs import ensure_dir
+from exitlm.paths import file_ancestor, remove_path, temp_target, write_text_atomic
 
 try:
     import fcntl
@@ -64,7 +67,7 @@ class RunDir:
         a file, another process writing there, or (a new run) another run's outputs."""
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"train.out_dir: {self.path} is a file, expected a directory")
-        blocker = _file_ancestor(self.path)
+        blocker = file_ancestor(self.path)
         if blocker is not None:
             raise ConfigError(f"train.out_dir: {self.path} cannot be created: {blocker} is a "
                               "file, expected a directory")
@@ -74,6 +77,8 @@ class RunDir:
         if self.locked_by_other():
             raise self._busy()
         found = self.outputs()
+        if found and not resume:
+            self.check_is_run(found)
         if found and not resume and not overwrite:
             raise ExitlmError(
                 f"train.out_dir {self.path} already holds a training run "
@@ -83,7 +88,21 @@ class RunDir:
                      "new directory",
             )
         if found and resume and not self.has_checkpoint():
+            self.check_is_run(found)  # no run at all: say so, not "the run there finished"
             raise self._nothing_to_resume(found)
+
+    def check_is_run(self, found: list[str]) -> None:
+        """Refuse to replace ``found`` (names of :data:`OUTPUTS` in the directory) unless an
+        exitlm run wrote them: the directory must hold a run's ``run.json``. Files of the
+        same names that someone else put there are never deleted, not even by --overwrite."""
+        if self.read_run() is not None:
+            return
+        raise ExitlmError(
+            f"train.out_dir {self.path} holds {', '.join(found)} but no {RUN_FILE}: not the "
+            "outputs of an exitlm run; refusing to replace them",
+            hint="move them away or set train.out_dir to a new directory (--overwrite "
+                 f"replaces only the outputs of an exitlm run, recorded in {RUN_FILE})",
+        )
 
     def has_checkpoint(self) -> bool:
         """Whether ``OUT/checkpoints`` holds a complete checkpoint (one with ``state.json``)."""
@@ -149,7 +168,7 @@ class RunDir:
         """Take the directory's lock for this process (an error if another holds it)."""
         if fcntl is None or self._fd is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.path, "train.out_dir")
         fd = os.open(self.path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -197,12 +216,16 @@ class RunDir:
         rid = run_id or uuid.uuid4().hex
         info = {"run_id": rid, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "pid": os.getpid()}
-        self.path.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.path, "train.out_dir")
         write_text_atomic(self.path / RUN_FILE, json.dumps(info, indent=2) + "\n")
         return rid
 
     def remove_outputs(self) -> list[Path]:
-        """``--overwrite``: remove the previous run's outputs (and only those)."""
+        """``--overwrite``: remove the previous run's outputs (and only those); an error when
+        the directory holds files of those names but no run (:meth:`check_is_run`)."""
+        found = self.outputs()
+        if found:
+            self.check_is_run(found)
         removed = []
         for name in OUTPUTS:
             p = self.path / name
@@ -223,15 +246,6 @@ class RunDir:
                     remove_path(entry)
                     removed.append(entry)
         return removed
-
-
-def _file_ancestor(path: Path) -> Path | None:
-    """The nearest existing ancestor of ``path`` that is not a directory (``None`` if all
-    existing ancestors are directories)."""
-    for parent in path.absolute().parents:
-        if parent.exists():
-            return None if parent.is_dir() else parent
-    return None
 
 
 def _leftover(entry: Path, in_checkpoints: bool) -> bool:
