@@ -13,8 +13,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "exitlm"
 
 LAYERS: list[list[str]] = [
-    ["errors", "lazy", "paths", "env"],
-    ["args", "schema", "progress", "table"],
+    ["errors", "lazy", "paths"],
+    ["args", "env", "schema", "progress", "table", "textfile"],
     ["config", "chat_template"],
     ["tokenizer"],
     ["model"],

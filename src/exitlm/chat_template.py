@@ -4,10 +4,13 @@ Templates run in Jinja's immutable sandbox (no attribute escapes, no mutation of
 messages) with limits on what the sandbox itself leaves unbounded (:class:`TemplateLimits`):
 
 * **size**: the rendered text, and every string, list or number that an operator (``*``,
-  ``+``, ``%``, ``**``), a filter or a method call makes, stays within ``max_chars`` (plus
-  room for the messages themselves). Where a result's size is known from the arguments
-  (``'x' * 10**10``, ``'x'|center(10**10)``, ``sep.join(items)``, ``s.replace(a, b)``) the
-  call is refused *before* anything is allocated;
+  ``+``, ``%``, ``**``, ``~``), a filter, a method call or a block (``{% set %}``, a macro)
+  makes, stays within ``max_chars`` (plus room for the messages themselves). Where a
+  result's size is known from the arguments (``'x' * 10**10``, ``a ~ b``,
+  ``'x'|center(10**10)``, ``sep.join(items)``, ``s.replace(a, b)``) the call is refused
+  *before* anything is allocated; the values a filter's iterator (``map``, ``select``...)
+  yields are counted as they come, and nothing is computed at compile time (constant
+  folding would run filters before any limit applies). ``lipsum`` is not offered;
 * **time**: rendering stops after ``timeout_s``. A trace hook on the template's own frames
   checks the clock on every line, so loops stop even when their body produces nothing
   (nested ``range`` loops);
@@ -25,16 +28,21 @@ import re
 import string
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import Environment, TemplateSyntaxError
-from jinja2.nodes import EvalContext
+from jinja2 import TemplateSyntaxError, nodes, pass_context
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.utils import Namespace
 
 from exitlm.errors import ExitlmError
+
+MAX_TEMPLATE_BYTES = 2**20
+"""The largest chat template file (``--chat-template``, a checkpoint's ``chat_template.jinja``)
+read."""
 
 
 class ChatTemplateError(ExitlmError, ValueError):
@@ -82,6 +90,21 @@ class _Budget:
                 raise ChatTemplateError(f"chat template: {what} got the number {a}, larger than "
                                         f"the limit of {self.max_chars:,}")
 
+    def checked(self, value: Any, what: str) -> Any:
+        """``value`` once its size is within the limit; an iterator comes back counting
+        the size of what it yields."""
+        self.value(value, what)
+        if isinstance(value, Iterator) and not isinstance(value, (str, bytes)):
+            return self._counted(value, what)
+        return value
+
+    def _counted(self, items: Iterator[Any], what: str) -> Iterator[Any]:
+        total = 0
+        for item in items:
+            total += size_of(item, self.max_chars)
+            self.fits(total, what)
+            yield item
+
 
 def size_of(value: Any, limit: int) -> int:
     """About how many characters ``value`` holds, counted through nested containers; stops
@@ -100,7 +123,7 @@ def size_of(value: Any, limit: int) -> int:
             total += 2 + len(v)
             stack.extend(v.keys())
             stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
+        elif isinstance(v, (list, tuple, set, frozenset, MappingView)):
             total += 2 + len(v)
             stack.extend(v)
         else:
@@ -153,6 +176,11 @@ def _estimate_call(budget: _Budget, name: str, args: tuple[Any, ...],
         wrap = kwargs.get("wrapstring") or (args[3] if len(args) > 3 else None) or "\n"
         if isinstance(wrap, str):
             budget.fits(len(first) * (1 + len(wrap)), "wordwrap")
+    elif name == "translate" and isinstance(first, str) and len(args) > 1:
+        table = args[1]
+        if isinstance(table, Mapping):
+            longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
+            budget.fits(len(first) * max(longest, 1), "translate")
     elif name in ("format", "__mod__") and isinstance(first, str):
         _check_widths(budget, first, name)
     elif name == "sum":
@@ -161,17 +189,68 @@ def _estimate_call(budget: _Budget, name: str, args: tuple[Any, ...],
             raise ChatTemplateError("chat template: sum() only adds numbers here")
 
 
+class _CheckedConcat(CodeGenerator):
+    """Jinja's code generator, except that ``a ~ b`` compiles to
+    :meth:`_Sandbox.concat_values` (which checks the size first) instead of Jinja's plain
+    join, and is never folded at compile time."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        if frame.eval_ctx.volatile:  # the choice of Jinja's own visit_Concat
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        elif frame.eval_ctx.autoescape:
+            join = "markup_join"
+        else:
+            join = "str_join"
+        self.write(f"environment.concat_values({join}, (")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Namespace(Namespace):
+    """``namespace()`` whose text is short: Jinja's prints every attribute, and namespaces
+    stored in each other and filled afterwards would print exponentially long text that no
+    size check saw being made."""
+
+    def __repr__(self) -> str:
+        return "<namespace>"
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with the size and time checks of :class:`_Budget`."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _CheckedConcat
 
     def __init__(self, budget: _Budget) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True)
         self.budget = budget
+        super().__init__(trim_blocks=True, lstrip_blocks=True)
+        self.globals.pop("lipsum", None)  # lorem ipsum of any length; no chat needs it
+        self.globals["namespace"] = _Namespace
         self.filters["tojson"] = _tojson
         for name, fn in list(self.filters.items()):
             self.filters[name] = _guard(fn, name, budget)
+
+    def concat_values(self, join: Callable[[Iterable[Any]], str], parts: tuple[Any, ...]
+                      ) -> str:
+        """``a ~ b ~ ...``, refused before joining when the parts hold too much."""
+        b = self.budget
+        b.tick()
+        b.fits(sum(size_of(p, b.max_chars) for p in parts), "'~'")
+        out = join(parts)
+        b.value(out, "'~'")
+        return out
+
+    def concat(self, chunks: Iterable[str]) -> str:  # type: ignore[override]
+        """The text of a block (``{% set x %}...{% endset %}``, a macro, a filter block),
+        checked as it grows."""
+        parts, total = [], 0
+        for chunk in chunks:
+            total += len(chunk)
+            self.budget.fits(total, "a block")
+            parts.append(chunk)
+        return "".join(parts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         b = self.budget
@@ -222,30 +301,33 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if isinstance(owner, str):
             _estimate_call(b, name, (owner, *args), kwargs)
         out = super().call(__context, __obj, *args, **kwargs)
-        b.value(out, f"{name}()")
-        return out
+        return b.checked(out, f"{name}()")
+
+
+_PASSED: dict[str, Callable[[Context], Any]] = {
+    "context": lambda c: c,
+    "eval_context": lambda c: c.eval_ctx,
+    "environment": lambda c: c.environment,
+}
+"""What a ``pass_context`` / ``pass_eval_context`` / ``pass_environment`` filter gets first."""
 
 
 def _guard(fn: Callable[..., Any], name: str, budget: _Budget) -> Callable[..., Any]:
-    """A filter that checks the clock, its number arguments, the size it will make and the
-    size it made."""
+    """A filter that checks the clock, its arguments, the size it will make and the size it
+    made. It takes the context (``pass_context``), which also keeps Jinja from running it
+    at compile time (constant folding), before any limit applies."""
+    passed = _PASSED.get(getattr(getattr(fn, "jinja_pass_arg", None), "name", ""))
 
+    @pass_context
     @functools.wraps(fn)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded(context: Context, *args: Any, **kwargs: Any) -> Any:
         budget.tick()
         budget.arguments(args, kwargs, f"filter {name}")
-        user = tuple(a for a in args if not _is_jinja_internal(a))
-        _estimate_call(budget, name, user, kwargs)
-        out = fn(*args, **kwargs)
-        budget.value(out, f"filter {name}")
-        return out
+        _estimate_call(budget, name, args, kwargs)
+        lead = () if passed is None else (passed(context),)
+        return budget.checked(fn(*lead, *args, **kwargs), f"filter {name}")
 
     return guarded
-
-
-def _is_jinja_internal(value: Any) -> bool:
-    """Context / environment / eval context objects passed to ``pass_*`` filters."""
-    return isinstance(value, (Environment, Context, EvalContext))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

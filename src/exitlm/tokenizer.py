@@ -15,8 +15,19 @@ from typing import Any
 
 import tokenizers
 
-from exitlm.chat_template import ChatTemplateError, TemplateLimits, render_chat_template
-from exitlm.errors import ExitlmError, short_repr
+from exitlm.chat_template import (
+    MAX_TEMPLATE_BYTES,
+    ChatTemplateError,
+    TemplateLimits,
+    render_chat_template,
+)
+from exitlm.errors import ConfigError, ExitlmError, short_repr
+from exitlm.textfile import MIB, read_text_file
+
+MAX_TOKENIZER_BYTES = 256 * MIB
+"""The largest ``tokenizer.json`` read (real ones are up to a few tens of MiB)."""
+MAX_TOKENIZER_CONFIG_BYTES = 64 * MIB
+"""The largest ``tokenizer_config.json`` read."""
 
 # A plain template for models that ship none (ChatML, as SmolLM2 itself uses).
 CHATML_TEMPLATE = (
@@ -79,10 +90,21 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.source: str | None = None
+        """The file the tokenizer was read from (:meth:`load`), for messages."""
+        self._max_id: int | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_id(self) -> int:
+        """The largest token id this tokenizer can produce (-1 for an empty vocabulary). A
+        tokenizer's ids need not be dense, so this may exceed ``vocab_size - 1``."""
+        if self._max_id is None:
+            self._max_id = max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1)
+        return self._max_id
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; a BOS token is prepended when the model expects one."""
@@ -206,8 +228,9 @@ class Tokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {d}")
+        text = read_text_file(path, MAX_TOKENIZER_BYTES, expected="a tokenizer.json")
         try:
-            tk = tokenizers.Tokenizer.from_file(str(path))
+            tk = tokenizers.Tokenizer.from_str(text)
         except Exception as err:  # the Rust library raises plain Exceptions
             raise ExitlmError(f"{path}: cannot load the tokenizer ({_one_line(err)})") from None
         meta = _read_meta(d / "tokenizer_config.json")
@@ -218,9 +241,10 @@ class Tokenizer:
                 tok = tok.get("content")
             return tk.token_to_id(tok) if isinstance(tok, str) else None
 
-        template = _pick_template(meta.get("chat_template"))
-        if template is None and (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+        template = _pick_template(meta.get("chat_template"), d / "tokenizer_config.json")
+        if template is None and (d / "chat_template.jinja").exists():
+            template = read_text_file(d / "chat_template.jinja", MAX_TEMPLATE_BYTES,
+                                      expected="a Jinja template", errors="replace")
         eos = meta.get("exitlm_eos_token_ids") or []
         if not isinstance(eos, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tk.get_vocab_size(
@@ -230,11 +254,25 @@ class Tokenizer:
         eos = tuple(eos)
         if not eos and tid("eos_token") is not None:
             eos = (tid("eos_token"),)
-        return cls(
+        tok = cls(
             tk, bos_token_id=tid("bos_token"), eos_token_ids=eos, pad_token_id=tid("pad_token"),
             add_bos=bool(meta.get("add_bos_token", False)),
             chat_template=template,
         )
+        tok.source = str(path)
+        return tok
+
+
+def check_fits_vocab(name: str, count: int, max_id: int, vocab_size: int, hint: str) -> None:
+    """Refuse a tokenizer (``count`` tokens, ids up to ``max_id``) whose ids a model with
+    ``vocab_size`` embeddings cannot look up: a one-line :class:`~exitlm.errors.ConfigError`
+    naming the tokenizer (``name``) and the sizes, ending with ``hint``."""
+    if count > vocab_size:
+        raise ConfigError(f"{name} has {count} tokens but the model's vocabulary has "
+                          f"{vocab_size}; {hint}")
+    if max_id >= vocab_size:
+        raise ConfigError(f"{name}: token ids up to {max_id} exceed the model's vocab_size "
+                          f"{vocab_size}; {hint}")
 
 
 _NOT_IN_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
@@ -296,21 +334,27 @@ def _one_line(err: BaseException) -> str:
 
 def _read_meta(file: Path) -> dict[str, Any]:
     """``tokenizer_config.json`` as a dict ({} when absent); errors name the file."""
-    if not file.is_file():
+    if not file.exists():
         return {}
+    text = read_text_file(file, MAX_TOKENIZER_CONFIG_BYTES, expected="a JSON object")
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError, OSError) as err:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as err:
         raise ExitlmError(f"{file}: invalid JSON ({_one_line(err)})") from None
     if not isinstance(meta, dict):
         raise ExitlmError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     return meta
 
 
-def _pick_template(value: Any) -> str | None:
-    """A ``chat_template`` entry: text, or Hugging Face's list of named templates (the one
-    named ``default``)."""
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return value if isinstance(value, str) else None
+def _pick_template(value: Any, file: Path) -> str | None:
+    """A ``chat_template`` entry of ``file``: text, or Hugging Face's list of named templates
+    (``[{"name": ..., "template": ...}]``: the one named ``default``); ``None`` when absent.
+    Anything else is an :class:`~exitlm.errors.ExitlmError` naming the file and the key."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}.get("default")
+    raise ExitlmError(f"{file}: chat_template: expected a string or a list of "
+                      f'{{"name": ..., "template": ...}} objects, got {short_repr(value)}')

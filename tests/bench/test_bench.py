@@ -11,6 +11,7 @@ import pytest
 from exitlm.bench.report import _sweep as sweep_lines
 from exitlm.bench.run import Run, builtin_prompts, load_prompts, ppd_vs_theory, summarize
 from exitlm.cli import main
+from exitlm.errors import ExitlmError
 from exitlm.infer.ppd import PPDStats
 from exitlm.infer.rouge import rouge_l, words
 from exitlm.infer.self_speculative import SelfSpecStats
@@ -43,6 +44,14 @@ def test_load_prompts_jsonl(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('"a"\n\n{"prompt": "b"}\n', encoding="utf-8")
     assert load_prompts(str(f)) == ["a", "b"]
+    f.write_text('"a\u2028b"\n"c"\n', encoding="utf-8")  # U+2028 is not a line break here
+    assert load_prompts(str(f)) == ["a\u2028b", "c"]
+
+
+def test_load_prompts_never_reads_an_endless_file() -> None:
+    """``/dev/zero`` (size 0 to ``stat``, no line end ever) is refused, not read."""
+    with pytest.raises(ExitlmError, match="--prompts /dev/zero: a character device"):
+        load_prompts("/dev/zero")
 
 
 def test_summarize_and_ppd_theory() -> None:
@@ -257,3 +266,47 @@ def test_unseen_code_prompts_script(tmp_path: Path) -> None:
     proc = run(tmp_path / "none.jsonl", "--packages", "no_such_package_here")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no usable *.py files" in proc.stderr and not (tmp_path / "none.jsonl").exists()
+
+
+@pytest.mark.usefixtures("_keep_threads")
+def test_bench_replaces_only_its_own_files_in_out_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's ``bench.json`` (or a sweep's CSV) in ``--out-dir`` is refused before anything
+    runs, unless ``--overwrite``; exitlm bench's own earlier report is replaced without it."""
+    out = tmp_path / "ub"
+    out.mkdir()
+    (out / "bench.json").write_text("mine\n")
+    args = ["bench", "--model", "debug", "--strategies", "ar", "--num-prompts", "1",
+            "--max-new-tokens", "2", "--out-dir", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "bench.json not written by exitlm bench" in err and "--overwrite" in err
+    assert "prompt 1/" not in err  # refused before anything ran
+    assert (out / "bench.json").read_text() == "mine\n"
+    assert main([*args, "--overwrite"]) == 0
+    first = json.loads((out / "bench.json").read_text())
+    assert first["format"] == "exitlm-bench/1"
+    assert main(args) == 0  # its own report: replaced without --overwrite
+    capsys.readouterr()
+    # a sweep's CSV is exitlm's only when its report names it
+    (out / "sweep_thresholds.csv").write_text("my,numbers\n")
+    sweep = [*args, "--sweep", "threshold", "--sweep-thresholds", "1.0"]
+    assert main(sweep) == 2
+    assert "sweep_thresholds.csv not written by exitlm bench" in capsys.readouterr().err
+    assert (out / "sweep_thresholds.csv").read_text() == "my,numbers\n"
+    (out / "sweep_thresholds.csv").unlink()
+    assert main(sweep) == 0 and main(sweep) == 0  # the second replaces the first's files
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench.json", "sweep_threshold.json", "sweep_thresholds.csv", "sweep_thresholds.png"]
+
+
+def test_bench_out_dir_that_cannot_be_created(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("mine")
+    rc = main(["bench", "--model", "debug", "--out-dir", str(tmp_path / "afile" / "ub")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"exitlm bench: error: --out-dir {tmp_path / 'afile' / 'ub'}: "
+                          "cannot create it (") and "afile is a file" in err
+    assert "\n" not in err and (tmp_path / "afile").read_text() == "mine"

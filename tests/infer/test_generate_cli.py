@@ -124,3 +124,26 @@ def test_compare_repeats_short_runs_only_and_keeps_the_fastest() -> None:
     odd = comparison(run(short, 1.0, [1, 2]), lambda: run(short, 1.0, next(seq)),
                      lambda: run(short, 1.0, [1, 2]))
     assert not odd["identical"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: Path("/dev/zero"),  # endless: stat() says 0 bytes
+    lambda d: d,  # a directory
+])
+def test_prompts_file_is_read_within_a_limit(make, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path = make(tmp_path)
+    assert main(["generate", "--prompts-file", str(path), "--model", "debug"]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts-file {path}: " in err and "not a regular file" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_prompts_file_over_the_limit_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("exitlm.infer.cli.MAX_PROMPTS_BYTES", 10)
+    pf = tmp_path / "p.txt"
+    pf.write_text("0123456789\n")
+    assert main(["generate", "--prompts-file", str(pf), "--model", "debug"]) == 2
+    assert "larger than 10 bytes" in capsys.readouterr().err

@@ -50,6 +50,16 @@ HOSTILE = [
     ("{{ undefined_name.attr }}", "undefined"),
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("x" * 2_000_000, "characters"),
+    # '~' (string concatenation) doubling a string: 2**28 characters without the check
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+     "{% endfor %}{{ ns.s|length }}", "'~'"),
+    # many large constant parts: no folding at compile time, checked when rendering
+    ("{{ " + " ~ ".join(["('x'|center(900000))"] * 40) + " }}", "'~'"),
+    ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(30) %}{% set ns.s %}"
+     "{{ ns.s }}{{ ns.s }}{% endset %}{% endfor %}", "a block"),
+    ("{% set s = 'x' * 1000 %}{{ s.translate({120: s * 900}) }}", "translate"),
+    ("{{ range(100000)|map('string')|map('center', 900000)|join }}", "filter map"),
+    ("{{ lipsum(n=100000, max=100000) }}", "undefined"),
 ]
 
 
@@ -76,6 +86,15 @@ def test_ordinary_templates_render() -> None:
     assert out == 'USER: hi\n[{"role": "user", "content": "hi"}]ab   |   7a, b[0, 1, 2]'
 
 
+def test_namespaces_print_short() -> None:
+    """Namespaces nested in each other and filled afterwards would print 2**30 copies of a
+    string that no check saw being made; they print as a short placeholder instead."""
+    nested = ("{% set a = namespace(s='') %}{% set ns = namespace(n=a) %}"
+              "{% for i in range(30) %}{% set ns.n = namespace(l=ns.n, r=ns.n) %}{% endfor %}"
+              "{% set a.s = 'x' * 100000 %}{{ ns.n }} {{ ns.n|string|length }} {{ a.s|length }}")
+    assert render_chat_template(nested, messages=MESSAGES) == "<namespace> 11 100000"
+
+
 def test_bad_messages() -> None:
     tok = byte_level_tokenizer()
     with pytest.raises(ChatTemplateError, match="'role' and 'content'"):
@@ -89,7 +108,7 @@ def hostile_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(tiny_model(), tmp_path_factory.mktemp("tpl") / "ckpt", tokenizer=tok)
 
 
-def _set_template(checkpoint: Path, template: str) -> None:
+def _set_template(checkpoint: Path, template: object) -> None:
     import json
 
     cfg = checkpoint / "tokenizer_config.json"
@@ -127,3 +146,49 @@ def test_generate_chat_template_errors_in_process(template: str, needle: str,
     res = cli(["generate", "hi", "--chat", "--model", hostile_checkpoint,
                "--max-new-tokens", "2"], capsys)
     assert_clean_error(res, "chat template", needle)
+
+
+@pytest.mark.parametrize("value", [12, ["x", "y"], [{"name": "default"}], {"a": 1}, True])
+def test_a_chat_template_that_is_not_text_is_one_line(value: object, hostile_checkpoint: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """A ``chat_template`` that is neither text nor Hugging Face's list of named templates
+    is an error naming the file and the key, not a model silently without a template."""
+    _set_template(hostile_checkpoint, value)  # type: ignore[arg-type]
+    res = cli(["generate", "hi", "--chat", "--model", hostile_checkpoint,
+               "--max-new-tokens", "2"], capsys)
+    assert_clean_error(res, "tokenizer_config.json: chat_template: expected a string")
+
+
+def test_named_templates_keep_working(hostile_checkpoint: Path) -> None:
+    _set_template(hostile_checkpoint, [{"name": "tool_use", "template": "T"},  # type: ignore
+                                       {"name": "default", "template": "D"}])
+    assert Tokenizer.load(hostile_checkpoint).chat_template == "D"
+    _set_template(hostile_checkpoint, [{"name": "tool_use", "template": "T"}])  # type: ignore
+    assert Tokenizer.load(hostile_checkpoint).chat_template is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: d / "chat_template.jinja",  # a file over the 1 MiB limit
+    lambda d: Path("/dev/zero"),  # endless: a size check by stat() sees 0 bytes
+])
+def test_template_files_are_read_within_a_limit(make, tmp_path: Path, hostile_checkpoint: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = make(tmp_path)
+    if path.parent == tmp_path:
+        path.write_bytes(b"x" * (2**20 + 1))
+    res = cli(["generate", "hi", "--chat", "--model", hostile_checkpoint, "--chat-template",
+               path, "--max-new-tokens", "2"], capsys)
+    assert_clean_error(res, f"--chat-template {path}: ", "a Jinja template")
+
+
+def test_a_checkpoints_template_file_is_read_within_a_limit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = save_model(tiny_model(), tmp_path / "m", tokenizer=byte_level_tokenizer())
+    (model / "chat_template.jinja").write_bytes(b"x" * (2**20 + 1))
+    with pytest.raises(ExitlmError, match=r"chat_template.jinja: larger than 1 MiB"):
+        Tokenizer.load(model)
+    (model / "chat_template.jinja").unlink()
+    (model / "chat_template.jinja").symlink_to("/dev/zero")
+    res = cli(["info", model], capsys)
+    assert_clean_error(res, "chat_template.jinja: a character device")

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from exitlm.bench.names import OURS, THEIRS
+from exitlm.args import check_threads
+from exitlm.bench.names import OURS, SWEEP_FILES, THEIRS
 from exitlm.config import ConfigError, ExitConfig
 from exitlm.infer.api import generate
 from exitlm.infer.cli import byte_level_tokenizer
@@ -42,13 +43,14 @@ from exitlm.infer.result import DecodeStats
 from exitlm.infer.rouge import rouge_l
 from exitlm.infer.self_speculative import SelfSpecStats, resolve_exit_layer
 from exitlm.io import load_model
-from exitlm.io.corpus import DataConfig, is_held_out, iter_jsonl, list_sources
+from exitlm.io.corpus import DataConfig, is_held_out, list_sources, parse_jsonl
 from exitlm.io.default_model import default_gguf_path
 from exitlm.io.loader import parse_dtype
 from exitlm.io.save import export_hf
 from exitlm.io.token_order import rank_model_tokens
 from exitlm.plan import ppd_theory
 from exitlm.runtime import prepare
+from exitlm.textfile import MAX_PROMPTS_BYTES, read_text_file
 
 
 @dataclass
@@ -71,6 +73,10 @@ class BenchConfig:
         unknown = [s for s in self.strategies if s not in OURS + THEIRS]
         if unknown:
             raise ConfigError(f"unknown strategies {unknown}; choose from {list(OURS + THEIRS)}")
+        for flag, value in (("--num-prompts", self.num_prompts), ("--repeats", self.repeats)):
+            if value < 1:
+                raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
+        check_threads(self.threads)
 
 
 def _note(msg: str) -> None:
@@ -119,8 +125,10 @@ def builtin_prompts(n: int) -> list[str]:
 def load_prompts(path: str) -> list[str]:
     """Prompts from a JSONL file: one JSON string or ``{"prompt": ...}`` object per line."""
 
+    source = read_text_file(path, MAX_PROMPTS_BYTES, label=f"--prompts {path}",
+                            expected="a JSONL prompts file")
     prompts = []
-    for i, rec in iter_jsonl(Path(path)):
+    for i, rec in parse_jsonl(path, source.split("\n")):
         text = rec if isinstance(rec, str) else rec.get("prompt") if isinstance(rec, dict) else None
         if not isinstance(text, str):
             raise ConfigError(f"{path}:{i + 1}: expected a string or an object with 'prompt'")
@@ -449,8 +457,9 @@ def sweep_self_spec(b: Bench, exits: list[int], specs: list[int], out_dir: Path)
                          "speedup": s["decode_tokens_per_s"] / ref,
                          "acceptance_rate": s.get("acceptance_rate", 0.0),
                          "exact_match": s["exact_match"]})
-    csv_path = _write_csv(out_dir / "sweep_self_spec.csv", rows)
-    png = _contour(out_dir / "sweep_self_spec.png", exits, specs, rows)
+    _, csv_name, png_name = SWEEP_FILES["speculation"]
+    csv_path = _write_csv(out_dir / csv_name, rows)
+    png = _contour(out_dir / png_name, exits, specs, rows)
     best = max(rows, key=lambda r: r["decode_tokens_per_s"])
     return {"ar_decode_tokens_per_s": ref, "rows": rows, "csv": str(csv_path), "plot": png,
             "best": {"exit_layer": best["exit_layer"],
@@ -489,8 +498,9 @@ def sweep_thresholds(b: Bench, thresholds: list[float], out_dir: Path) -> dict[s
                      "rouge_l": s["rouge_l"], "exact_match": s["exact_match"],
                      "early_exit_fraction": sum(x < b.model.num_layers for x in exits)
                      / max(1, len(exits))})
-    csv_path = _write_csv(out_dir / "sweep_thresholds.csv", rows)
-    png = _speed_quality(out_dir / "sweep_thresholds.png", rows)
+    _, csv_name, png_name = SWEEP_FILES["threshold"]
+    csv_path = _write_csv(out_dir / csv_name, rows)
+    png = _speed_quality(out_dir / png_name, rows)
     # the fastest threshold that kept plain decoding's output on every prompt: what a model's
     # config may record as early exit's default (exits.threshold)
     kept = [r for r in rows if r["exact_match"] == 1.0]

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exitlm.args import int_at_least
+from exitlm.args import int_at_least, non_negative_float, thread_count
 from exitlm.config import ConfigError, ExitConfig
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
+from exitlm.textfile import MAX_PROMPTS_BYTES, read_text_file
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,6 @@ class _Dtypes(Mapping[str, Any]):
 
 
 DTYPES: Mapping[str, Any] = _Dtypes()
-_MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file larger than this is refused
 
 
 def register(subparsers: Any) -> None:
@@ -101,13 +101,13 @@ def register(subparsers: Any) -> None:
                         "model's, or 'chatml' for ChatML (<|im_start|>role ... <|im_end|>)")
     p.add_argument("--strategy", default="ar", choices=sorted(STRATEGIES),
                    help="decoding strategy")
-    p.add_argument("--threads", type=int_at_least(1), default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="CPU threads per decoding step (default: measured while decoding: "
                         "more threads only while they are faster, see docs/guide/performance.md)")
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
                    help="tensor-parallel decoding over T processes (ar, early-exit, self-spec): "
                         "started here, or the ones torchrun started")
-    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--dist-timeout", type=non_negative_float, default=300.0, metavar="S",
                    help="with --tp or --kv pipeline: seconds a process waits for another "
                         "before giving up")
     add_head_dtype_flag(p)
@@ -197,16 +197,11 @@ def use_chat_template(tokenizer: Tokenizer, source: str, template: str | None,
 
         tokenizer.chat_template = CHATML_TEMPLATE
         return
-    path = Path(template).expanduser()
-    try:
-        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
-            raise ConfigError(f"--chat-template {template}: larger than "
-                              f"{_MAX_TEMPLATE_BYTES // 1024} KiB; expected a Jinja template")
-        tokenizer.chat_template = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or "not UTF-8 text"
-        raise ConfigError(f"--chat-template {template}: cannot read it ({reason}); expected "
-                          "a Jinja template file or 'chatml'") from None
+    from exitlm.chat_template import MAX_TEMPLATE_BYTES  # lazy: no jinja2 for --help
+
+    tokenizer.chat_template = read_text_file(
+        Path(template).expanduser(), MAX_TEMPLATE_BYTES, label=f"--chat-template {template}",
+        expected="a Jinja template file or 'chatml'")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
     from exitlm.infer.threads import set_threads  # lazy: no torch for --help
     from exitlm.runtime import prepare  # lazy: no torch for --help
 
+    if args.logprobs is not None and not args.json:
+        raise ConfigError(f"--logprobs {args.logprobs}: log-probabilities are printed only in "
+                          "the JSON output; add --json")
     prompts = _collect_prompts(args)
     sampling = SamplingOptions(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -408,11 +406,9 @@ def _print_piece(_index: int, piece: str) -> None:
 def _collect_prompts(args: argparse.Namespace) -> list[str]:
     prompts = [*args.prompts, *args.prompt_flags]
     if args.prompts_file is not None:
-        try:
-            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"--prompts-file {args.prompts_file}: cannot read it as UTF-8 "
-                              f"text ({err.__class__.__name__}: {err})") from None
+        lines = read_text_file(args.prompts_file, MAX_PROMPTS_BYTES,
+                               label=f"--prompts-file {args.prompts_file}",
+                               expected="a prompts file (one prompt a line)").splitlines()
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise ConfigError("no prompt given: pass PROMPT arguments, --prompt or --prompts-file")

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -61,9 +61,10 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
+def list_sources(cfg: DataConfig, setting: str = "data.paths") -> list[tuple[str, Path]]:
     """``(key, path)`` for every input file; ``key`` (path relative to its root) decides the
-    split. Sorted, so the order is the same on every machine with the same files."""
+    split. Sorted, so the order is the same on every machine with the same files. Errors name
+    ``setting`` (the option that gave the paths)."""
     roots = [Path(p).expanduser() for p in cfg.paths] or [stdlib_root()]
     out: list[tuple[str, Path]] = []
     for root in roots:
@@ -76,12 +77,14 @@ def list_sources(cfg: DataConfig) -> list[tuple[str, Path]]:
             # (also when the folder is named in data.paths)
             skip_packages = stdlib or root.resolve() == stdlib_root().resolve()
             out.extend(_walk(root, suffixes, skip_packages))
+        elif root.exists():  # a device, a pipe, a socket: reading it may never end
+            raise ConfigError(f"{setting}: {root} is not a regular file or directory")
         else:
-            raise ConfigError(f"data.paths: {root} does not exist")
+            raise ConfigError(f"{setting}: {root} does not exist")
     if cfg.max_files is not None:
         out = out[: cfg.max_files]
     if not out:
-        raise ConfigError(f"data.paths {list(cfg.paths)} contain no text files "
+        raise ConfigError(f"{setting} {list(cfg.paths)} contain no text files "
                           f"({', '.join(TEXT_SUFFIXES)}, .jsonl)")
     return out
 
@@ -134,18 +137,26 @@ def iter_jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
     with f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except (ValueError, RecursionError) as err:
-                raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
+        yield from parse_jsonl(path, f)
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
-    """``(key, text)`` per document: a whole file, or one JSONL line (key ``file:line``)."""
-    for key, path in list_sources(cfg):
+def parse_jsonl(path: str | Path, lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
+    """``(0-based line number, decoded JSON value)`` per non-blank line of ``lines``, the
+    text of the JSONL file ``path``; a line that is not JSON raises :class:`ConfigError`
+    naming the file and line."""
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except (ValueError, RecursionError) as err:
+            raise ConfigError(f"{path}:{i + 1}: not valid JSON ({err})") from err
+
+
+def iter_documents(cfg: DataConfig, setting: str = "data.paths") -> Iterator[tuple[str, str]]:
+    """``(key, text)`` per document: a whole file, or one JSONL line (key ``file:line``);
+    errors name ``setting`` (the option that gave the paths)."""
+    for key, path in list_sources(cfg, setting):
         if path.suffix == ".jsonl":
             for i, rec in iter_jsonl(path, errors="replace"):
                 text = rec.get(cfg.text_field) if isinstance(rec, dict) else None
@@ -157,6 +168,6 @@ def iter_documents(cfg: DataConfig) -> Iterator[tuple[str, str]]:
             try:
                 data = path.read_bytes()
             except OSError as err:
-                raise ConfigError(f"data.paths: cannot read {path} ({err.strerror or err})"
+                raise ConfigError(f"{setting}: cannot read {path} ({err.strerror or err})"
                                   ) from None
             yield key, data.decode("utf-8", errors="replace")
