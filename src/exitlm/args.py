@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+
+from exitlm.errors import ConfigError
 
 
 def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -25,6 +28,27 @@ def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def max_threads() -> int:
+    """The most CPU threads any ``--threads`` accepts: ``max(64, 8 x the CPU count)``. More
+    never decodes faster, and each thread costs a stack: torch's and OpenMP's pools fail to
+    start (an abort or a segfault) at tens of thousands."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def check_threads(n: int, setting: str = "--threads") -> int:
+    """``n`` if it is a usable thread count (1 to :func:`max_threads`), else a one-line
+    :class:`~exitlm.errors.ConfigError` naming ``setting``."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_threads():
+        raise ConfigError(f"{setting}: expected an integer in [1, {max_threads()}] (at most "
+                          f"8 threads per CPU), got {n!r}")
+    return n
+
+
+def thread_count(text: str) -> int:
+    """An argparse ``type`` for every ``--threads`` flag: an integer in [1, :func:`max_threads`]."""
+    return int_at_least(1, max_threads())(text)
+
+
 def finite_float(text: str) -> float:
     """An argparse ``type``: a finite number (``nan`` and ``inf`` are refused)."""
     try:
@@ -33,6 +57,14 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0 (seconds, a timeout)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

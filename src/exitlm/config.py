@@ -284,6 +284,43 @@ def check_fits_in_memory(cfg: ModelConfig, key: str = "model", bytes_per_paramet
         )
 
 
+_ROW_OVERHEAD_BYTES = 256
+"""Python objects per batch row while a batch is built (its index, its window array)."""
+
+
+def training_step_bytes(cfg: ModelConfig, batch_size: int, grad_accum: int, seq_len: int
+                        ) -> int:
+    """About the memory one training step takes beyond the weights and optimizer state: the
+    inputs and labels (int64) of all ``grad_accum`` micro-batches, which are built before the
+    step runs, and one micro-batch's fp32 activations kept for the backward pass (per layer
+    and token: the normed input, the attention output and the MLP's hidden values; per exit
+    and token: the logits). A lower bound (attention scores, gradients and temporaries come
+    on top), for refusing absurd sizes, not for planning."""
+    tokens = batch_size * seq_len
+    buffers = grad_accum * tokens * 2 * 8 + batch_size * (_ROW_OVERHEAD_BYTES + 3 * 8 * seq_len)
+    per_layer = 4 * cfg.dim + 2 * cfg.hidden_dim
+    per_token = 4 * (cfg.num_layers * per_layer + (len(cfg.exit_layers) + 1) * cfg.vocab_size)
+    return buffers + tokens * per_token
+
+
+def check_batch_fits_in_memory(cfg: ModelConfig, batch_size: int, grad_accum: int,
+                               seq_len: int) -> None:
+    """Refuse, before any batch is built, a training step (``train.batch_size`` rows of
+    ``data.seq_len`` tokens, ``train.grad_accum`` micro-batches) that needs more than this
+    machine's physical memory (:func:`training_step_bytes`): a typo such as
+    ``train.grad_accum=1000000000`` would otherwise grow memory until the process dies."""
+    need = training_step_bytes(cfg, batch_size, grad_accum, seq_len)
+    total = physical_memory()
+    if total is not None and need > total:
+        raise ConfigError(
+            f"train.batch_size={batch_size} x train.grad_accum={grad_accum} micro-batches of "
+            f"data.seq_len={seq_len} tokens: a training step needs about {need / 2**30:,.1f} GiB "
+            f"for its batches and activations, more than this machine's "
+            f"{total / 2**30:,.1f} GiB of memory",
+            hint="reduce train.batch_size, train.grad_accum or data.seq_len",
+        )
+
+
 def physical_memory() -> int | None:
     """Bytes of physical memory, or ``None`` where the platform does not say."""
     try:

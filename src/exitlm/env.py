@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import os
 
+from exitlm.errors import warn
+
 OFF = ("0", "false", "no", "off")
 """What turns a switch off (any case, surrounding spaces ignored)."""
+ON = ("1", "true", "yes", "on", "")
+"""What leaves a switch on, like leaving it unset (any case, surrounding spaces ignored)."""
+
+_warned: set[tuple[str, str]] = set()
+"""The (variable, value) pairs already warned about: each is reported once per process."""
 
 
 def switched_off(name: str) -> bool:
-    """Whether the environment variable ``name`` says off (:data:`OFF`); unset means on."""
-    return os.environ.get(name, "1").strip().lower() in OFF
+    """Whether the environment variable ``name`` says off (:data:`OFF`); unset means on. Any
+    other spelling than :data:`OFF` or :data:`ON` leaves the switch on, with a warning (once
+    per variable and value) naming the variable, the value and the accepted spellings."""
+    raw = os.environ.get(name, "1")
+    value = raw.strip().lower()
+    if value in OFF:
+        return True
+    if value not in ON and (name, raw) not in _warned:
+        _warned.add((name, raw))
+        warn(f"{name}={raw!r}: expected one of {', '.join(x for x in ON if x)} (on) or "
+             f"{', '.join(OFF)} (off); leaving it on")
+    return False
 
 
-__all__ = ["OFF", "switched_off"]
+__all__ = ["OFF", "ON", "switched_off"]

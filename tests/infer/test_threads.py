@@ -30,6 +30,20 @@ def _run(policy: ThreadPolicy, clock: FakeClock, cost: dict[int, float], steps: 
     return used
 
 
+def test_thread_counts_are_bounded() -> None:
+    from exitlm.args import check_threads, max_threads
+    from exitlm.config import ConfigError
+    from exitlm.infer.threads import set_threads
+
+    assert max_threads() >= 64
+    assert check_threads(max_threads()) == max_threads()
+    for bad in (0, -1, max_threads() + 1, 100000):
+        with pytest.raises(ConfigError, match=rf"--threads: expected .*got {bad}"):
+            set_threads(bad)
+        with pytest.raises(ConfigError, match=rf"threads: expected .*got {bad}"):
+            ThreadPolicy(threads=bad)
+
+
 def test_fixed_threads_are_kept() -> None:
     before = torch.get_num_threads()
     policy = ThreadPolicy(threads=1, max_threads=2)

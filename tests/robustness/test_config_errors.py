@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _robust_util import assert_clean_error, cli, cli_subprocess, run_config
+from _robust_util import ROOT, assert_clean_error, cli, cli_subprocess, run_config, tiny_checkpoint
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.train.config import TrainConfig, load_config
@@ -77,6 +77,10 @@ BAD_FILES = [
     ("nul", b"train: {steps: 3}\x00\x00", ["NUL"]),
     ("list", "- 1\n- 2\n", ["mapping"]),
     ("scalar", "42\n", ["mapping"]),
+    ("empty", "", ["cfg.yaml", "the config is empty"]),
+    ("comments", "# nothing set yet\n", ["cfg.yaml", "the config is empty"]),
+    ("empty-mapping", "{}\n", ["cfg.yaml", "the config is empty"]),
+    ("false", "false\n", ["mapping", "bool"]),
     ("yaml", "train: {steps: [1, 2\n", ["not valid YAML"]),
     ("deep", "[" * 5000 + "]" * 5000, ["cfg.yaml"]),
     ("preset-list", "preset: [1]\n", ["unknown preset"]),
@@ -161,7 +165,8 @@ EVAL_ERRORS = [
     (["--seq-len", "100000"], ["--seq-len 100000", "max_seq_len=256"]),
     (["--layers", "0,9"], ["--layers", "1..4"]),
     (["--layers", "a"], ["--layers", "'a'"]),
-    (["--data", "/nonexistent/x.txt"], ["/nonexistent/x.txt", "does not exist"]),
+    (["--data", "/nonexistent/x.txt"], ["--data: /nonexistent/x.txt", "does not exist"]),
+    (["--data", "/dev/zero"], ["--data: /dev/zero", "not a regular file or directory"]),
 ]
 
 
@@ -183,6 +188,51 @@ def test_eval_tokenizer_larger_than_the_model(tmp_path: Path,
     assert_clean_error(res, "300 tokens", "vocabulary has 256")
 
 
+def test_eval_data_shorter_than_one_sample_names_the_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "short.txt").write_text("ten bytes.")
+    res = cli(["eval", "debug", "--data", tmp_path / "short.txt", "--seq-len", "64"], capsys)
+    line = assert_clean_error(res, "--data", "--seq-len=64")
+    assert "data.seq_len" not in line and "data.paths" not in line
+
+
+def _sparse_tokenizer(directory: Path) -> Path:
+    """A 27-token tokenizer whose ids run up to 325 (past a 256-token model's vocabulary)."""
+    import tokenizers
+
+    vocab = {"[UNK]": 0, **{chr(ord("a") + i): 300 + i for i in range(26)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    directory.mkdir(parents=True, exist_ok=True)
+    tk.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def test_eval_tokenizer_ids_past_the_vocab(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Few tokens but large ids: refused before any id reaches the embedding, whether the
+    tokenizer is the model directory's own or given with --tokenizer."""
+    file = _sparse_tokenizer(tmp_path / "tok")
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_bytes(file.read_bytes())
+    data = ["--threads", "1", "--max-samples", "2", "--seq-len", "16", "--data", ROOT / "README.md"]
+    for args in (["eval", ckpt, *data], ["eval", "debug", "--tokenizer", tmp_path / "tok", *data]):
+        line = assert_clean_error(cli(args, capsys), "tokenizer.json",
+                                  "token ids up to 325 exceed the model's vocab_size 256")
+        assert str(file) in line or str(ckpt / "tokenizer.json") in line
+
+
+def test_train_tokenizer_ids_past_the_vocab(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    _sparse_tokenizer(tmp_path / "tok")
+    file = tmp_path / "cfg.yaml"
+    file.write_text(yaml.safe_dump(run_config(tmp_path).to_dict()))
+    res = cli(["train", "--config", file, f"data.tokenizer={tmp_path / 'tok'}"], capsys)
+    assert_clean_error(res, "data.tokenizer=", "token ids up to 325 exceed the model's "
+                       "vocab_size 256")
+    assert not (tmp_path / "cache").exists()  # refused before the corpus is tokenized
+
+
 def test_eval_default_tokenizer_on_a_byte_model(capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's case: ``--tokenizer default`` (49152 tokens) on a 256-token model."""
     from _default_model import has_default_model
@@ -191,6 +241,54 @@ def test_eval_default_tokenizer_on_a_byte_model(capsys: pytest.CaptureFixture[st
         pytest.skip("needs the embedded model")
     res = cli(["eval", "debug", "--tokenizer", "default"], capsys)
     assert_clean_error(res, "49152 tokens", "vocabulary has 256")
+
+
+GENERATE_ERRORS = [
+    (["--logprobs", "3"], ["--logprobs 3", "--json"]),
+    (["--dist-timeout", "-1"], ["--dist-timeout", "'-1'", ">= 0"]),
+    (["--dist-timeout", "nan"], ["--dist-timeout", "'nan'"]),
+]
+
+
+@pytest.mark.parametrize(("args", "needles"), GENERATE_ERRORS,
+                         ids=[" ".join(a) for a, _ in GENERATE_ERRORS])
+def test_generate_arguments(args: list[str], needles: list[str],
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Values that were silently ignored or accepted are refused."""
+    res = cli(["generate", "hi", "--model", "debug", "--max-new-tokens", "2", *args], capsys)
+    assert_clean_error(res, *needles)
+
+
+TOO_MANY_THREADS = [
+    ["generate", "hi", "--model", "debug", "--max-new-tokens", "2"],
+    ["eval", "debug"],
+    ["bench", "--model", "debug", "--strategies", "ar"],
+    ["lm-eval", "--tasks", "x"],
+    ["humaneval"],
+    ["plan", "terapipe", "--model", "debug", "--stages", "2"],
+]
+
+
+@pytest.mark.parametrize("args", TOO_MANY_THREADS, ids=[a[0] for a in TOO_MANY_THREADS])
+@pytest.mark.parametrize("threads", ["100000", "2000"])
+def test_every_threads_flag_is_bounded(args: list[str], threads: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Thousands of threads crashed torch's pool (a segfault): refused before any start."""
+    from exitlm.args import max_threads
+
+    res = cli([*args, "--threads", threads], capsys)
+    assert_clean_error(res, "--threads", f"[1, {max_threads()}]", threads)
+
+
+BENCH_COUNTS = [("--num-prompts", "0"), ("--num-prompts", "-3"), ("--repeats", "0"),
+                ("--repeats", "-1")]
+
+
+@pytest.mark.parametrize(("flag", "value"), BENCH_COUNTS)
+def test_bench_counts_must_be_positive(flag: str, value: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    res = cli(["bench", "--model", "debug", "--strategies", "ar", flag, value], capsys)
+    assert_clean_error(res, flag, value)
 
 
 def test_unknown_command_and_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,3 +343,24 @@ def test_preset_name_beside_a_folder_of_that_name(tmp_path: Path,
     assert load_config("tiny").to_dict() == TrainConfig.from_dict(PRESETS["tiny"]).to_dict()
     with pytest.raises(ConfigError, match="is not a file"):
         load_config(str(tmp_path / "tiny"))
+
+
+@pytest.mark.parametrize(("override", "key"), [("train.batch_size=1000000000", "train.batch_size"),
+                                               ("train.grad_accum=1000000000", "train.grad_accum")])
+def test_absurd_batch_fails_before_allocating(override: str, key: str, tmp_path: Path) -> None:
+    """A step of 10^9 rows (or micro-batches, all built before the step): refused from the
+    config, in a process limited to 3 GiB, before the run directory is made."""
+    file = tmp_path / "cfg.yaml"
+    file.write_text(yaml.safe_dump(run_config(tmp_path).to_dict()))
+    res = cli_subprocess(["train", "--config", file, override], timeout=60)
+    assert_clean_error(res, f"{override.split('=')[0]}=1000000000", "GiB", "data.seq_len=32")
+    assert key in res.err and not (tmp_path / "run").exists()
+
+
+def test_batch_memory_estimate_accepts_ordinary_steps() -> None:
+    from exitlm.config import check_batch_fits_in_memory, preset, training_step_bytes
+
+    cfg = preset("debug")
+    check_batch_fits_in_memory(cfg, 8, 4, 256)
+    one = training_step_bytes(cfg, 8, 1, 256)
+    assert training_step_bytes(cfg, 8, 1000, 256) - one == 999 * 8 * 256 * 16  # the buffers

@@ -29,7 +29,7 @@ import json
 import sys
 from typing import Any
 
-from exitlm.args import finite_float, int_at_least
+from exitlm.args import finite_float, int_at_least, thread_count
 from exitlm.config import ConfigError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     add_head_dtype_flag(p)
     p.add_argument("--batch-size", "--batch_size", type=int_at_least(1), default=8)
-    p.add_argument("--threads", type=int_at_least(1), default=None)
+    p.add_argument("--threads", type=thread_count, default=None)
     p.add_argument("--tasks", required=True, help="comma-separated task names")
     p.add_argument("--include-path", "--include_path", default=None,
                    help="a directory of task YAML files (local, offline tasks)")
@@ -78,7 +78,7 @@ def register(subparsers: Any) -> None:
     h.add_argument("--max-new-tokens", type=int_at_least(1), default=384)
     h.add_argument("--max-batch", type=int_at_least(1), default=8,
                    help="problems decoded at once (1: per-sequence latency, as in the papers)")
-    h.add_argument("--threads", type=int_at_least(1), default=None)
+    h.add_argument("--threads", type=thread_count, default=None)
     h.add_argument("--timeout", type=finite_float, default=3.0,
                    help="seconds per program (> 0)")
     h.add_argument("--chat", action="store_true",

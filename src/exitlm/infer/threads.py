@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exitlm.config import ConfigError
+from exitlm.args import check_threads
 from exitlm.kernels.blas import thread_split
 
 WINDOW = 4
@@ -55,9 +55,7 @@ def _idle(cores: int) -> bool:
 
 def set_threads(n: int) -> None:
     """Use ``n`` CPU threads for torch (``--threads``)."""
-    if n < 1:
-        raise ConfigError(f"--threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
+    torch.set_num_threads(check_threads(n))
 
 
 @dataclass
@@ -94,8 +92,8 @@ class ThreadPolicy:
     switches: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
         if self.max_threads is None:
             self.max_threads = self.threads or torch.get_num_threads()
         if self.threads is not None:

@@ -46,9 +46,12 @@ def is_native_dir(path: Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        return FORMAT_KEY in json.loads(cfg.read_text(encoding="utf-8"))
+        data = json.loads(cfg.read_text(encoding="utf-8"))
     except (ValueError, RecursionError, OSError):  # JSON, UTF-8, too deep, unreadable
         return False
+    # not an object (a list, a string, null, a number): not ours; the loader that reads the
+    # file next reports "expected a JSON object"
+    return isinstance(data, dict) and FORMAT_KEY in data
 
 
 def save_native(model: EarlyExitLM, path: str | Path, tokenizer: Tokenizer | None = None,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exitlm.args import finite_float, int_at_least
+from exitlm.args import finite_float, int_at_least, thread_count
 from exitlm.paths import write_text_atomic
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def register(subparsers: Any) -> None:
     t.add_argument("--batch", type=int_at_least(0), default=0,
                    help="joint batch x token plan for batch size B (needs \"batch\" profiles)")
     t.add_argument("--save-profile", help="with --model: write the fitted profile JSON here")
-    t.add_argument("--threads", type=int_at_least(1), default=1,
+    t.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads while profiling")
     t.add_argument("--repeats", type=int_at_least(1), default=3,
                    help="with --model: timed runs per measurement (the median is kept); more "

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from exitlm.args import int_at_least
+from exitlm.args import int_at_least, thread_count
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 
@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a train.out_dir that holds a previous run: its outputs "
                         "(run.json, log.jsonl, checkpoints/, model/, ...) are deleted, nothing "
-                        "else")
+                        "else (a directory without the run's run.json is refused)")
     p.add_argument("--allow-changes", action="store_true",
                    help="with --resume: continue although model/data settings differ from "
                         "the run's (the differences are logged)")
@@ -66,7 +66,7 @@ def register(subparsers: Any) -> None:
     e.add_argument("--max-samples", type=int_at_least(1), default=64,
                    help="number of seq-len windows evaluated (spread over the data)")
     e.add_argument("--topk", type=int_at_least(1), default=5)
-    e.add_argument("--threads", type=int_at_least(1), default=None,
+    e.add_argument("--threads", type=thread_count, default=None,
                    help="CPU threads (default: torch's, one per physical core)")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=_eval)
@@ -132,6 +132,7 @@ def _eval(args: argparse.Namespace) -> int:
     from exitlm.infer.per_exit import evaluate_exits, format_table
     from exitlm.io import load_model  # lazy: loaded when the command runs
     from exitlm.progress import phase, progress  # lazy: loaded when the command runs
+    from exitlm.tokenizer import check_fits_vocab  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
     from exitlm.train.data import ByteTokenizer, load_tokenizer
@@ -153,9 +154,8 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("the model has no tokenizer; pass --tokenizer")
     cfg = model.config
-    if tok.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"--tokenizer {spec!r} has {tok.vocab_size} tokens but the model's "
-                          f"vocabulary has {cfg.vocab_size}; use the model's own tokenizer")
+    check_fits_vocab(getattr(tok, "source", None) or f"--tokenizer {spec!r}", tok.vocab_size,
+                     tok.max_id, cfg.vocab_size, "use the model's own tokenizer")
     if args.seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's context "
                           f"(max_seq_len={cfg.max_seq_len})")
@@ -218,10 +218,10 @@ def eval_data(
     cfg = DataConfig(paths=tuple(paths), tokenizer=spec, seq_len=seq_len)
     eos = getattr(tok, "eos_token_ids", ()) or (0,)
     ids: list[int] = []
-    for _, text in iter_documents(cfg):
+    for _, text in iter_documents(cfg, "--data"):
         ids.extend(tok.encode(text, add_bos=False))
         ids.append(int(eos[0]))
-    return _Batches(TokenFile(np.asarray(ids, dtype=np.int64), seq_len, "--data"),
+    return _Batches(TokenFile(np.asarray(ids, dtype=np.int64), seq_len, "--data", "--seq-len"),
                     batch_size, max_samples)
 
 

@@ -25,6 +25,7 @@ from exitlm.config import ConfigError
 from exitlm.io import load_model
 from exitlm.io.corpus import DataConfig, is_held_out, iter_documents, list_sources, stdlib_root
 from exitlm.io.default_model import cache_root
+from exitlm.io.dirs import ensure_dir
 from exitlm.paths import pid_alive, write_text_atomic
 from exitlm.tokenizer import Tokenizer
 
@@ -37,6 +38,9 @@ class TextTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def max_id(self) -> int: ...
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]: ...
 
 
@@ -44,6 +48,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens (vocabulary 256); byte 0 separates documents."""
 
     vocab_size = 256
+    max_id = 255
     eos_token_ids = (0,)
     bos_token_id = None
     pad_token_id = None
@@ -95,8 +100,8 @@ def prepare(cfg: DataConfig, *, progress: bool = True, tokenizer: Any = None) ->
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
     eos = getattr(tok, "eos_token_ids", ()) or ()
     sep = int(eos[0]) if eos else 0
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if max(tok.vocab_size - 1, tok.max_id) < 2**16 else np.uint32
+    ensure_dir(out, "data.cache_dir" if cfg.cache_dir else "")
     tag = f".tmp-{os.getpid()}"
     counts = {"train": 0, "val": 0}
     docs = {"train": 0, "val": 0}
@@ -164,13 +169,15 @@ class TokenFile:
     """A memory-mapped token file cut into windows of ``seq_len + 1`` tokens (inputs + the
     next-token labels), stride ``seq_len``."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "data") -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "data",
+                 seq_len_setting: str = "data.seq_len") -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ConfigError(f"{name} holds {len(self.tokens)} tokens, fewer than one sample of "
-                              f"data.seq_len={seq_len} + 1; use more data or a shorter seq_len")
+                              f"{seq_len_setting}={seq_len} + 1; use more data or a shorter "
+                              f"{seq_len_setting}")
 
     @classmethod
     def open(cls, path: Path, dtype: str, seq_len: int) -> TokenFile:

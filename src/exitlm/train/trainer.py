@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from exitlm.config import PRESETS as MODEL_PRESETS
-from exitlm.config import ConfigError, check_fits_in_memory
+from exitlm.config import ConfigError, check_batch_fits_in_memory, check_fits_in_memory
 from exitlm.infer.per_exit import evaluate_exits
 from exitlm.io import load_model, save_model
 from exitlm.io.bundle import save_bundle
 from exitlm.io.loaded import rebuild
 from exitlm.model.transformer import EarlyExitLM
-from exitlm.tokenizer import Tokenizer
+from exitlm.tokenizer import Tokenizer, check_fits_vocab
 from exitlm.train.config import ModelSpec, TrainConfig
 from exitlm.train.data import BatchStream, eval_batches, load_tokenizer, open_split, prepare
 from exitlm.train.finite import NonFiniteGuard, refuse_non_finite
@@ -107,6 +107,7 @@ class Trainer(RunStateMixin):
         model = built.model.to(self.device).train()
         self.tokenizer = built.tokenizer
         mcfg = model.config
+        check_batch_fits_in_memory(mcfg, run.batch_size, run.grad_accum, cfg.data.seq_len)
         cfg.loss.validate(mcfg, run.steps)
         self.weights0 = cfg.loss.weights_at(0, mcfg, run.steps)
         if cfg.tune.init_new_heads and built.new_heads:
@@ -115,18 +116,14 @@ class Trainer(RunStateMixin):
         if cfg.tune.freeze_backbone:
             self.trained_names = set(freeze_backbone(model))
         # data: rank 0 tokenizes, the others wait (as long as it takes) and reuse its files
+        data_tok = self._data_tokenizer()  # checked before any text is tokenized
+        check_fits_vocab(f"data.tokenizer={cfg.data.tokenizer!r}", data_tok.vocab_size,
+                         data_tok.max_id, mcfg.vocab_size, "set model.overrides.vocab_size")
         if self.rank == 0:
-            self.data_dir = prepare(cfg.data, progress=run.progress,
-                                    tokenizer=self._data_tokenizer())
+            self.data_dir = prepare(cfg.data, progress=run.progress, tokenizer=data_tok)
         self.groups.wait_for_rank0("waiting for rank 0 to prepare the data")
         if self.rank != 0:
-            self.data_dir = prepare(cfg.data, progress=False, tokenizer=self._data_tokenizer())
-        meta = json.loads((self.data_dir / "meta.json").read_text(encoding="utf-8"))
-        if meta["vocab_size"] > mcfg.vocab_size:
-            raise ConfigError(
-                f"data.tokenizer={cfg.data.tokenizer!r} has {meta['vocab_size']} tokens but the "
-                f"model's vocab_size is {mcfg.vocab_size}; set model.overrides.vocab_size"
-            )
+            self.data_dir = prepare(cfg.data, progress=False, tokenizer=data_tok)
         self.train_data = open_split(self.data_dir, "train", cfg.data.seq_len)
         self.val_data = open_split(self.data_dir, "val", cfg.data.seq_len)
         self.amp_dtype = self._amp_dtype()
