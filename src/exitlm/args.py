@@ -68,6 +68,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (seconds of a deadline)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def unit_float(text: str) -> float:
     """An argparse ``type``: a number in [0, 1] (a probability, a threshold)."""
     value = finite_float(text)

@@ -52,6 +52,28 @@ def test_plan_terapipe_profile_json(tmp_path, capsys) -> None:
     assert rc == 2 and "t_noctx" in out["err"]
 
 
+@pytest.mark.parametrize(("content", "expected"), [
+    (b'{"seq_len": 2, "stages": 2, "t_noctx": [1.0, "a"]}', "'t_noctx' must be a list of numbers"),
+    (b'{"seq_len": 2, "stages": 2, "t_noctx": 5}', "'t_noctx' must be a list of numbers"),
+    (b'{"seq_len": 2, "stages": 2, "t_noctx": [1, 2], "ctx_coef": [0, 0, 0, true]}',
+     "'ctx_coef' must be a list of numbers"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b'{"seq_len": 2,', "invalid JSON"),
+])
+def test_plan_terapipe_bad_profiles_name_the_file_and_key(tmp_path, capsys, content: bytes,
+                                                         expected: str) -> None:
+    path = tmp_path / "prof.json"
+    path.write_bytes(content)
+    rc, out = _run(capsys, ["plan", "terapipe", "--profile", str(path), "--json"])
+    assert rc == 2 and expected in out["err"] and str(path) in out["err"], out["err"]
+    assert "Traceback" not in out["err"] and len(out["err"].strip().splitlines()) <= 2
+
+
+def test_plan_terapipe_profile_must_be_a_regular_file(capsys) -> None:
+    rc, out = _run(capsys, ["plan", "terapipe", "--profile", "/dev/zero", "--json"])
+    assert rc == 2 and "/dev/zero" in out["err"] and "not a regular file" in out["err"]
+
+
 def test_plan_terapipe_model_profiles_real_layers(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("exitlm.plan.profile._median_time", steady_median_time)
     save = tmp_path / "prof.json"

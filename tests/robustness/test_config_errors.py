@@ -331,7 +331,7 @@ def test_plan_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert_clean_error(res, "10000000 layers")
     f.write_bytes(b"\xff\xfe binary")
     res = cli(["plan", "pipeline", "--stages", "2", "--microbatches", "2", "--model", f], capsys)
-    assert_clean_error(res, str(f), "invalid JSON")
+    assert_clean_error(res, str(f), "not UTF-8")
 
 
 def test_preset_name_beside_a_folder_of_that_name(tmp_path: Path,

@@ -21,9 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from exitlm.errors import ExitlmError
 from exitlm.io.dirs import creating
 from exitlm.io.hf_map import CheckpointError
 from exitlm.paths import remove_stale_temps, temp_prefix
+from exitlm.textfile import read_text_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -78,21 +80,20 @@ MAX_JSON_BYTES = 64 * 2**20
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file, errors naming the file."""
+    """Parse a JSON file, errors naming the file; only a regular file of at most
+    ``MAX_JSON_BYTES`` is read (a ``config.json`` that is a device would never end)."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: file is missing")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, expected a JSON file")
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{path}: {size / 2**20:.0f} MiB is too large for a JSON "
-                                  f"config (at most {MAX_JSON_BYTES // 2**20} MiB)")
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path}: file is missing") from err
-    except IsADirectoryError as err:
-        raise CheckpointError(f"{path}: is a directory, expected a JSON file") from err
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
+        text = read_text_file(path, MAX_JSON_BYTES, expected="a JSON file")
+    except ExitlmError as err:
+        raise CheckpointError(str(err)) from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, too deep, ...
         raise CheckpointError(f"{path}: invalid JSON ({err})") from err
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read ({err.strerror or err})") from err
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exitlm.args import finite_float, int_at_least, thread_count
+from exitlm.errors import short_repr
 from exitlm.paths import write_text_atomic
+from exitlm.textfile import read_text_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -235,7 +237,8 @@ def _perf(d: dict[str, Any], suffix: str, where: str, unit: str | None,
     key = "t_noctx" + suffix
     if key not in d:
         raise PlanError(f"{where} has no {key!r}; add it (t(1)..t(L) of one stage)")
-    pm = PerfModel(tuple(d[key]), tuple(d.get("ctx_coef" + suffix, (0, 0, 0, 0))))
+    pm = PerfModel(_numbers(d[key], key, where),
+                   _numbers(d.get("ctx_coef" + suffix, [0, 0, 0, 0]), "ctx_coef" + suffix, where))
     measured = d.get("measured")
     samples = None
     if not suffix and isinstance(measured, dict) and "ctx_samples" in measured:
@@ -244,6 +247,24 @@ def _perf(d: dict[str, Any], suffix: str, where: str, unit: str | None,
     warnings += [f"{name}: {w}" if suffix else w
                  for w in check_model(pm, name, unit, samples)]
     return pm
+
+
+def _numbers(value: Any, key: str, where: str) -> tuple[float, ...]:
+    """``value``, a profile's list of numbers under ``key``, as floats (a one-line
+    :class:`PlanError` naming ``where`` and ``key`` for anything else)."""
+    if not isinstance(value, list) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+        raise PlanError(f"{where}: {key!r} must be a list of numbers, got {short_repr(value)}")
+    return tuple(float(v) for v in value)
+
+
+def _read_profile(path: str) -> Any:
+    """The JSON of ``--profile`` (a regular file of at most 64 MiB), errors naming it."""
+    text = read_text_file(path, 64 * 2**20, label=f"--profile {path}", expected="a JSON profile")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise PlanError(f"--profile {path}: invalid JSON ({err})") from None
 
 
 def _cost(d: dict[str, Any], backward: bool, where: str, unit: str | None,
@@ -295,10 +316,11 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
         from exitlm.plan.terapipe import best_uniform, plan_batch, plan_slices
 
         if a.profile:
-            with open(a.profile) as fh:
-                prof = json.load(fh)
+            prof = _read_profile(a.profile)
             if not isinstance(prof, dict):
                 raise PlanError(f"{a.profile} must hold a JSON object")
+            if "t_noctx" in prof:
+                _numbers(prof["t_noctx"], "t_noctx", a.profile)
         else:
             if not a.seq_len or not a.stages:
                 raise PlanError("--model needs --seq-len L and --stages K")

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from exitlm.args import finite_float, int_at_least
+from exitlm.args import int_at_least, non_negative_float, positive_float, thread_count
 from exitlm.config import ConfigError
 from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
@@ -81,7 +81,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-completion-tokens", type=int_at_least(1), default=None,
                    help="the largest max_tokens one choice may ask for, a 400 beyond (None: "
                         "the context); it also caps the default max_tokens")
-    p.add_argument("--request-timeout", type=_positive, default=60.0, metavar="S",
+    p.add_argument("--request-timeout", type=positive_float, default=60.0, metavar="S",
                    help="seconds a client has to send a whole request (head and body) once it "
                         "connects or starts one; then the connection is closed (generating "
                         "the answer has no deadline)")
@@ -96,14 +96,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights: float32/float16/bfloat16, or int8/int4 weight-only quantized")
     add_head_dtype_flag(p)
-    p.add_argument("--threads", type=int_at_least(1), default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="CPU threads per decoding step (default: measured while decoding)")
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
                    help="tensor-parallel decoding over T processes started here (ar, "
                         "early-exit, self-spec; one thread each unless --threads)")
-    p.add_argument("--dist-timeout", type=_non_negative, default=300.0, metavar="S",
+    p.add_argument("--dist-timeout", type=non_negative_float, default=300.0, metavar="S",
                    help="with --tp: seconds a process waits for another within a step")
-    p.add_argument("--drain-timeout", type=_non_negative, default=30.0,
+    p.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds a shutdown waits for requests in flight")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    default="info", help="'info' logs one line per request")
@@ -198,20 +198,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket, engine: Any, tokenizer
         server.Server(config, ready, state).run(sockets=[sock])
     print("exitlm serve: stopped", file=sys.stderr, flush=True)
     return 0
-
-
-def _positive(text: str) -> float:
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def _listen(host: str, port: int) -> socket.socket:
