@@ -1218,6 +1218,17 @@ __attribute__((constructor)) static void tiles_init(void) {
 #ifndef ZX_L1_BYTES
 #define ZX_L1_BYTES 40960
 #endif
+/* fp16 products whose x rows exceed ZX_L1_BYTES run instead in passes of at most
+ * ZX_PASS_BYTES of x rows over chunks of ZW_CHUNK_BYTES of weights (dense_passes): 8 rows of
+ * SmolLM2's down projection 1.96x one row against 2.23x with two weight rows x four x rows
+ * (Zen 5, docs/measurements/multirow_passes_2026-11-28.md).  fp32 keeps four weight rows: in
+ * passes its 8 rows took 2.09x against 1.95x.  ZX_PASS_BYTES=0 builds the former rule. */
+#ifndef ZX_PASS_BYTES
+#define ZX_PASS_BYTES 24576
+#endif
+#ifndef ZW_CHUNK_BYTES
+#define ZW_CHUNK_BYTES 262144
+#endif
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
     /* f32 */ {{1, 1}, {1, 4}, {1, 8}},
@@ -1237,6 +1248,31 @@ static int even_passes(int kind, int64_t M, int mbt) {
 }
 #endif
 
+#if defined(EXITLM_ZMM) && ZX_PASS_BYTES > 0
+/* fp16 products whose x rows exceed L1 (ZX_L1_BYTES): passes of at most ZX_PASS_BYTES of x
+ * rows (spread evenly) over chunks of ZW_CHUNK_BYTES of weight rows, one weight row x the
+ * pass's rows per tile: a pass's x rows stay in L1 while the chunk's weights stream, from memory
+ * in the first pass and from L2 in the others.  Every output is the same tile's chains, so the
+ * bits are those of any other tile. */
+static void dense_passes(const job_t *j, int64_t n0, int64_t n1, int64_t ldx) {
+    const int64_t K = j->K, M = j->M, N = j->N, es = j->kind == K_F32 ? 4 : 2;
+    int64_t g = ZX_PASS_BYTES / (K * 4);
+    g = g < 1 ? 1 : (g > MBMAX ? MBMAX : g);
+    const int64_t passes = (M + g - 1) / g, per = (M + passes - 1) / passes;
+    int64_t chunk = ZW_CHUNK_BYTES / (K * es);
+    chunk = chunk < 1 ? 1 : chunk;
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1;
+        for (int64_t m = 0; m < M; m += per) {
+            const int mb = (int)(M - m >= per ? per : M - m);
+            for (int64_t n = c0; n < c1; n++)
+                DZ_TABLE[j->kind][0][mb - 1](j->x + m * ldx, (const char *)j->w + n * K * es,
+                                             j->y + m * N + n, K, ldx, N);
+        }
+    }
+}
+#endif
+
 static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, r = tile_rows(M);
@@ -1247,6 +1283,13 @@ static void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t ldx = j->ldx > 0 ? j->ldx : K;
 #ifdef EXITLM_ZMM
     const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
+#if ZX_PASS_BYTES > 0
+    if (kind == K_F16 && ztile_cfg[kind][r][0] == 1 && M > 1 &&
+        (int64_t)(M < ztile_cfg[kind][r][1] ? M : ztile_cfg[kind][r][1]) * K * 4 > ZX_L1_BYTES) {
+        dense_passes(j, n0, n1, ldx);
+        return;
+    }
+#endif
     int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
     int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
     if (z && kind != K_Q8 && nbt == 1 && (int64_t)(M < mbt ? M : mbt) * K * 4 > ZX_L1_BYTES) {
