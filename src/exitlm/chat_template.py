@@ -63,11 +63,18 @@ class TemplateLimits:
     max_source_chars: int = 1_000_000
 
 
+MADE_FACTOR = 64
+"""The strings operations make in one rendering may add up to this many times the size
+limit (each of them is within the limit itself)."""
+
+
 class _Budget:
     """The clock and size limit of one rendering."""
 
     def __init__(self, limits: TemplateLimits, room: int) -> None:
         self.max_chars = limits.max_chars + room
+        self.max_made = MADE_FACTOR * self.max_chars
+        self.made = 0
         self.timeout_s = limits.timeout_s
         self.deadline = time.monotonic() + limits.timeout_s
 
@@ -83,6 +90,18 @@ class _Budget:
 
     def value(self, value: Any, what: str) -> None:
         self.fits(size_of(value, self.max_chars), what)
+        if isinstance(value, str):
+            self.made_string(len(value))
+
+    def made_string(self, chars: int) -> None:
+        """Count a string an operation made: each is within ``max_chars``, but a template of
+        many such expressions (``[A, A, A, ...]``) would hold them all at once."""
+        self.made += chars
+        if self.made > self.max_made:
+            raise ChatTemplateError(
+                f"chat template: the strings made while rendering reach {self.made:,} "
+                f"characters in all, more than {MADE_FACTOR} x the limit of "
+                f"{self.max_chars:,} (many large values at once?)")
 
     def arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str) -> None:
         for a in (*args, *kwargs.values()):
@@ -103,6 +122,8 @@ class _Budget:
         for item in items:
             total += size_of(item, self.max_chars)
             self.fits(total, what)
+            if isinstance(item, str):
+                self.made_string(len(item))
             yield item
 
 

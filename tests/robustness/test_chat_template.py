@@ -60,6 +60,8 @@ HOSTILE = [
     ("{% set s = 'x' * 1000 %}{{ s.translate({120: s * 900}) }}", "translate"),
     ("{{ range(100000)|map('string')|map('center', 900000)|join }}", "filter map"),
     ("{{ lipsum(n=100000, max=100000) }}", "undefined"),
+    # many values within the limit each, held at once: 100 x 900,000 characters in a list
+    ("{{ [" + ", ".join(["'x' * 900000"] * 100) + "]|length }}", "in all"),
 ]
 
 
