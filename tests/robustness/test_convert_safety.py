@@ -37,6 +37,32 @@ def test_refuses_a_directory_with_foreign_files(ckpt: Path, tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis", "work"]
 
 
+def test_a_users_checkpoint_with_exitlm_file_names_is_refused(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """File names alone do not make a directory exitlm's: a user's own config.json (and
+    weights) without exitlm's marker are refused; a link is not replaced by a directory."""
+    dst = tmp_path / "mine"
+    dst.mkdir()
+    (dst / "config.json").write_text('{"my": "important settings"}')
+    (dst / "model.safetensors").write_bytes(b"user weights")
+    before = _snapshot(dst)
+    assert_clean_error(cli(["convert", ckpt, dst], capsys), str(dst), "no exitlm marker")
+    assert _snapshot(dst) == before
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    assert_clean_error(cli(["convert", ckpt, link], capsys), str(link), "symbolic link")
+    assert link.is_symlink()
+
+
+@pytest.mark.parametrize("to", ["exitlm", "hf"])
+def test_exitlms_own_output_is_replaced_without_overwrite(
+        to: str, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "out"
+    assert cli(["convert", ckpt, dst, "--to", to], capsys).rc == 0
+    assert cli(["convert", ckpt, dst, "--to", to], capsys).rc == 0
+
+
 def test_overwrite_replaces_it(ckpt: Path, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     dst = tmp_path / "old"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from exitlm.io.hf_map import CheckpointError, config_to_hf, exitlm_to_hf, hf_mismatch
 from exitlm.io.native import EXITS_CONFIG, EXITS_WEIGHTS, FORMAT_KEY, FORMAT_VERSION, save_native
-from exitlm.io.st import atomic_dir, tensors_for_saving, write_safetensors
+from exitlm.io.st import EXPORT_KEY, atomic_dir, tensors_for_saving, write_safetensors
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
@@ -77,6 +77,7 @@ def export_hf(
     dtype = _DTYPE_NAMES.get(str(m.embed_tokens.weight.dtype), "float32")
     hf_cfg["torch_dtype"] = dtype
     hf_cfg["dtype"] = dtype
+    hf_cfg[EXPORT_KEY] = FORMAT_VERSION  # marks the directory as exitlm's to replace
     target = Path(path)
     with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(tmp / "model.safetensors", backbone, {})

@@ -155,11 +155,40 @@ SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 """A shard of a sharded exitlm directory (:mod:`exitlm.io.native`): 1-based index, count."""
 
 
+EXPORT_KEY = "exitlm_export"
+"""Written into the ``config.json`` of a Hugging Face export (transformers keeps unknown keys
+as attributes): how a later write knows the directory is exitlm's to replace."""
+
+_MARKER_FILES = ("exitlm_exits.json", "exitlm_train.json", "delta.json", "exits.json",
+                 "state.json")
+"""Files only exitlm writes under these names (exit heads of an export, a training run's
+model, a delta, a bundle, a checkpoint)."""
+
+
+def written_by_exitlm(target: Path) -> bool:
+    """Whether directory ``target`` holds what an exitlm write left: one of
+    :data:`_MARKER_FILES`, or a ``config.json`` carrying exitlm's format or export key
+    (file names alone do not say: a user's own checkpoint has a ``config.json`` too)."""
+    if any((target / name).is_file() for name in _MARKER_FILES):
+        return True
+    try:
+        config = read_json(target / "config.json")
+    except CheckpointError:
+        return False
+    return isinstance(config, dict) and (
+        "exitlm_format_version" in config or EXPORT_KEY in config)
+
+
 def check_replaceable(target: Path, overwrite: bool = False) -> None:
     """Refuse to replace ``target`` unless it is missing, empty, or holds only files exitlm
-    writes (``overwrite=True`` accepts any directory)."""
+    writes, one of them marking it as exitlm's (:func:`written_by_exitlm`); a symbolic link is
+    not replaced either (``overwrite=True`` accepts any directory or link)."""
     if not (target.exists() or target.is_symlink()):
         return
+    if target.is_symlink() and not overwrite:
+        raise CheckpointError(f"{target} is a symbolic link; refusing to replace it",
+                              hint="choose another output path, or pass --overwrite to "
+                                   "replace the link (not what it points to)")
     if not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory",
                               hint="remove it or choose another output path")
@@ -171,6 +200,8 @@ def check_replaceable(target: Path, overwrite: bool = False) -> None:
         raise CheckpointError(f"{target}: cannot list the directory ({err.strerror})") from err
     foreign = [e for e in entries
                if not (e in EXITLM_FILES or SHARD_NAME.fullmatch(e)) or not (target / e).is_file()]
+    if entries and not foreign and not written_by_exitlm(target):
+        foreign = [f"{e} (no exitlm marker)" for e in entries[:5]]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
                                           else "")
