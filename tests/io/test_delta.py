@@ -129,6 +129,26 @@ def test_damaged_deltas_are_named(pair: tuple, tmp_path: Path) -> None:
     (out / DELTA_META).write_text(json.dumps({**meta, "format": 9}))
     with pytest.raises(CheckpointError, match="delta format 9"):
         load_model(str(out))
+    (out / DELTA_META).write_text(json.dumps(meta))
+    save_file({**tensors, one: tensors[one][:-1]}, out / DELTA_WEIGHTS)  # one rank row short
+    with pytest.raises(CheckpointError, match=r"lora_b .* and lora_a .*expected \(out, r\)"):
+        load_model(str(out))
+
+
+def test_a_delta_and_a_bundle_naming_each_other_are_refused(pair: tuple,
+                                                             tmp_path: Path) -> None:
+    """A bundle may sit on a delta, a delta not on a bundle: the two once loaded each other
+    until Python's recursion limit (a 3,000-line traceback)."""
+    from exitlm.io.bundle import save_bundle
+
+    base_dir, base, tuned = pair
+    delta, _ = save_delta(str(base_dir), base.model, tuned.model, tmp_path / "delta", rank=2)
+    bundle = save_bundle(tuned.model, tmp_path / "bundle", str(delta))
+    assert load_model(str(bundle)).model.num_layers == base.model.num_layers
+    meta = json.loads((delta / DELTA_META).read_text())
+    (delta / DELTA_META).write_text(json.dumps({**meta, "base": str(bundle)}))
+    with pytest.raises(CheckpointError, match="is a bundle of exit heads"):
+        load_model(str(bundle))
 
 
 def test_convert_writes_and_info_reads_a_delta(pair: tuple, tmp_path: Path,

@@ -131,6 +131,18 @@ def test_malicious_shard_is_refused_without_running(tmp_path: Path,
     assert not canary.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("content", [b"hello world\n", b"", b"PK\x03\x04 not a zip"])
+def test_a_shard_that_is_not_a_torch_file_is_one_line(tmp_path: Path, content: bytes,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Text where a shard should be made torch's safe unpickler raise an IndexError."""
+    root, _ = _ckpt(tmp_path, LLAMA, 2, 2)
+    shard = root / "iter_0000100" / "mp_rank_01_001" / "model_optim_rng.pt"
+    shard.write_bytes(content)
+    assert main(["info", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "mp_rank_01_001" in err and "Traceback" not in err and len(err.splitlines()) <= 2
+
+
 def test_unsupported_option_is_refused_in_one_line(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     root, _ = _ckpt(tmp_path, LLAMA, 1, 1)

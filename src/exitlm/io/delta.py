@@ -34,6 +34,7 @@ import torch
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import warn
+from exitlm.io.bundle import find_bundle
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.native import config_from_dict
@@ -159,6 +160,9 @@ def base_of(directory: Path, meta: dict[str, Any]) -> str:
     if is_delta_dir(Path(base).expanduser()):
         raise CheckpointError(f"{directory / DELTA_META}: base {meta['base']!r} is itself a "
                               "delta; a delta sits on a whole checkpoint")
+    if find_bundle(base) is not None:  # a bundle may sit on a delta: no loops between them
+        raise CheckpointError(f"{directory / DELTA_META}: base {meta['base']!r} is a bundle of "
+                              "exit heads; a delta sits on a whole checkpoint")
     return base
 
 
@@ -196,7 +200,12 @@ def apply_delta(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = to
             elif "diff" in p:
                 new = p["diff"]
             elif p.keys() == {"lora_a", "lora_b"}:
-                new = p["lora_b"] @ p["lora_a"]
+                a, b = p["lora_a"], p["lora_b"]
+                if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+                    raise CheckpointError(
+                        f"{file}: {name!r} has lora_b {tuple(b.shape)} and lora_a "
+                        f"{tuple(a.shape)}; expected (out, r) and (r, in)")
+                new = b @ a
             else:
                 raise CheckpointError(f"{file}: {name!r} has {sorted(p)}; a low-rank tensor "
                                       "needs both lora_a and lora_b")

@@ -105,7 +105,8 @@ def load_pt(path: Path, allowed: dict[str, Any] | None = None) -> Any:
         why = text.partition("WeightsUnpickler error:")[2].strip().split("\n")[0] or "?"
         raise CheckpointError(f"{path}: refused by the safe unpickler ({why}); not a "
                               "torch.save file of tensors and plain values") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError,
+            AttributeError) as err:  # whatever a malformed byte stream makes the reader raise
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint: {first}") from None
 
