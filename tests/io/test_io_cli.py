@@ -100,3 +100,23 @@ def test_convert_records_an_early_exit_threshold(tmp_path: Path,
 def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", str(tmp_path)]) == 2
     assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_convert_a_quantized_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A quantized checkpoint is written again as it is; re-quantizing it to another kind or
+    exporting float formats from it is refused (--quantize int8 on int4 weights had written
+    int4 and said nothing), and --rank without --delta-from is not silently ignored."""
+    q4 = tmp_path / "q4"
+    assert main(["convert", "debug", str(q4), "--quantize", "int4"]) == 0
+    assert main(["convert", str(q4), str(tmp_path / "again"), "--quantize", "int4"]) == 0
+    capsys.readouterr()
+    for argv, needle in (
+            (["--quantize", "int8"], "int4-quantized already"),
+            (["--to", "hf"], "--to hf needs float weights"),
+            (["--to", "megatron"], "--to megatron needs float weights")):
+        assert main(["convert", str(q4), str(tmp_path / "out"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()
+    assert main(["convert", "debug", str(tmp_path / "out"), "--rank", "3"]) == 2
+    assert "add --delta-from" in capsys.readouterr().err

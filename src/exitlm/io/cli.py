@@ -54,7 +54,7 @@ def register(subparsers: Any) -> None:
                    help="write SRC as a low-rank delta over BASE (a name or path SRC was "
                         "trained from; BASE's weights are fingerprinted): a fine-tuned model in "
                         "a few per cent of its size, loaded on top of BASE")
-    p.add_argument("--rank", type=int_at_least(1), default=32, metavar="R",
+    p.add_argument("--rank", type=int_at_least(1), default=None, metavar="R",
                    help="with --delta-from: rank of each matrix's difference (default 32); "
                         "the largest relative error is printed")
     p.add_argument("--overwrite", action="store_true",
@@ -109,6 +109,8 @@ def _convert(args: argparse.Namespace) -> int:
                           "--quantize-head")
     if (args.tp, args.pp) != (1, 1) and args.to != "megatron":
         raise ConfigError("--tp and --pp split Megatron checkpoints only; add --to megatron")
+    if args.rank is not None and args.delta_from is None:
+        raise ConfigError(f"--rank {args.rank} is the rank of a delta; add --delta-from BASE")
     if args.delta_from is not None:
         for flag, bad in ((f"--to {args.to}", args.to != "exitlm"),
                           (f"--quantize {args.quantize}", args.quantize),
@@ -123,6 +125,7 @@ def _convert(args: argparse.Namespace) -> int:
     check_replaceable(dst, args.overwrite)  # before the (slow) load
     loaded = load_model(args.src, dtype=args.quantize or args.dtype,
                         head_dtype=args.quantize_head)
+    _check_quantized_source(args, loaded.model)
     if args.draft is not None:
         with_draft(loaded, *args.draft)
     if args.threshold is not None:
@@ -140,6 +143,23 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_quantized_source(args: argparse.Namespace, model: Any) -> None:
+    """A source already quantized can be written again as it is (exitlm's format), not
+    re-quantized to another kind nor exported as float weights it no longer has."""
+    from exitlm.kernels.quantized import is_quantized  # lazy: loaded when the command runs
+
+    kind = is_quantized(model.layers)
+    if kind is None:
+        return
+    if args.to != "exitlm" or args.delta_from is not None:
+        what = f"--to {args.to}" if args.to != "exitlm" else "--delta-from"
+        raise ConfigError(f"{args.src} holds {kind}-quantized weights; {what} needs float "
+                          "weights: convert the float checkpoint it was made from")
+    if args.quantize is not None and args.quantize != kind:
+        raise ConfigError(f"--quantize {args.quantize}: {args.src} is {kind}-quantized "
+                          "already; quantize the float checkpoint it was made from")
+
+
 def _write_delta(args: argparse.Namespace, loaded: Any, dst: Path) -> int:
     """``convert SRC DST --delta-from BASE``: SRC as a low-rank delta over BASE."""
     from exitlm.io import load_model  # lazy: loaded when the command runs
@@ -147,11 +167,12 @@ def _write_delta(args: argparse.Namespace, loaded: Any, dst: Path) -> int:
 
     check_not_source(dst, source_paths(args.delta_from))
     base = load_model(args.delta_from)
-    out, errors = save_delta(args.delta_from, base.model, loaded.model, dst, args.rank,
+    rank = 32 if args.rank is None else args.rank
+    out, errors = save_delta(args.delta_from, base.model, loaded.model, dst, rank,
                              overwrite=args.overwrite)
     size = sum(p.stat().st_size for p in out.iterdir())
     worst = max(errors.items(), key=lambda kv: kv[1], default=None)
-    print(f"wrote a rank-{args.rank} delta over {args.delta_from} to {out} ({size / 1e6:.1f} MB)"
+    print(f"wrote a rank-{rank} delta over {args.delta_from} to {out} ({size / 1e6:.1f} MB)"
           + (f"; largest relative error {worst[1]:.2%} ({worst[0]})" if worst else ""))
     return 0
 
