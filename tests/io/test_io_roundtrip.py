@@ -138,8 +138,9 @@ def test_tiny_gguf_matches_the_model_it_was_written_from(tmp_path: Path) -> None
 def test_transformers_save_pretrained_directory(tmp_path: Path, kind: str) -> None:
     transformers = pytest.importorskip("transformers")
     if kind == "gpt2":
+        # token ids inside the vocabulary (GPT2Config's default 50256 is refused on load)
         hf_cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
-                                         n_positions=64)
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
         ref = transformers.GPT2LMHeadModel(hf_cfg)
     else:
         hf_cfg = transformers.LlamaConfig(

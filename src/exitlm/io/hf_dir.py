@@ -19,6 +19,7 @@ from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_map import (
     CheckpointError,
     architecture_of,
+    check_token_ids_in_vocab,
     config_from_hf,
     exitlm_to_hf,
     hf_to_exitlm,
@@ -103,7 +104,7 @@ def hf_dir_config(path: Path) -> ModelConfig:
     hf = read_json_object(file)
     try:
         architecture_of(hf)
-        cfg = config_from_hf(hf, name=path.name)
+        cfg = check_token_ids_in_vocab(config_from_hf(hf, name=path.name))
     except CheckpointError as err:
         raise CheckpointError(f"{file}: {err}") from err
     except (ConfigError, TypeError, ValueError) as err:
@@ -158,6 +159,9 @@ def _check_headers(
                     f"{file}: tensor {name!r} has shape {shapes[name]}, config.json implies "
                     f"{expected[key]}"
                 )
+            if key in seen:
+                raise CheckpointError(f"{file}: tensor {name!r} is also stored in another "
+                                      "weight file; each tensor must be stored once")
             seen.add(key)
         plan[file] = [n for n in names if not _ignored(n, cfg)]
     missing = sorted(set(expected) - seen)
@@ -181,12 +185,23 @@ def load_hf_dir(
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in plan.items():
-            yield from stream_file(file, names)
+            for name, t in stream_file(file, names):
+                if not t.dtype.is_floating_point:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} has non-float dtype {t.dtype}; expected "
+                        "float32, float16 or bfloat16")
+                yield name, t
 
     def exit_stream() -> Iterator[tuple[str, torch.Tensor]]:
         file = path / EXITS_WEIGHTS
         if file.is_file() and ckpt.exits.layers:
-            yield from native_tensors_of(file)
+            for name, t in native_tensors_of(file):
+                if not name.startswith("exits."):
+                    raise CheckpointError(
+                        f"{file}: holds tensor {name!r}, which is not an exit-head tensor; "
+                        f"{EXITS_WEIGHTS} may only hold exits.* tensors (the backbone's "
+                        "come from the Hugging Face weight files)")
+                yield name, t
 
     def all_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         yield from hf_to_exitlm(stream(), ckpt, source=str(path))

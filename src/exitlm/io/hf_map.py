@@ -20,7 +20,7 @@ import torch
 from exitlm.config import ModelConfig, RopeScaling
 from exitlm.errors import ExitlmError
 from exitlm.kernels.quantized import cat_rows
-from exitlm.schema import convert, field_hints
+from exitlm.schema import build, convert, field_hints
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
@@ -75,6 +75,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
                        "gelu": "gelu", "relu": "relu"}
             if not isinstance(act, str) or act not in act_map:
                 raise CheckpointError(f"unsupported GPT-2 activation_function {act!r}")
+            _gpt2_attention_exact(hf)
             dim = _get(hf, "n_embd", "dim")
             return ModelConfig(
                 vocab_size=_get(hf, "vocab_size", "vocab_size"), dim=dim,
@@ -95,13 +96,14 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
             kind = rs.get("rope_type", rs.get("type", "default"))
             theta = _get(rs, "rope_theta", "rope_theta", theta)
             if kind == "llama3":
-                scaling = RopeScaling(
-                    kind="llama3", factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                    high_freq_factor=rs["high_freq_factor"],
-                    original_max_position_embeddings=rs["original_max_position_embeddings"],
-                )
+                keys = ("factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings")
+                scaling = build(RopeScaling, {"kind": "llama3", **{k: _number(rs, k)
+                                                                   for k in keys}},
+                                "rope_scaling")
             elif kind == "linear":
-                scaling = RopeScaling(kind="linear", factor=rs["factor"])
+                scaling = build(RopeScaling, {"kind": "linear", "factor": _number(rs, "factor")},
+                                "rope_scaling")
             elif kind != "default":
                 raise CheckpointError(
                     f"unsupported rope scaling {kind!r}; exitlm supports default, linear, llama3"
@@ -113,15 +115,18 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
             raise CheckpointError(f"unsupported hidden_act {act!r}")
         attention_bias = convert(hf.get("attention_bias", False), bool, "attention_bias")
         qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        max_pos = _get(hf, "max_position_embeddings", "max_seq_len", 2048)
+        num_layers = _get(hf, "num_hidden_layers", "num_layers")
+        _no_sliding_window(hf, arch, max_pos, num_layers)
         return ModelConfig(
             vocab_size=_get(hf, "vocab_size", "vocab_size"),
             dim=_get(hf, "hidden_size", "dim"),
-            num_layers=_get(hf, "num_hidden_layers", "num_layers"),
+            num_layers=num_layers,
             num_heads=_get(hf, "num_attention_heads", "num_heads"),
             num_kv_heads=_get(hf, "num_key_value_heads", "num_kv_heads", None),
             head_dim=_get(hf, "head_dim", "head_dim", None),
             hidden_dim=_get(hf, "intermediate_size", "hidden_dim"),
-            max_seq_len=_get(hf, "max_position_embeddings", "max_seq_len", 2048),
+            max_seq_len=max_pos,
             norm="rmsnorm", norm_eps=_get(hf, "rms_norm_eps", "norm_eps", 1e-6), pos="rope",
             rope_theta=10000.0 if theta is None else theta, rope_scaling=scaling,
             mlp="swiglu", activation="gelu_tanh" if act == "gelu_pytorch_tanh" else act,
@@ -132,6 +137,72 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         )
     except KeyError as err:
         raise CheckpointError(f"config.json lacks the key {err.args[0]!r} for {arch}") from None
+
+
+def _gpt2_attention_exact(hf: dict[str, Any]) -> None:
+    """Refuse GPT-2 attention variants exitlm does not compute (it always scales scores by
+    ``1/sqrt(head_dim)`` and nothing else). ``reorder_and_upcast_attn`` only changes the
+    order of fp32 operations and is accepted."""
+    if not convert(hf.get("scale_attn_weights", True), bool, "scale_attn_weights"):
+        raise CheckpointError(
+            "scale_attn_weights: false is not supported (exitlm always scales attention "
+            "scores by 1/sqrt(head_dim)); expected true")
+    if convert(hf.get("scale_attn_by_inverse_layer_idx", False), bool,
+               "scale_attn_by_inverse_layer_idx"):
+        raise CheckpointError(
+            "scale_attn_by_inverse_layer_idx: true is not supported (exitlm does not scale "
+            "attention by 1/(layer_idx + 1)); expected false")
+    convert(hf.get("reorder_and_upcast_attn", False), bool, "reorder_and_upcast_attn")
+
+
+def _no_sliding_window(hf: dict[str, Any], arch: str, max_pos: int, num_layers: int) -> None:
+    """Refuse a sliding attention window shorter than the context: exitlm attends over the
+    whole context, which equals sliding-window attention only when the window covers every
+    position (``sliding_window >= max_position_embeddings``, or null). Llama ignores the key;
+    Qwen2 applies it only with ``use_sliding_window`` and to the layers ``layer_types`` (or
+    ``max_window_layers``) mark."""
+    if arch == "LlamaForCausalLM":
+        return
+    window = convert(hf.get("sliding_window"), int | None, "sliding_window")
+    if window is None or window >= max_pos:
+        return
+    if arch == "Qwen2ForCausalLM":
+        if not convert(hf.get("use_sliding_window", False), bool, "use_sliding_window"):
+            return
+        types = hf.get("layer_types")
+        if isinstance(types, list):
+            if "sliding_attention" not in types:
+                return
+        else:
+            first = convert(hf.get("max_window_layers", 28), int, "max_window_layers")
+            if first >= num_layers:
+                return
+    raise CheckpointError(
+        f"sliding_window: {window} is shorter than max_position_embeddings {max_pos}; exitlm "
+        "attends over the full context and cannot compute sliding-window attention exactly "
+        "(expected sliding_window null or >= max_position_embeddings"
+        + (", or use_sliding_window false)" if arch == "Qwen2ForCausalLM" else ")"))
+
+
+def _number(rs: dict[str, Any], key: str) -> int | float:
+    """``rope_scaling[key]``, which must be a JSON number (not a string or a boolean)."""
+    value = rs[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"rope_scaling.{key}: expected a number, got {value!r}")
+    return value
+
+
+def check_token_ids_in_vocab(cfg: ModelConfig) -> ModelConfig:
+    """Refuse a bos/eos token id outside the vocabulary (errors name the config.json key).
+    Applied to checkpoint directories (``transformers``' in-memory default configs, such as a
+    tiny GPT-2's eos 50256, are left to the caller)."""
+    for key, ids in (("eos_token_id", cfg.eos_token_ids),
+                     ("bos_token_id", () if cfg.bos_token_id is None else (cfg.bos_token_id,))):
+        bad = [i for i in ids if i >= cfg.vocab_size]
+        if bad:
+            raise CheckpointError(f"{key}: {bad[0]} is outside the vocabulary (vocab_size "
+                                  f"{cfg.vocab_size}); expected ids below {cfg.vocab_size}")
+    return cfg
 
 
 def hf_mismatch(cfg: ModelConfig) -> str | None:
@@ -274,6 +345,8 @@ def _llama_to_exitlm(
             got[rest] = t
             if len(got) == len(_LLAMA_FUSED[fused]):
                 del pending[(layer, fused)]
+                for p in _LLAMA_FUSED[fused]:
+                    _check_part(got[p], f"model.layers.{layer}.{p}", source)
                 yield f"layers.{layer}.{fused}", cat_rows([got[p] for p in _LLAMA_FUSED[fused]])
         else:
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a Llama-family model")
@@ -281,6 +354,20 @@ def _llama_to_exitlm(
         missing = sorted(set(_LLAMA_FUSED[fused]) - set(got))
         names = [f"model.layers.{layer}.{p}" for p in missing]
         raise CheckpointError(f"{source}: layer {layer} is missing {names}")
+
+
+def _check_part(t: Any, name: str, source: str) -> None:
+    """A part of a fused tensor (q/k/v, gate/up) must be a floating tensor exitlm can
+    concatenate: integer/bool parts would be silently converted, float8 ones cannot be."""
+    if not isinstance(t, torch.Tensor):
+        return  # a quantized weight (GGUF): cat_rows handles it
+    if not t.dtype.is_floating_point:
+        raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {t.dtype}; "
+                              "expected float32, float16 or bfloat16")
+    if t.dtype.itemsize == 1:
+        raise CheckpointError(f"{source}: tensor {name!r} has dtype {t.dtype}, which exitlm "
+                              "cannot fuse with the other q/k/v or gate/up parts; expected "
+                              "float32, float16 or bfloat16")
 
 
 def _gpt2_to_exitlm(

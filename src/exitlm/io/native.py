@@ -24,6 +24,7 @@ from exitlm.io.st import (
     SHARD_NAME,
     atomic_dir,
     open_safetensors,
+    read_json,
     read_json_object,
     read_tensor,
     tensors_for_saving,
@@ -46,8 +47,8 @@ def is_native_dir(path: Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError, OSError):  # JSON, UTF-8, too deep, unreadable
+        data = read_json(cfg)  # bounded: a 1.5 GB config.json is refused, not read
+    except CheckpointError:  # JSON, UTF-8, too deep, too large, unreadable
         return False
     # not an object (a list, a string, null, a number): not ours; the loader that reads the
     # file next reports "expected a JSON object"
@@ -167,28 +168,53 @@ def config_from_dict(d: dict, file: Path) -> ModelConfig:
 
 def native_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(exitlm_name, tensor)`` pairs of an exitlm directory (every shard), tied
-    aliases included."""
+    aliases included; a name stored (or aliased) twice is a :class:`CheckpointError`."""
     files = weight_files(path)
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        seen: dict[str, Path] = {}
         for file in files:
-            yield from native_tensors_of(file)
+            for name, t in native_tensors_of(file):
+                if name in seen:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} is also stored in {seen[name].name} "
+                        "(as a tensor or an exitlm_aliases entry); each name must occur once")
+                seen[name] = file
+                yield name, t
 
     return stream()
+
+
+ALIASES_KEY = "exitlm_aliases"
+
+
+def _aliases_of(file: Path, meta: dict[str, str], names: set[str]) -> dict[str, list[str]]:
+    """The ``exitlm_aliases`` metadata of ``file`` as source -> aliases, checked: a JSON
+    object of alias name -> stored tensor name, no alias naming a stored tensor."""
+    what = f"{file}: invalid {ALIASES_KEY} metadata"
+    try:
+        aliases = json.loads(meta.get(ALIASES_KEY, "{}"))
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{what} ({err})") from None
+    if not isinstance(aliases, dict) or not all(
+            isinstance(a, str) and isinstance(src, str) for a, src in aliases.items()):
+        raise CheckpointError(f"{what}: expected a JSON object of alias name -> stored tensor "
+                              f"name (strings), got {meta.get(ALIASES_KEY)[:80]!r}")
+    by_source: dict[str, list[str]] = {}
+    for alias, src in aliases.items():
+        if alias in names:
+            raise CheckpointError(f"{what}: alias {alias!r} names a tensor the file stores; an "
+                                  "alias must name a tensor that is not stored")
+        by_source.setdefault(src, []).append(alias)
+    return by_source
 
 
 def native_tensors_of(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(exitlm_name, tensor)`` pairs of a safetensors file in exitlm naming."""
     with open_safetensors(file) as f:
-        meta = f.metadata() or {}
-        try:
-            aliases: dict[str, str] = json.loads(meta.get("exitlm_aliases", "{}"))
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{file}: invalid exitlm_aliases metadata ({err})") from err
-        by_source: dict[str, list[str]] = {}
-        for alias, src in aliases.items():
-            by_source.setdefault(src, []).append(alias)
-        for name in list(f.keys()):
+        names = list(f.keys())
+        by_source = _aliases_of(file, f.metadata() or {}, set(names))
+        for name in names:
             t = read_tensor(f, file, name)
             yield name, t
             for alias in by_source.get(name, ()):
