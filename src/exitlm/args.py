@@ -76,6 +76,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def float_at_least(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``low`` (a timeout with a useful minimum)."""
+    def parse(text: str) -> float:
+        value = finite_float(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def unit_float(text: str) -> float:
     """An argparse ``type``: a number in [0, 1] (a probability, a threshold)."""
     value = finite_float(text)

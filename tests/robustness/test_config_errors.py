@@ -245,7 +245,8 @@ def test_eval_default_tokenizer_on_a_byte_model(capsys: pytest.CaptureFixture[st
 
 GENERATE_ERRORS = [
     (["--logprobs", "3"], ["--logprobs 3", "--json"]),
-    (["--dist-timeout", "-1"], ["--dist-timeout", "'-1'", ">= 0"]),
+    (["--dist-timeout", "-1"], ["--dist-timeout", "'-1'", ">= 1"]),
+    (["--dist-timeout", "0.001"], ["--dist-timeout", "'0.001'", ">= 1"]),
     (["--dist-timeout", "nan"], ["--dist-timeout", "'nan'"]),
 ]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from exitlm.comm.health import ParallelError
 from exitlm.kernels import abi, native
 
 FLAG_STRIDE = 16
@@ -89,7 +90,7 @@ class ShmReducer:
 
     def _check(self, rc: int) -> None:
         if rc != 0:
-            raise RuntimeError(_ERRORS.get(rc, "shared-memory collective failed ({rc})").format(
+            raise ParallelError(_ERRORS.get(rc, "shared-memory collective failed ({rc})").format(
                 t=self.timeout_s, rc=rc))
 
     def sum_(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exitlm.args import int_at_least, non_negative_float, thread_count
+from exitlm.args import float_at_least, int_at_least, thread_count
 from exitlm.config import ConfigError, ExitConfig
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
@@ -107,7 +107,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
                    help="tensor-parallel decoding over T processes (ar, early-exit, self-spec): "
                         "started here, or the ones torchrun started")
-    p.add_argument("--dist-timeout", type=non_negative_float, default=300.0, metavar="S",
+    p.add_argument("--dist-timeout", type=float_at_least(1.0), default=300.0, metavar="S",
                    help="with --tp or --kv pipeline: seconds a process waits for another "
                         "before giving up")
     add_head_dtype_flag(p)

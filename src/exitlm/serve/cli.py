@@ -26,7 +26,13 @@ import sys
 import time
 from typing import Any
 
-from exitlm.args import int_at_least, non_negative_float, positive_float, thread_count
+from exitlm.args import (
+    float_at_least,
+    int_at_least,
+    non_negative_float,
+    positive_float,
+    thread_count,
+)
 from exitlm.config import ConfigError
 from exitlm.infer.cli import DTYPES, load_for_strategy, rank_draft_vocab, tokenizer_for
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
@@ -101,7 +107,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="T",
                    help="tensor-parallel decoding over T processes started here (ar, "
                         "early-exit, self-spec; one thread each unless --threads)")
-    p.add_argument("--dist-timeout", type=non_negative_float, default=300.0, metavar="S",
+    p.add_argument("--dist-timeout", type=float_at_least(1.0), default=300.0, metavar="S",
                    help="with --tp: seconds a process waits for another within a step")
     p.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds a shutdown waits for requests in flight")

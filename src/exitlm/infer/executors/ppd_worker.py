@@ -52,6 +52,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from exitlm.config import ConfigError, ModelConfig
+from exitlm.errors import ExitlmError
 from exitlm.infer.decoder import Decoder
 from exitlm.infer.executor import Executor
 from exitlm.infer.ppd import PPDDecoder
@@ -73,8 +74,9 @@ STOP_TIMEOUT_S = 5.0
 """How long :meth:`BranchWorker.close` waits for a clean exit before terminating."""
 
 
-class BranchWorkerError(RuntimeError):
-    """The PPD branch worker process failed, died or did not answer in time."""
+class BranchWorkerError(ExitlmError, RuntimeError):
+    """The PPD branch worker process failed, died or did not answer in time (one line on the
+    command line, like every :class:`~exitlm.errors.ExitlmError`)."""
 
 
 _FORK, _PREDICT, _DONE, _PING, _PONG = b"F", b"R", b"D", b"P", b"Q"
