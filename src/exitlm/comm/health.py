@@ -28,6 +28,10 @@ class ParallelError(ExitlmError, RuntimeError):
     """A peer process stopped, died or timed out, or sent something unexpected."""
 
 
+_CLOSED_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe",
+                 "pair closure")
+"""How gloo says the process at the other end of a connection is gone."""
+
 _COMM_WORDS = ("timed out", "timeout", "connection", "gloo", "nccl", "pair closure", "socket",
                "peer", "closed")
 
@@ -190,11 +194,13 @@ def guard(what: str, *, rank: int, timeout_s: float,
         if not who and not is_comm_failure(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not who and any(w in str(err).lower() for w in _CLOSED_WORDS):
+            who = "a peer closed its connection (it exited or was killed)"
         lead = f"{who}; " if who else ""
         raise ParallelError(
-            f"{what}: {lead}a collective of rank {rank} failed or did not complete within "
-            f"parallel.timeout_s={timeout_s:g} s ({first[:300]})",
-            hint="see the named rank's log; raise parallel.timeout_s if it is only slow",
+            f"{what}: {lead}a collective on rank {rank} (this process) failed or did not "
+            f"complete within parallel.timeout_s={timeout_s:g} s ({first[:300]})",
+            hint="see the other ranks' logs; raise parallel.timeout_s if one is only slow",
         ) from err
 
 
