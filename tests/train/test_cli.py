@@ -10,6 +10,7 @@ import yaml
 
 from _train_util import tiny_config
 from exitlm.cli import main
+from exitlm.config import ConfigError
 from exitlm.train.config import PRESETS, load_config
 
 
@@ -45,3 +46,15 @@ def test_presets_and_yaml_files_parse() -> None:
         load_config(name)
     for file in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
         load_config(str(file))
+
+
+def test_overridden_depth_takes_the_given_exits() -> None:
+    """model.overrides.num_layers with model.exits: the new exits are checked against the new
+    depth; the preset's own exits (deeper than 2 layers) once were, and refused the config."""
+    cfg = load_config("tiny", ["model.overrides.num_layers=2", "model.exits.layers=[1]",
+                               "loss.exit_weights=[0.5]"])
+    model = cfg.model.preset_config()
+    assert model.num_layers == 2 and model.exit_layers == (1,)
+    with pytest.raises(ConfigError, match=r"exits\.layers contains 3"):
+        load_config("tiny", ["model.overrides.num_layers=2",
+                             "model.exits.layers=[3]"]).model.preset_config()

@@ -83,9 +83,10 @@ class ModelSpec:
     def preset_config(self) -> ModelConfig:
         """The :class:`ModelConfig` of a preset ``init`` with the overrides and exits."""
         try:
-            cfg = preset(self.init, **self.overrides)
             exits = self.exit_config()
-            return cfg if exits is None else cfg.replace(exits=exits)
+            # one replace: the preset's own exits are not checked against overridden layers
+            return preset(self.init, **self.overrides,
+                          **({} if exits is None else {"exits": exits}))
         except ConfigError as err:
             raise ConfigError(f"model (preset {self.init!r} with model.overrides / "
                               f"model.exits): {err}", hint=err.hint) from None
