@@ -247,6 +247,8 @@ GENERATE_ERRORS = [
     (["--logprobs", "3"], ["--logprobs 3", "--json"]),
     (["--dist-timeout", "-1"], ["--dist-timeout", "'-1'", ">= 1"]),
     (["--dist-timeout", "0.001"], ["--dist-timeout", "'0.001'", ">= 1"]),
+    (["--strategy", "early-exit", "--kv", "pipeline", "--stages", "0"], ["--stages:", "got 0"]),
+    (["--strategy", "self-spec", "--num-speculations", "0"], ["--num-speculations:", "got 0"]),
     (["--dist-timeout", "nan"], ["--dist-timeout", "'nan'"]),
 ]
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from exitlm.config import ConfigError
 from exitlm.infer.strategies import STRATEGIES
+from exitlm.schema import convert, field_hints
 
 
 def _fields() -> dict[str, list[tuple[str, dataclasses.Field[Any], Any]]]:
@@ -91,7 +92,8 @@ def add_head_dtype_flag(parser: argparse.ArgumentParser | Any) -> None:
 
 def strategy_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     """The strategy options given on the command line, checked against ``strategy``."""
-    own = {f.name for f in dataclasses.fields(STRATEGIES[strategy].options_type)}
+    options_type = STRATEGIES[strategy].options_type
+    own = {f.name for f in dataclasses.fields(options_type)}
     out: dict[str, Any] = {}
     for name in _fields():
         value = getattr(args, name, None)
@@ -101,5 +103,6 @@ def strategy_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any
             takes = sorted(flag(f) for f in own)
             raise ConfigError(f"{flag(name)} does not apply to --strategy {strategy} (it "
                               f"takes: {', '.join(takes) or 'no options'})")
-        out[name] = value
+        # checked here so that a bad value is named by its flag (--stages 0), not its field
+        out[name] = convert(value, field_hints(options_type)[name], flag(name))
     return out

@@ -85,8 +85,8 @@ class ModelSpec:
         try:
             exits = self.exit_config()
             # one replace: the preset's own exits are not checked against overridden layers
-            return preset(self.init, **self.overrides,
-                          **({} if exits is None else {"exits": exits}))
+            return preset(self.init, **{**self.overrides,
+                                        **({} if exits is None else {"exits": exits})})
         except ConfigError as err:
             raise ConfigError(f"model (preset {self.init!r} with model.overrides / "
                               f"model.exits): {err}", hint=err.hint) from None
