@@ -145,6 +145,18 @@ def test_pickled_weights_are_refused(native: Path, tmp_path: Path,
     assert_clean_error(cli(["info", tmp_path / "model.bin"], capsys), "pickled")
 
 
+def test_a_pickle_named_by_a_shard_index_is_refused_as_a_pickle(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = tmp_path / "hf"
+    assert cli(["convert", "debug", hf, "--to", "hf"], capsys).rc == 0
+    names = list(load_file(str(hf / "model.safetensors")))
+    (hf / "model.safetensors").unlink()
+    (hf / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    index = {"weight_map": dict.fromkeys(names, "pytorch_model.bin")}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_clean_error(cli(["info", hf], capsys), "pytorch_model.bin", "pickled")
+
+
 def test_nan_weights_warn_naming_the_tensor(native: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = _copy(native, tmp_path / "c")

@@ -80,6 +80,8 @@ def weight_files(path: Path) -> dict[Path, list[str] | None]:
         for tensor, file in wm.items():
             if not isinstance(file, str) or Path(file).name != file:
                 raise CheckpointError(f"{index}: tensor {tensor!r} maps to bad file {file!r}")
+            if Path(file).suffix in PICKLE_SUFFIXES:  # named by the index: still a pickle
+                raise refuse_pickle(path / file)
             names = files.setdefault(path / file, [])
             assert names is not None
             names.append(tensor)
