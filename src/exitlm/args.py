@@ -60,14 +60,6 @@ def finite_float(text: str) -> float:
     return value
 
 
-def non_negative_float(text: str) -> float:
-    """An argparse ``type``: a finite number >= 0 (seconds, a timeout)."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite number > 0 (seconds of a deadline)."""
     value = finite_float(text)
@@ -85,6 +77,10 @@ def float_at_least(low: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+non_negative_float = float_at_least(0.0)
+"""An argparse ``type``: a finite number >= 0 (seconds, a timeout)."""
 
 
 def unit_float(text: str) -> float:

@@ -32,8 +32,10 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature == 1.0:
         return logits
     scaled = logits / temperature
+    if bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+        return scaled  # the common case: no second pass over the logits
     peak = logits.amax(dim=-1, keepdim=True)
-    if bool(torch.isfinite(peak).all()) and not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+    if bool(torch.isfinite(peak).all()):
         tiny = torch.finfo(logits.dtype).tiny  # a smaller Python float is 0 in the tensor's dtype
         scaled = (logits - peak) / max(temperature, tiny)
     return scaled

@@ -101,8 +101,8 @@ class GuardedH11(H11Protocol):
         self._deadline = self.loop.call_later(self.request_timeout, self._expired)
 
     def _disarm(self) -> None:
-        if getattr(self, "_deadline", None) is not None:
-            self._deadline.cancel()  # type: ignore[union-attr]
+        if self._deadline is not None:
+            self._deadline.cancel()
             self._deadline = None
 
     def _expired(self) -> None:
