@@ -133,6 +133,13 @@ class ExitConfig:
         object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
 
+LAYERSKIP_EXITS = ExitConfig(every_layer=True, norm="final")
+"""LayerSkip's exits (Sec. 4.2): every layer through the model's shared final norm and LM head,
+no parameters of their own. What a model without exits gets where exits are needed: a
+decoding strategy other than plain decoding, a self-speculative round or an early-exit
+threshold recorded in its config (``exitlm convert --draft`` / ``--threshold``)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer with early exits."""

@@ -72,8 +72,9 @@ def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, model: EarlyExitLM, tokenizer_tokens: list[str] | None = None,
-                    arch: str = "llama") -> None:
-    """Write ``model``'s backbone as an F32 llama GGUF, q/k rows permuted like llama.cpp."""
+                    arch: str = "llama", kv_heads: int | None = None) -> None:
+    """Write ``model``'s backbone as an F32 llama GGUF, q/k rows permuted like llama.cpp
+    (``kv_heads``: the key/value head count the metadata claims, default the model's)."""
     import gguf
 
     cfg = model.config
@@ -83,7 +84,7 @@ def write_tiny_gguf(path: Path, model: EarlyExitLM, tokenizer_tokens: list[str] 
     w.add_embedding_length(cfg.dim)
     w.add_feed_forward_length(cfg.hidden_dim)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_head_count_kv(cfg.n_kv_heads if kv_heads is None else kv_heads)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)

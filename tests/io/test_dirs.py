@@ -53,3 +53,41 @@ def test_a_cache_folder_that_cannot_be_created_points_at_exitlm_cache(
         check_cache_root()
     monkeypatch.setenv("EXITLM_CACHE", str(tmp_path / "missing"))
     assert check_cache_root() == tmp_path / "missing"  # not there yet: fine
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_check_creatable_creates_nothing(tmp_path: Path) -> None:
+    """Checked before slow work: a folder that could be made is not made, nor its parents."""
+    from exitlm.io.dirs import check_creatable
+
+    (tmp_path / "kept").mkdir()
+    before = _tree(tmp_path)
+    for beside in (False, True):
+        assert check_creatable(tmp_path / "a" / "b" / "out", beside=beside) == \
+            tmp_path / "a" / "b" / "out"
+        assert check_creatable(tmp_path / "kept", "train.out_dir", beside=beside)
+    assert _tree(tmp_path) == before
+
+
+def test_check_creatable_refuses_a_file_in_the_way(tmp_path: Path) -> None:
+    from exitlm.io.dirs import check_creatable
+
+    (tmp_path / "afile").write_text("mine")
+    for target in (tmp_path / "afile" / "out", tmp_path / "afile"):
+        with pytest.raises(PathError, match=rf"^train\.out_dir {target}: cannot create it "
+                                            rf"\({tmp_path / 'afile'} is a file"):
+            check_creatable(target, "train.out_dir")
+    assert (tmp_path / "afile").read_text() == "mine" and _tree(tmp_path) == ["afile"]
+
+
+@LINUX_SYS
+@pytest.mark.parametrize("where", ["/sys/exitlm-test/x", "/proc/exitlm-test"])
+def test_check_creatable_refuses_what_the_system_refuses(where: str) -> None:
+    from exitlm.io.dirs import check_creatable
+
+    with pytest.raises(PathError, match=rf"^DST {where}: cannot create it \(\w"):
+        check_creatable(where, "DST", beside=True)
+    assert not Path(where).exists()

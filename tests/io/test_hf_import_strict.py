@@ -167,3 +167,62 @@ def test_lax_config_values_are_refused(change: dict, needles: list[str], llama_d
     data.update(change)
     file.write_text(json.dumps(data))
     _info(llama_dir, capsys, str(file), *needles)
+
+
+FLOAT8 = ["float8_e4m3fn", "float8_e5m2"]
+
+
+@pytest.mark.parametrize("dtype", [*FLOAT8, "int8", "bool"])
+@pytest.mark.parametrize("tensor", [Q, "model.layers.0.self_attn.o_proj.weight",
+                                    "model.layers.1.mlp.down_proj.weight"])
+def test_a_tensor_that_is_no_float_weight_is_refused_naming_its_file(
+        tensor: str, dtype: str, llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fused (q/k/v) or not, float8, integer and bool tensors are refused alike: one line
+    naming the file, the checkpoint's tensor and the dtype (a float8 ``o_proj`` once loaded,
+    widened to float32)."""
+    file = llama_dir / "model.safetensors"
+    sd = load_file(file)
+    dt = getattr(torch, dtype)
+    sd[tensor] = sd[tensor] > 0 if dt == torch.bool else (sd[tensor] * 100).to(dt)
+    save_file(sd, file, metadata={"format": "pt"})
+    _info(llama_dir, capsys, f"{file}: tensor {tensor!r}", f"dtype {dtype}", "float")
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_a_float8_tensor_in_exitlms_format_is_refused(
+        dtype: str, native_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = native_dir / "model.safetensors"
+    meta = safe_open(file, "pt").metadata()
+    sd = load_file(file)
+    sd["layers.0.attn.wo.weight"] = sd["layers.0.attn.wo.weight"].to(getattr(torch, dtype))
+    save_file(sd, file, metadata=meta)
+    _info(native_dir, capsys, f"{file}: tensor 'layers.0.attn.wo.weight'", f"dtype {dtype}")
+
+
+def test_non_finite_fused_parts_are_named_as_the_checkpoint_names_them(
+        llama_dir: Path) -> None:
+    """A NaN in ``q_proj`` is reported under the checkpoint's names and file, not exitlm's
+    fused ``layers.0.attn.wqkv.weight``."""
+    from exitlm.errors import ExitlmWarning
+
+    file = llama_dir / "model.safetensors"
+    sd = load_file(file)
+    sd[Q][0, 0] = float("nan")
+    save_file(sd, file, metadata={"format": "pt"})
+    with pytest.warns(ExitlmWarning) as got:
+        load_model(llama_dir)
+    text = " ".join(str(w.message) for w in got)
+    assert str(file) in text and repr(Q) in text and "wqkv" not in text, text
+
+
+def test_a_fused_gguf_tensor_of_the_wrong_shape_is_named_as_the_file_names_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF whose metadata claims more key/value heads than its tensors hold: the shape
+    error names the GGUF's own q/k/v tensors and the file."""
+    from _io_util import tiny_config, tiny_model, write_tiny_gguf
+
+    file = tmp_path / "m.gguf"
+    write_tiny_gguf(file, tiny_model(tiny_config("llama", ExitConfig())), kv_heads=4)
+    line = _info(file, capsys, f"{file}: tensors 'blk.0.attn_q.weight', 'blk.0.attn_k.weight', "
+                               "'blk.0.attn_v.weight'", "shape")
+    assert "wqkv" not in line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -159,3 +160,17 @@ def test_transformers_save_pretrained_directory(tmp_path: Path, kind: str) -> No
                                    atol=1e-5, rtol=1e-4)
     assert loaded.tokenizer is not None
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+
+
+def test_the_format_marker_is_spelled_in_one_place() -> None:
+    """``exitlm_format_version`` lives in ``io/st.py`` (the lowest module that needs it, for
+    :func:`~exitlm.io.st.written_by_exitlm`); ``io/native.py`` and the rest import it."""
+    import exitlm.io.native as native
+    import exitlm.io.st as st
+
+    assert st.FORMAT_KEY == "exitlm_format_version" and native.FORMAT_KEY is st.FORMAT_KEY
+    src = Path(st.__file__).resolve().parents[1]
+    spelled = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                     if any(isinstance(n, ast.Constant) and n.value == st.FORMAT_KEY
+                            for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))))
+    assert spelled == ["io/st.py"], spelled

@@ -67,3 +67,27 @@ def test_self_spec_is_token_identical_to_greedy(tmp_path: Path) -> None:
             assert got.stats.drafted > 0
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("to", ["exitlm", "hf"])
+def test_convert_records_a_round_on_a_model_without_exits(
+        to: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert LAYERSKIP_DIR OUT --draft E,D``: the round lives in the exits, so the copy
+    gets the exits decoding gives such a model (every layer through the shared head)."""
+    from exitlm.cli import main
+    from exitlm.config import DraftHint
+
+    _layerskip_like(tmp_path / "ls")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "ls"), str(out), "--to", to, "--draft", "1,3",
+                 "--threshold", "0.9"]) == 0
+    assert "LayerSkip style" in capsys.readouterr().err
+    exits = load_model(str(out)).config.exits
+    assert (exits.every_layer, exits.norm, exits.layers) == (True, "final", ())
+    assert (exits.draft, exits.threshold) == (DraftHint(1, 3), 0.9)
+    # a round at no layer of the model is still refused, naming it
+    assert main(["convert", str(tmp_path / "ls"), str(tmp_path / "bad"), "--draft", "4,3"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft 4,3" in err and "1-3" in err and "Traceback" not in err, err
+    assert not (tmp_path / "bad").exists()

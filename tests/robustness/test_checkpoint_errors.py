@@ -179,7 +179,7 @@ BUNDLE_META = [
     ('{"format": 1, "base": "debug", "exits": "yes"}', ["exits.json", "exits", "'yes'"]),
     ('{"format": 1, "base": "debug", "exits": {"layers": [1], "head": "conv"}}',
      ["exits.json", "exits.head", "'conv'"]),
-    ('{"format": 2, "base": "debug"}', ["exits.json", "format 2"]),
+    ('{"format": 3, "base": "debug"}', ["exits.json", "format 3"]),
     ('{"format": 1, "base": "debug", "exits": {"layers": [3]}}', ["exit"]),
     ('[1, 2]', ["exits.json", "JSON object"]),
 ]
@@ -197,6 +197,21 @@ def test_bundle_without_weights(tmp_path: Path, capsys: pytest.CaptureFixture[st
     bundle = save_bundle(tiny_model(), tmp_path / "exits", "debug")
     (bundle / "exits.safetensors").unlink()
     assert_clean_error(cli(["info", bundle], capsys), "exits.safetensors", "missing")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.bool])
+def test_bundle_heads_that_are_no_float_weights(dtype: torch.dtype, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A bundle's head tensors are float weights like a checkpoint's: others are refused (they
+    were once widened to float32 silently)."""
+    bundle = save_bundle(tiny_model(), tmp_path / "exits", str(tiny_checkpoint(tmp_path / "b")))
+    file = bundle / "exits.safetensors"
+    heads = load_file(file)
+    name = next(iter(heads))
+    heads[name] = heads[name] > 0 if dtype == torch.bool else heads[name].to(dtype)
+    save_file(heads, file)
+    shown = str(dtype).removeprefix("torch.")
+    assert_clean_error(cli(["info", bundle], capsys), f"{file}: tensor {name!r}", shown)
 
 
 def test_load_errors_are_exitlm_errors(native: Path, tmp_path: Path) -> None:

@@ -126,6 +126,39 @@ def test_destination_that_cannot_be_created(where: str, ckpt: Path, tmp_path: Pa
     assert afile.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["afile.txt", "work"]
 
 
+@pytest.mark.parametrize("where", [
+    "under-a-file", pytest.param("/proc/exitlm-test", marks=needs_linux_sys)])
+def test_destination_is_checked_before_the_source_is_loaded(
+        where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DST that cannot be created is refused before the (slow) load: with a source that
+    would not load, the error is still about DST."""
+    afile = tmp_path / "afile.txt"
+    afile.write_text("mine")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    dst = afile / "out" if where == "under-a-file" else Path(where)
+    assert_clean_error(cli(["convert", broken, dst], capsys), str(dst), "cannot create it")
+    assert sorted(os.listdir(tmp_path)) == ["afile.txt", "broken"]
+
+
+def test_a_failed_write_leaves_no_folders_it_made(ckpt: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way (a disk that fills up) removes its temporary and the
+    folders it created on the way to its target; folders that were there stay."""
+    import exitlm.io.native as native
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    loaded = load_model(str(ckpt))
+    monkeypatch.setattr(native, "write_safetensors", full)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        save_model(loaded, tmp_path / "out" / "new" / "deeper" / "dst")
+    assert sorted(os.listdir(tmp_path)) == ["out", "work"] and not os.listdir(tmp_path / "out")
+
+
 def test_python_api_refuses_too(ckpt: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()

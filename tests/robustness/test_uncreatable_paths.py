@@ -25,6 +25,23 @@ def test_train_out_dir_the_system_refuses(tmp_path: Path,
     assert_clean_error(res, "train.out_dir /sys/exitlm-test-run: cannot create it (")
 
 
+@pytest.mark.parametrize("where", [pytest.param("/proc/exitlm-test-run", marks=needs_linux_sys),
+                                   "under-a-file"])
+def test_train_out_dir_is_checked_before_the_model_and_the_data(
+        where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The out_dir is refused before the model is built and the data read: with data that
+    does not exist, the error is still about the out_dir, and nothing is created."""
+    (tmp_path / "afile").write_text("mine")
+    out = tmp_path / "afile" / "run" if where == "under-a-file" else Path(where)
+    cfg = run_config(tmp_path, train={"steps": 1})
+    file = _yaml(tmp_path, cfg)
+    before = sorted(tmp_path.rglob("*"))
+    res = cli(["train", "-c", file, f"train.out_dir={out}",
+               f"data.paths=[{tmp_path / 'no-such-data'}]"], capsys)
+    assert_clean_error(res, "train.out_dir", str(out), "cannot")
+    assert sorted(tmp_path.rglob("*")) == before and not out.exists()
+
+
 @pytest.mark.parametrize("root", ["a-file", pytest.param("/sys/exitlm-test-cache",
                                                           marks=needs_linux_sys)])
 def test_train_and_eval_with_a_cache_that_cannot_be_created(

@@ -35,7 +35,7 @@ import torch
 
 from exitlm.args import check_threads
 from exitlm.bench.names import OURS, SWEEP_FILES, THEIRS
-from exitlm.config import ConfigError, ExitConfig
+from exitlm.config import LAYERSKIP_EXITS, ConfigError, ExitConfig
 from exitlm.infer.api import generate
 from exitlm.infer.cli import byte_level_tokenizer
 from exitlm.infer.ppd import PPDStats, resolve_ppd_layer
@@ -192,7 +192,7 @@ class Bench:
         if cfg.layerskip_exits or not loaded.model.config.exit_layers:
             # LayerSkip-style exits at every layer through the final norm + head (the exits
             # transformers' assistant_early_exit uses)
-            self._exits = ExitConfig(every_layer=True, norm="final")
+            self._exits = LAYERSKIP_EXITS
             loaded = load_model(name, dtype=dtype, head_dtype=heads, exits=self._exits)
         self.model_name = name
         self.loaded = loaded

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exitlm.args import float_at_least, int_at_least, thread_count
-from exitlm.config import ConfigError, ExitConfig
+from exitlm.config import LAYERSKIP_EXITS, ConfigError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.textfile import MAX_PROMPTS_BYTES, read_text_file
@@ -150,7 +150,7 @@ def load_for_strategy(source: str, dtype: torch.dtype | str, strategy: str,
         print(f"exitlm: {source!r} has no exit heads; exiting through the final norm + head "
               "at every layer (LayerSkip style, untrained exits)", file=sys.stderr)
         loaded = load_model(source, dtype=dtype, head_dtype=head_dtype,
-                            exits=ExitConfig(every_layer=True, norm="final"))
+                            exits=LAYERSKIP_EXITS)
     return loaded
 
 

@@ -2,10 +2,12 @@
 
 A bundle directory holds ``exits.json`` (the backbone's name or path, the
 :class:`~exitlm.config.ExitConfig`, how it was trained) and ``exits.safetensors`` (the heads'
-own tensors, ``exits.<layer>.*``). Exit tuning with a frozen backbone writes one
-(``OUT/exits/``); the embedded early-exit default ``default-ee`` is the bundle shipped in
-``exitlm/data/default_ee`` - SmolLM2-135M-Instruct with heads tuned by
-``exitlm train --config default-ee``.
+own tensors, ``exits.<layer>.*``). A relative ``base`` path is relative to the bundle's own
+directory, as a low-rank delta's (:mod:`exitlm.io.delta`), so a bundle loads from any working
+directory and moves with its backbone (:func:`base_reference`, :func:`bundle_base`). Exit
+tuning with a frozen backbone writes one (``OUT/exits/``); the embedded early-exit default
+``default-ee`` is the bundle shipped in ``exitlm/data/default_ee`` - SmolLM2-135M-Instruct
+with heads tuned by ``exitlm train --config default-ee``.
 
 :func:`exitlm.io.load_model` consults :func:`find_bundle` first, so ``load_model("default-ee")``
 and ``load_model("runs/default-ee/exits")`` both work.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from exitlm.config import ConfigError, ExitConfig
-from exitlm.errors import warn
-from exitlm.io.hf_map import CheckpointError
+from exitlm.errors import short_repr, warn
+from exitlm.io.hf_map import CheckpointError, check_float_weight
 from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.st import all_finite, atomic_dir, read_json_object, stream_file
 from exitlm.model.transformer import EarlyExitLM
@@ -31,7 +34,11 @@ from exitlm.schema import build
 
 BUNDLE_META = "exits.json"
 BUNDLE_WEIGHTS = "exits.safetensors"
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2
+"""The format :func:`save_bundle` writes: a path ``base`` is absolute or relative to the
+bundle's directory. Format 1 (exitlm before it) recorded ``base`` as given, relative to the
+working directory of the run that wrote it; :func:`bundle_base` still reads it."""
+READ_FORMATS = (1, 2)
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 NAMED_BUNDLES: dict[str, Path] = {"default-ee": DATA_DIR / "default_ee"}
 
@@ -46,24 +53,45 @@ def find_bundle(name_or_path: str) -> Path | None:
     return None
 
 
+_NAMES_FIRST = ("default", *NAMED_BUNDLES)
+"""Names :func:`exitlm.io.load_model` takes as names even where a path of that name exists."""
+
+
+def base_reference(base: str, directory: Path) -> str:
+    """How a bundle or delta written to ``directory`` records its base ``base`` (a name or a
+    path as :func:`exitlm.io.load_model` takes it: relative to the working directory): an
+    existing relative path becomes relative to ``directory`` (``./x``, ``../x``), so the
+    checkpoint loads from any working directory and keeps working when the two move together;
+    a name, an absolute path and a path that does not exist are kept as given."""
+    path = Path(base).expanduser()
+    if base in _NAMES_FIRST or path.is_absolute() or not path.exists():
+        return base
+    try:
+        rel = Path(os.path.relpath(path.resolve(), directory.expanduser().resolve()))
+    except ValueError:  # another drive (Windows): no relative path
+        return str(path.resolve())
+    return rel.as_posix() if rel.parts[:1] == ("..",) else f"./{rel.as_posix()}"
+
+
 def save_bundle(
     model: EarlyExitLM, path: str | Path, base: str, info: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float16, *, overwrite: bool = False,
 ) -> Path:
-    """Write the exit heads of ``model`` (in ``dtype``) as a bundle on top of ``base``
-    (``overwrite`` as in :func:`exitlm.io.save_model`)."""
+    """Write the exit heads of ``model`` (in ``dtype``) as a bundle on top of ``base`` (a name
+    or a path as :func:`exitlm.io.load_model` takes it, recorded by :func:`base_reference`;
+    ``overwrite`` as in :func:`exitlm.io.save_model`)."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous()
                for k, v in model.state_dict().items() if k.startswith("exits.")}
     exits = model.config.exits
+    target = Path(path)
     meta = {
-        "format": BUNDLE_FORMAT, "base": base,
+        "format": BUNDLE_FORMAT, "base": base_reference(base, target),
         "exits": {"layers": list(exits.layers), "every_layer": exits.every_layer,
                   "head": exits.head, "norm": exits.norm, "output": exits.output,
                   **({} if exits.draft is None else {"draft": dataclasses.asdict(exits.draft)}),
                   **({} if exits.threshold is None else {"threshold": exits.threshold})},
         "info": info or {},
     }
-    target = Path(path)
     with atomic_dir(target, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / BUNDLE_WEIGHTS), metadata={"format": "pt"})
         (tmp / BUNDLE_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -80,9 +108,10 @@ def read_bundle(directory: Path) -> tuple[str, ExitConfig]:
             "re-create it with: exitlm train --config default-ee"
         )
     meta = read_json_object(meta_file)
-    if meta.get("format") != BUNDLE_FORMAT:
-        raise CheckpointError(f"{meta_file}: bundle format {meta.get('format')!r} is not "
-                              f"{BUNDLE_FORMAT}")
+    version = meta.get("format")
+    if type(version) is not int or version not in READ_FORMATS:
+        raise CheckpointError(f"{meta_file}: bundle format {short_repr(version)} is not one of "
+                              f"{', '.join(map(str, READ_FORMATS))} (upgrade exitlm?)")
     base = meta.get("base")
     if not isinstance(base, str) or not base:
         raise CheckpointError(f"{meta_file}: 'base' (the backbone: 'default', a preset or a "
@@ -91,9 +120,49 @@ def read_bundle(directory: Path) -> tuple[str, ExitConfig]:
         ex = build(ExitConfig, meta.get("exits"), "exits")
     except ConfigError as err:
         raise CheckpointError(f"{meta_file}: {err}") from None
+    base = bundle_base(directory, base, version)
     if find_bundle(base) is not None:
         raise CheckpointError(f"{meta_file}: a bundle's base cannot itself be a bundle")
     return base, ex
+
+
+def bundle_base(directory: Path, base: str, version: int = BUNDLE_FORMAT) -> str:
+    """What to load as the backbone of the bundle in ``directory`` whose ``exits.json`` names
+    ``base`` (format ``version``): a name as it is, a relative path relative to the bundle's
+    directory.
+
+    A format-1 bundle (older exitlm) recorded a path relative to the working directory of the
+    run that wrote it, so where it names nothing beside the bundle but a path of the working
+    directory it loads that, with a warning saying so; where it names a path in both places
+    and they differ, which one was meant is unknown and the bundle is refused (a bundle has no
+    fingerprint of its backbone; the other one would load silently)."""
+    file = directory / BUNDLE_META
+    path = Path(base).expanduser()
+    if base in _NAMES_FIRST or path.is_absolute():
+        return str(path) if path.is_absolute() else base
+    near, far = directory / path, path
+    legacy = version == 1 and far.exists()
+    if near.exists() and legacy and far.resolve() != near.resolve():
+        raise CheckpointError(
+            f"{file}: base {base!r} names both {near} (beside the bundle) and {far.absolute()} "
+            "(in the working directory); the bundle was written by an older exitlm, whose base "
+            "was relative to the working directory of the run that wrote it",
+            hint=f"set 'base' in {file} to the absolute path of the backbone the heads were "
+                 "tuned on")
+    if near.exists():
+        return str(near)
+    if legacy:
+        warn(f"{file}: base {base!r} is not beside the bundle; loading {far.absolute()} from "
+             "the working directory, as the older exitlm that wrote the bundle did (set 'base' "
+             "to an absolute path, or one relative to the bundle, to load it from anywhere)")
+        return str(far)
+    if far.exists() or "/" in base:
+        raise CheckpointError(
+            f"{file}: base {base!r} does not exist relative to the bundle's directory "
+            f"{directory} (a bundle's relative base is relative to its own directory)",
+            hint=f"set 'base' in {file} to the backbone's absolute path, or to its path "
+                 "relative to the bundle's directory")
+    return base  # a name: 'default', a shipped model, a preset
 
 
 def attach_heads(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = torch.float32,
@@ -114,6 +183,7 @@ def attach_heads(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = t
             if t.shape != own[k].shape:
                 raise CheckpointError(f"{directory / BUNDLE_WEIGHTS}: tensor {k!r} has shape "
                                       f"{tuple(t.shape)}, the model {tuple(own[k].shape)}")
+            check_float_weight(t, k, str(directory / BUNDLE_WEIGHTS))
             if not all_finite(t):
                 warn(f"{directory / BUNDLE_WEIGHTS}: tensor {k!r} holds NaN or infinite values")
             own[k].copy_(t.to(own[k].dtype))

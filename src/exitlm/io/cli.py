@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from exitlm.args import draft_round, finite_float, int_at_least, unit_float
-from exitlm.config import PRESETS, ConfigError
+from exitlm.config import LAYERSKIP_EXITS, PRESETS, ConfigError
 from exitlm.io.cache import KINDS as KIND_NAMES
 
 _DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # names load_model takes
@@ -93,6 +94,7 @@ def register(subparsers: Any) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from exitlm.io import export_hf, load_model, save_model  # lazy: loaded when the command runs
+    from exitlm.io.dirs import check_creatable  # lazy: loaded when the command runs
     from exitlm.io.st import check_replaceable  # lazy: loaded when the command runs
 
     dst = Path(args.dst).expanduser()
@@ -123,9 +125,16 @@ def _convert(args: argparse.Namespace) -> int:
             raise ConfigError(f"--delta-from {args.delta_from}: a preset has random weights, "
                               "no base to load again; pass the checkpoint SRC was trained from")
     check_replaceable(dst, args.overwrite)  # before the (slow) load
+    check_creatable(dst, beside=True)  # a file in the way, /proc, a read-only file system
     loaded = load_model(args.src, dtype=args.quantize or args.dtype,
                         head_dtype=args.quantize_head)
     _check_quantized_source(args, loaded.model)
+    if (args.draft is not None or args.threshold is not None) and not loaded.config.exit_layers:
+        # a measured round or threshold lives in the exits: LayerSkip's, which decoding gives
+        # a model without exits (every layer through the shared final norm + head)
+        print(f"exitlm: {args.src!r} has no exit heads; recording LayerSkip style exits with "
+              "it (every layer through the final norm + head)", file=sys.stderr)
+        loaded.model.config = loaded.config = loaded.config.replace(exits=LAYERSKIP_EXITS)
     if args.draft is not None:
         with_draft(loaded, *args.draft)
     if args.threshold is not None:
@@ -201,8 +210,10 @@ def source_paths(src: str) -> list[Path]:
             base = json.loads(meta.read_text(encoding="utf-8")).get("base")
         except (OSError, ValueError, AttributeError):
             base = None
-        if isinstance(base, str) and find_bundle(base) is None:
-            paths += source_paths(base)
+        if isinstance(base, str):  # beside the bundle, or (format 1) in the working directory
+            for where in (str(bundle / Path(base).expanduser()), base):
+                if find_bundle(where) is None:
+                    paths += source_paths(where)
     elif src == "default":
         # lazy: loaded when the command runs
         from exitlm.io.default_model import cache_dir_for, default_gguf_path
@@ -215,7 +226,25 @@ def source_paths(src: str) -> list[Path]:
             pass  # not installed: loading fails with its own message
     elif Path(src).expanduser().exists():
         paths.append(Path(src).expanduser())
+        paths += _delta_base_paths(Path(src).expanduser())
     return paths
+
+
+def _delta_base_paths(path: Path) -> list[Path]:
+    """What loading the base of the delta in ``path`` reads (nothing when it is no delta, or
+    its ``delta.json`` is broken: loading it fails with its own message)."""
+    from exitlm.io.delta import base_of, is_delta_dir  # lazy: loaded when the command runs
+    from exitlm.io.hf_map import CheckpointError  # lazy: loaded when the command runs
+    from exitlm.io.st import read_json_object  # lazy: loaded when the command runs
+
+    if not is_delta_dir(path):
+        return []
+    try:
+        meta = read_json_object(path / "delta.json")
+        base = base_of(path, meta) if isinstance(meta.get("base"), str) else None
+    except CheckpointError:
+        return []
+    return [] if base is None else source_paths(base)
 
 
 def check_not_source(dst: Path, sources: list[Path]) -> None:

@@ -34,8 +34,8 @@ import torch
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import warn
-from exitlm.io.bundle import find_bundle
-from exitlm.io.hf_map import CheckpointError
+from exitlm.io.bundle import base_reference, find_bundle
+from exitlm.io.hf_map import CheckpointError, check_float_weight
 from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.native import config_from_dict
 from exitlm.io.st import (
@@ -111,16 +111,18 @@ def make_delta(base: EarlyExitLM, tuned: EarlyExitLM, rank: int
 def save_delta(base_name: str, base: EarlyExitLM, tuned: EarlyExitLM, path: str | Path,
                rank: int, *, dtype: torch.dtype = torch.float16, overwrite: bool = False,
                info: dict[str, Any] | None = None) -> tuple[Path, dict[str, float]]:
-    """Write ``tuned`` as a rank-``rank`` delta over ``base`` (loaded by ``base_name``) to
-    ``path`` (atomically; ``overwrite`` as in :func:`exitlm.io.save_model`); the factors in
-    ``dtype``. Returns the directory and the per-matrix relative errors."""
+    """Write ``tuned`` as a rank-``rank`` delta over ``base`` (loaded by ``base_name``, which
+    is recorded by :func:`~exitlm.io.bundle.base_reference`: a path relative to the delta's
+    directory) to ``path`` (atomically; ``overwrite`` as in :func:`exitlm.io.save_model`); the
+    factors in ``dtype``. Returns the directory and the per-matrix relative errors."""
     check_same_architecture(base.config, tuned.config, f"{base_name} and the tuned model")
     tensors, errors = make_delta(base, tuned, rank)
-    meta = {"format": DELTA_FORMAT, "base": base_name, "base_sha256": fingerprint(base),
+    target = Path(path).expanduser()
+    meta = {"format": DELTA_FORMAT, "base": base_reference(base_name, target),
+            "base_sha256": fingerprint(base),
             "rank": rank, "config": tuned.config.to_dict(),
             "relative_error": {k: round(v, 6) for k, v in errors.items()},
             **({"info": info} if info else {})}
-    target = Path(path).expanduser()
     with atomic_dir(target, overwrite=overwrite) as tmp:
         write_safetensors(tmp / DELTA_WEIGHTS,
                           {k: v.to(dtype).contiguous() for k, v in tensors.items()},
@@ -154,7 +156,9 @@ def read_delta_meta(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
 
 def base_of(directory: Path, meta: dict[str, Any]) -> str:
     """What to load as the base of the delta in ``directory``: its ``base``, a path taken
-    relative to the directory when one exists there."""
+    relative to the directory when one exists there, else as given (a name; a path relative to
+    the working directory, as exitlm before :func:`~exitlm.io.bundle.base_reference` recorded
+    it: the fingerprint refuses another model)."""
     near = directory / meta["base"]
     base = str(near) if not Path(meta["base"]).is_absolute() and near.exists() else meta["base"]
     if is_delta_dir(Path(base).expanduser()):
@@ -189,6 +193,7 @@ def apply_delta(loaded: LoadedModel, directory: Path, *, dtype: torch.dtype = to
         if kind not in KINDS or name not in own:
             raise CheckpointError(f"{file}: tensor {key!r} names no tensor of the model "
                                   f"(expected <name>.{{{','.join(KINDS)}}})")
+        check_float_weight(t, key, str(file))
         if not all_finite(t):
             warn(f"{file}: tensor {key!r} holds NaN or infinite values")
         parts.setdefault(name, {})[kind] = t.to(torch.float32)

@@ -8,11 +8,13 @@ the path and the system's reason, instead of a traceback. Imports no torch.
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from exitlm.errors import ExitlmError
-from exitlm.paths import cache_root, file_ancestor
+from exitlm.paths import cache_root, file_ancestor, temp_prefix
 
 
 class PathError(ExitlmError, OSError):
@@ -59,6 +61,29 @@ def ensure_dir(path: Path | str, what: str = "") -> Path:
     return path
 
 
+def check_creatable(path: Path | str, what: str = "", *, beside: bool = False) -> Path:
+    """Check, before slow work, that the folder ``path`` can be created (or is one already)
+    without creating it: the nearest folder that exists on the way to it must let a folder be
+    made in it (a probe folder, removed at once; nothing is left behind when a later step
+    fails). ``beside``: the writer creates ``path`` beside itself (a temporary in its parent
+    that replaces it, :func:`exitlm.io.st.atomic_dir`), so the probe starts at the parent.
+    Refused, as :func:`ensure_dir` would refuse it later: a file in the way, a read-only or
+    special file system (``/proc``, ``/sys``). Returns ``path``."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise PathError(f"{what + ' ' if what else ''}{path}: cannot create it ({path} is a "
+                        "file, expected a directory)")
+    way = [*([] if beside else [path.absolute()]), *path.absolute().parents]
+    anchor = next((p for p in way if p.exists()), None)
+    if anchor is None:
+        return path
+    with creating(path, what):
+        if not anchor.is_dir():
+            raise NotADirectoryError(f"{anchor} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=temp_prefix(path.name or "dir", "tmp"), dir=anchor))
+    return path
+
+
 def check_cache_root() -> Path:
     """:func:`~exitlm.paths.cache_root`, which must be a directory when it exists (a
     :class:`PathError` otherwise: a file where the cache should be)."""
@@ -69,4 +94,5 @@ def check_cache_root() -> Path:
     return root
 
 
-__all__ = ["PathError", "cannot_create", "check_cache_root", "creating", "ensure_dir"]
+__all__ = ["PathError", "cannot_create", "check_cache_root", "check_creatable", "creating",
+           "ensure_dir"]

@@ -307,6 +307,17 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(x.swapaxes(1, 2)).reshape(w.shape)  # (H, 2, d/2, ...)
 
 
+def gguf_name(hf: str) -> str:
+    """The GGUF name of the tensor that :func:`gguf_hf_tensors` yields as ``hf`` (for
+    messages; a name of no GGUF tensor is returned as it is)."""
+    for ours, theirs in _GLOBAL_NAMES.items():
+        if theirs == hf:
+            return ours
+    head, _, rest = hf.removeprefix("model.layers.").partition(".")
+    ours = next((k for k, v in _LAYER_NAMES.items() if v == rest), None)
+    return f"blk.{head}.{ours}" if hf.startswith("model.layers.") and ours else hf
+
+
 def gguf_hf_tensors(
     g: GGUFFile, cfg: ModelConfig, *, keep_quantized: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

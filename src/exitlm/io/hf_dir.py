@@ -19,9 +19,11 @@ from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_map import (
     CheckpointError,
     architecture_of,
+    check_float_weight,
     check_token_ids_in_vocab,
     config_from_hf,
     exitlm_to_hf,
+    hf_names,
     hf_to_exitlm,
 )
 from exitlm.io.loaded import LoadedModel, fill_special, keep_matching_exits
@@ -29,11 +31,11 @@ from exitlm.io.materialize import model_from_tensors
 from exitlm.io.native import (
     EXITS_CONFIG,
     EXITS_WEIGHTS,
-    FORMAT_KEY,
     load_tokenizer_dir,
     native_tensors_of,
 )
 from exitlm.io.st import (
+    FORMAT_KEY,
     PICKLE_SUFFIXES,
     read_json,
     read_json_object,
@@ -188,10 +190,7 @@ def load_hf_dir(
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in plan.items():
             for name, t in stream_file(file, names):
-                if not t.dtype.is_floating_point:
-                    raise CheckpointError(
-                        f"{file}: tensor {name!r} has non-float dtype {t.dtype}; expected "
-                        "float32, float16 or bfloat16")
+                check_float_weight(t, name, str(file))  # before q/k/v or gate/up are fused
                 yield name, t
 
     def exit_stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -209,8 +208,18 @@ def load_hf_dir(
         yield from hf_to_exitlm(stream(), ckpt, source=str(path))
         yield from keep_matching_exits(exit_stream(), ckpt, cfg)
 
+    # canonical Hugging Face name -> (its file, its name there: GPT-2's may lack "transformer.")
+    stored = {_canonical(n, ckpt): (str(f), n) for f, names in plan.items() for n in names}
+
+    def origin(name: str) -> tuple[str, list[str]]:
+        """The file and the Hugging Face names of exitlm's tensor ``name`` (for messages)."""
+        if name.startswith("exits."):
+            return str(path / EXITS_WEIGHTS), [name]
+        held = [stored.get(n, (str(path), n)) for n in hf_names(name, ckpt)]
+        return ", ".join(sorted({f for f, _ in held})), [n for _, n in held]
+
     model = model_from_tensors(
         cfg, all_tensors(), source=str(path), dtype=dtype,
-        allow_missing_exits=exits is not None,
+        allow_missing_exits=exits is not None, origin=origin,
     )
     return LoadedModel(model, fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))

@@ -357,17 +357,22 @@ def _llama_to_exitlm(
 
 
 def _check_part(t: Any, name: str, source: str) -> None:
-    """A part of a fused tensor (q/k/v, gate/up) must be a floating tensor exitlm can
+    """A part of a fused tensor (q/k/v, gate/up) must be a float weight exitlm can
     concatenate: integer/bool parts would be silently converted, float8 ones cannot be."""
-    if not isinstance(t, torch.Tensor):
-        return  # a quantized weight (GGUF): cat_rows handles it
-    if not t.dtype.is_floating_point:
-        raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {t.dtype}; "
-                              "expected float32, float16 or bfloat16")
-    if t.dtype.itemsize == 1:
-        raise CheckpointError(f"{source}: tensor {name!r} has dtype {t.dtype}, which exitlm "
-                              "cannot fuse with the other q/k/v or gate/up parts; expected "
-                              "float32, float16 or bfloat16")
+    if isinstance(t, torch.Tensor):  # else a quantized weight (GGUF): cat_rows handles it
+        check_float_weight(t, name, source)
+
+
+def check_float_weight(t: torch.Tensor, name: str, where: str) -> None:
+    """Refuse a tensor that cannot be a float weight: integer, bool, complex, or float8 (one
+    byte: exitlm would widen it silently, or cannot fuse it with its q/k/v or gate/up
+    siblings), as one line naming the file (``where``), the tensor and its dtype. Quantized
+    weights exitlm wrote come as integer buffers of their own names, not through here."""
+    if t.dtype.is_floating_point and t.dtype.itemsize > 1:
+        return
+    raise CheckpointError(f"{where}: tensor {name!r} has dtype "
+                          f"{str(t.dtype).removeprefix('torch.')}; expected a float weight "
+                          "(float32, float16 or bfloat16)")
 
 
 def _gpt2_to_exitlm(
@@ -394,6 +399,27 @@ def _gpt2_to_exitlm(
 
 # ----- tensors: exitlm -> HF -------------------------------------------------------------------
 
+def hf_names(name: str, cfg: ModelConfig) -> list[str]:
+    """The ``transformers`` tensors that exitlm's tensor ``name`` is made of, in order (q, k,
+    v for ``attn.wqkv``; gate, up for ``mlp.w_in``); an exit head's tensor, which
+    ``transformers`` cannot represent, is its own name; none for a name of no tensor."""
+    gpt2 = cfg.pos == "learned"
+    if name.startswith("exits.") or name == "lm_head.weight":
+        return [name]
+    simple = {v: k for k, v in (_GPT2_SIMPLE if gpt2 else _LLAMA_SIMPLE).items()}
+    if name in simple:
+        return [("transformer." if gpt2 else "") + simple[name]]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m:
+        return []
+    layer, rest = int(m.group(1)), m.group(2)
+    if gpt2:
+        return [f"transformer.h.{layer}.{k}" for k, v in _GPT2_LAYER_MAP.items() if v == rest]
+    if rest in _LLAMA_FUSED:
+        return [f"model.layers.{layer}.{part}" for part in _LLAMA_FUSED[rest]]
+    return [f"model.layers.{layer}.{k}" for k, v in _LLAMA_LAYER_SIMPLE.items() if v == rest]
+
+
 def exitlm_to_hf(
     tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -401,31 +427,18 @@ def exitlm_to_hf(
     have no ``transformers`` equivalent and are exported separately)."""
     h, hkv, d = cfg.num_heads, cfg.n_kv_heads, cfg.hdim
     gpt2 = cfg.pos == "learned"
-    inv_simple = {v: k for k, v in (_GPT2_SIMPLE if gpt2 else _LLAMA_SIMPLE).items()}
     for name, t in tensors:
         if name.startswith("exits."):
             continue
-        if name == "lm_head.weight":
-            yield "lm_head.weight", t
-            continue
-        if name in inv_simple:
-            yield ("transformer." + inv_simple[name]) if gpt2 else inv_simple[name], t
-            continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if not m:
+        names = hf_names(name, cfg)
+        if not names:
             raise CheckpointError(f"cannot export tensor {name!r}")
-        layer, rest = int(m.group(1)), m.group(2)
-        if gpt2:
-            hf = {v: k for k, v in _GPT2_LAYER_MAP.items()}[rest]
-            if rest.endswith(".weight") and t.dim() == 2:
-                t = t.t()
-            yield f"transformer.h.{layer}.{hf}", t.contiguous()
-            continue
-        if rest in _LLAMA_FUSED:
-            sizes = (h * d, hkv * d, hkv * d) if rest.startswith("attn") else (
+        if len(names) > 1:  # fused q/k/v or gate/up
+            sizes = (h * d, hkv * d, hkv * d) if len(names) == 3 else (
                 cfg.hidden_dim, cfg.hidden_dim)
-            for part, piece in zip(_LLAMA_FUSED[rest], t.split(sizes), strict=True):
-                yield f"model.layers.{layer}.{part}", piece.contiguous()
-        else:
-            hf = {v: k for k, v in _LLAMA_LAYER_SIMPLE.items()}[rest]
-            yield f"model.layers.{layer}.{hf}", t.contiguous()
+            for part, piece in zip(names, t.split(sizes), strict=True):
+                yield part, piece.contiguous()
+            continue
+        if gpt2 and name.startswith("layers.") and name.endswith(".weight") and t.dim() == 2:
+            t = t.t()  # Conv1D stores (in, out)
+        yield names[0], t.contiguous() if name.startswith("layers.") else t

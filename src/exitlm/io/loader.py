@@ -39,10 +39,16 @@ from exitlm.io.default_model import (
     progress_note,
 )
 from exitlm.io.delta import apply_delta, base_of, is_delta_dir, read_delta_meta
-from exitlm.io.gguf_load import gguf_config, gguf_hf_tensors, gguf_tokenizer, open_gguf
+from exitlm.io.gguf_load import (
+    gguf_config,
+    gguf_hf_tensors,
+    gguf_name,
+    gguf_tokenizer,
+    open_gguf,
+)
 from exitlm.io.header_check import check_config_against_tensors
 from exitlm.io.hf_dir import load_hf_dir
-from exitlm.io.hf_map import CheckpointError, hf_to_exitlm
+from exitlm.io.hf_map import CheckpointError, hf_names, hf_to_exitlm
 from exitlm.io.loaded import (
     LoadedModel,
     cast_parameters,
@@ -201,6 +207,7 @@ def load_native(
     model = model_from_tensors(
         cfg, keep_matching_exits(native_tensors(path), ckpt, cfg),
         source=source, dtype=dtype, allow_missing_exits=exits is not None,
+        origin=lambda n: (where.get(n, source), [n]),
     )
     return LoadedModel(model, fill_special(load_tokenizer_dir(path), cfg), cfg, str(path))
 
@@ -233,6 +240,7 @@ def load_gguf(
     model = model_from_tensors(
         cfg, hf_to_exitlm(stream, cfg, source=str(path)), source=str(path), dtype=dtype,
         allow_missing_exits=True,
+        origin=lambda n: (str(path), [gguf_name(h) for h in hf_names(n, cfg)]),
     )
     return LoadedModel(model, gguf_tokenizer(g), cfg, str(path))
 

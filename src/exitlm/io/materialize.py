@@ -2,25 +2,32 @@
 
 The model is created on the ``meta`` device (no storage), then every incoming tensor is
 checked against the parameter it replaces and assigned in place. Whatever is still on
-``meta`` at the end is missing from the checkpoint and reported by name.
+``meta`` at the end is missing from the checkpoint and reported by name. Messages name the
+checkpoint's own file and tensors (an ``origin``: ``model.layers.0.self_attn.q_proj.weight``
+..., not exitlm's fused ``layers.0.attn.wqkv.weight``).
 """
+
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from exitlm.config import ModelConfig
 from exitlm.errors import warn
-from exitlm.io.hf_map import CheckpointError
+from exitlm.io.hf_map import CheckpointError, check_float_weight
 from exitlm.io.st import all_finite
 from exitlm.kernels.quant import QuantizedWeight
 from exitlm.kernels.quantized import TIED_HEAD, install, set_tied_head
 from exitlm.model.layers import rope_inv_freq
 from exitlm.model.transformer import EarlyExitLM
+
+Origin = Callable[[str], tuple[str, list[str]]]
+"""Where the tensor of an exitlm name came from: the file, and the checkpoint's names of the
+tensors it is made of (several for a fused one)."""
 
 
 def model_from_tensors(
@@ -30,6 +37,7 @@ def model_from_tensors(
     source: str,
     dtype: torch.dtype = torch.float32,
     allow_missing_exits: bool = False,
+    origin: Origin | None = None,
 ) -> EarlyExitLM:
     """Create an :class:`EarlyExitLM` for ``cfg`` whose parameters come from ``tensors``.
 
@@ -42,7 +50,17 @@ def model_from_tensors(
         source: file or directory named in error messages.
         allow_missing_exits: exit-head parameters absent from the stream are freshly
             initialised (a backbone checkpoint loaded with new exits) instead of an error.
+        origin: how messages name a tensor (:data:`Origin`); default: ``source`` and exitlm's
+            name, which is the checkpoint's own in exitlm's format.
     """
+    def named(name: str) -> tuple[str, list[str], str]:
+        """The file, the checkpoint's names and ``"tensor 'x'"`` / ``"tensors 'q', 'k', 'v'"``
+        for exitlm's tensor ``name``."""
+        where, names = origin(name) if origin is not None else (source, [name])
+        names = names or [name]  # a name the checkpoint's naming does not know
+        plural = "s" if len(names) > 1 else ""
+        return where, names, f"tensor{plural} {', '.join(repr(n) for n in names)}"
+
     with torch.device("meta"), _no_init():
         model = EarlyExitLM(cfg)
     params = dict(model.named_parameters())
@@ -63,30 +81,37 @@ def model_from_tensors(
                 continue
             name, tensor = f"{owner}.weight", qw
         if name not in params:
+            where, _, what = named(name)
             raise CheckpointError(
-                f"{source}: tensor {name!r} does not belong to this model configuration "
+                f"{where}: {what} does not belong to this model configuration "
                 f"(architecture {cfg.name!r}, exits {list(cfg.exits.layers)})"
             )
         expected = tuple(params[name].shape)
         if tuple(tensor.shape) != expected:
+            where, names, what = named(name)
+            joint = " together" if len(names) > 1 else ""
             raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the configuration "
+                f"{where}: {what} has{joint} shape {tuple(tensor.shape)}, the configuration "
                 f"expects {expected}"
             )
         if isinstance(tensor, QuantizedWeight):
             _install_quantized(model, name, tensor)
             seen.add(name)
             continue
-        if not tensor.dtype.is_floating_point:
-            raise CheckpointError(f"{source}: tensor {name!r} has non-float dtype {tensor.dtype}")
+        where, names, _ = named(name)
+        check_float_weight(tensor, "/".join(names), where)
         if not all_finite(tensor):
             non_finite.append(name)
         _set_param(model, name, tensor.to(dtype))
         seen.add(name)
     if non_finite:
-        shown = ", ".join(non_finite[:5]) + (" ..." if len(non_finite) > 5 else "")
-        warn(f"{source}: tensor(s) {shown} hold NaN or infinite values ({len(non_finite)} "
-             "tensor(s)); the model's outputs will not be finite")
+        files = sorted({named(n)[0] for n in non_finite})
+        groups = [named(n)[1] for n in non_finite]  # a fused weight: one or more of its parts
+        shown = "; ".join(", ".join(map(repr, g)) if len(g) == 1 else
+                          f"one or more of {', '.join(map(repr, g))}" for g in groups[:5])
+        warn(f"{', '.join(files)}: tensor(s) {shown}{' ...' if len(groups) > 5 else ''} hold "
+             f"NaN or infinite values ({len(groups)} weight(s)); the model's outputs will not "
+             "be finite")
     if parts:
         owner, got = next(iter(parts.items()))
         raise CheckpointError(f"{source}: quantized weight {owner!r} is incomplete (has "
@@ -97,8 +122,9 @@ def model_from_tensors(
         _init_fresh(model, exit_missing, dtype)
         missing = [n for n in missing if not n.startswith("exits.")]
     if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise CheckpointError(f"{source}: missing tensors {shown} ({len(missing)} in all)")
+        names = [n for name in missing for n in named(name)[1]]
+        shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+        raise CheckpointError(f"{source}: missing tensors {shown} ({len(names)} in all)")
     if model.rope_inv_freq is not None:
         model.rope_inv_freq = rope_inv_freq(cfg.hdim, cfg.rope_theta, cfg.rope_scaling)
     return model.eval()

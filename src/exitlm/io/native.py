@@ -21,6 +21,7 @@ from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import ExitlmError
 from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import (
+    FORMAT_KEY,
     SHARD_NAME,
     atomic_dir,
     open_safetensors,
@@ -33,7 +34,6 @@ from exitlm.io.st import (
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 
-FORMAT_KEY = "exitlm_format_version"
 FORMAT_VERSION = 1
 EXITS_WEIGHTS = "exitlm_exits.safetensors"
 """A Hugging Face export's exit heads, beside the backbone's weights (:mod:`exitlm.io.save`)."""

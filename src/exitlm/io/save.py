@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exitlm.io.hf_map import CheckpointError, config_to_hf, exitlm_to_hf, hf_mismatch
-from exitlm.io.native import EXITS_CONFIG, EXITS_WEIGHTS, FORMAT_KEY, FORMAT_VERSION, save_native
-from exitlm.io.st import EXPORT_KEY, atomic_dir, tensors_for_saving, write_safetensors
+from exitlm.io.native import EXITS_CONFIG, EXITS_WEIGHTS, FORMAT_VERSION, save_native
+from exitlm.io.st import EXPORT_KEY, FORMAT_KEY, atomic_dir, tensors_for_saving, write_safetensors
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.tokenizer import Tokenizer
 

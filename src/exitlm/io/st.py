@@ -155,6 +155,10 @@ SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 """A shard of a sharded exitlm directory (:mod:`exitlm.io.native`): 1-based index, count."""
 
 
+FORMAT_KEY = "exitlm_format_version"
+"""The key of an exitlm directory's ``config.json`` holding its format version
+(:mod:`exitlm.io.native`): the marker that tells it apart from a Hugging Face one."""
+
 EXPORT_KEY = "exitlm_export"
 """Written into the ``config.json`` of a Hugging Face export (transformers keeps unknown keys
 as attributes): how a later write knows the directory is exitlm's to replace."""
@@ -176,7 +180,7 @@ def written_by_exitlm(target: Path) -> bool:
     except CheckpointError:
         return False
     return isinstance(config, dict) and (
-        "exitlm_format_version" in config or EXPORT_KEY in config)
+        FORMAT_KEY in config or EXPORT_KEY in config)
 
 
 def check_replaceable(target: Path, overwrite: bool = False) -> None:
@@ -219,18 +223,25 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
 
     The new directory appears under its final name in one ``os.replace``; a previous
     ``target`` is moved aside first and removed after. On error the temporary directory is
-    deleted and ``target`` is untouched. A ``target`` holding files exitlm did not write is
-    refused unless ``overwrite`` (:func:`check_replaceable`); temporaries a killed writer
-    left are removed first (:func:`remove_stale_temps`); a ``target`` that cannot be created
+    deleted, as are the folders created on the way to it (while empty), and ``target`` is
+    untouched. A ``target`` holding files exitlm did not write is refused unless
+    ``overwrite`` (:func:`check_replaceable`); temporaries a killed writer left are removed
+    first (:func:`remove_stale_temps`); a ``target`` that cannot be created
     (a read-only file system, a file where a folder should be) is an
     :class:`~exitlm.io.dirs.PathError` naming it.
     """
     target = Path(target)
     check_replaceable(target, overwrite)
+    made = [p for p in reversed(target.absolute().parents) if not p.exists()]  # outermost first
     with creating(target):  # a path that cannot be created: one line naming it and why
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(target)
-        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "tmp"), dir=target.parent))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(target)
+            tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name, "tmp"),
+                                        dir=target.parent))
+        except BaseException:
+            _remove_empty(made)
+            raise
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result should not be
@@ -250,4 +261,15 @@ def atomic_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the ``folders`` (outermost first) a failed write created on the way to its
+    target, innermost first, while they are empty (anything put there since is kept)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

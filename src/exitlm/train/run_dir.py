@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from exitlm.errors import ConfigError, ExitlmError
-from exitlm.io.dirs import ensure_dir
+from exitlm.io.dirs import check_creatable, ensure_dir
 from exitlm.paths import file_ancestor, remove_path, temp_target, write_text_atomic
 
 try:
@@ -90,6 +90,9 @@ class RunDir:
         if found and resume and not self.has_checkpoint():
             self.check_is_run(found)  # no run at all: say so, not "the run there finished"
             raise self._nothing_to_resume(found)
+        # before the model is loaded and the data prepared; creates nothing (/proc, /sys, a
+        # read-only file system)
+        check_creatable(self.path, "train.out_dir")
 
     def check_is_run(self, found: list[str]) -> None:
         """Refuse to replace ``found`` (names of :data:`OUTPUTS` in the directory) unless an
