@@ -9,11 +9,13 @@ Errors: an :class:`~exitlm.errors.ExitlmError` (bad input) is printed as one lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from exitlm.errors import ExitlmError, ExitlmWarning
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     debug = bool(args.debug or os.environ.get("EXITLM_DEBUG"))
     name = f"exitlm {args.command}"
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _debug_env(debug):
         warnings.showwarning = _show_warning
         try:
             return int(args.func(args) or 0)
@@ -99,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{name}: interrupted", file=sys.stderr)
             return 130
+
+
+@contextlib.contextmanager
+def _debug_env(debug: bool) -> Iterator[None]:
+    """``EXITLM_DEBUG=1`` while a ``--debug`` command runs: the code below the command line
+    (``comm``'s quiet rendezvous) and the processes it starts keep their details too."""
+    if not debug or os.environ.get("EXITLM_DEBUG"):
+        yield
+        return
+    os.environ["EXITLM_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("EXITLM_DEBUG", None)
 
 
 def error_lines(command: str, err: ExitlmError) -> str:

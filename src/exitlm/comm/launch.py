@@ -13,25 +13,40 @@ Two ways in:
 Every group is created with ``timeout_s``; transfers wait with it too, so a peer that died or
 stalls ends the job with a :class:`~exitlm.comm.health.ParallelError` instead of a hang.
 Self-started ranks meet first with a longer deadline (:data:`RENDEZVOUS_S`): starting a
-process that imports torch is not a transfer.
+process that imports torch is not a transfer. Rendezvous are bounded and quiet
+(:mod:`.rendezvous`); spawned ranks end by themselves when rank 0's process dies
+(:mod:`.lifeline`) and leave no files: they are started with :mod:`multiprocessing` directly,
+not ``torch.multiprocessing.start_processes``, whose error files (``pytorch-errorfile-*``)
+only a parent that outlives its children removes.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing  # registers the reductions that share tensors with a child
 
 from exitlm.comm.health import ParallelError
+from exitlm.comm.lifeline import leave_orphaned, watch_parent
+from exitlm.comm.rendezvous import (
+    bounded,
+    deadline_s,
+    debug,
+    quiet_c10d,
+    rendezvous_failed,
+    store_unanswered,
+)
 from exitlm.config import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -58,9 +73,11 @@ def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
     meet = timedelta(seconds=max(timeout_s, RENDEZVOUS_S))
     where = f"127.0.0.1:{port}"
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, meet, wait_for_workers=True)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        with quiet_c10d():
+            store = dist.TCPStore("127.0.0.1", port, world, rank == 0, meet,
+                                  wait_for_workers=True)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
     except dist.DistError as err:
         raise rendezvous_failed(err, rank, world, where, meet.total_seconds()) from err
 
@@ -77,28 +94,26 @@ def join_torchrun(timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def init_torchrun_group(backend: str, timeout_s: float) -> None:
+def init_torchrun_group(backend: str, timeout_s: float,
+                        setting: str = "--dist-timeout") -> None:
     """``init_process_group`` from torchrun's environment; a rank that cannot meet the others
     (one stopped or failed during start-up) is one :class:`ParallelError` naming this rank and
-    the store, instead of torch's ``DistStoreError``."""
-    try:
+    the store, instead of torch's ``DistStoreError``, and so is one whose store connection
+    never answers (another program on ``MASTER_PORT``: torch would wait forever) after
+    :func:`~exitlm.comm.rendezvous.deadline_s` (``setting`` names ``timeout_s``)."""
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    rank, world = int(env.get("RANK", "-1")), int(env.get("WORLD_SIZE", "0"))
+    limit = deadline_s(timeout_s)
+
+    def init() -> None:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+    try:
+        with quiet_c10d():
+            bounded(init, limit, lambda: store_unanswered(rank, world, where, limit, setting))
     except dist.DistError as err:
-        env = os.environ
-        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
-        raise rendezvous_failed(err, int(env.get("RANK", "-1")),
-                                int(env.get("WORLD_SIZE", "0")), where, timeout_s) from err
-
-
-def rendezvous_failed(err: Exception, rank: int, world: int, where: str,
-                      waited_s: float) -> ParallelError:
-    """The error of a rank that could not join its group at the store ``where``."""
-    detail = " ".join(str(err).split())[:200]
-    return ParallelError(
-        f"rank {rank} of {world} could not meet the other ranks at the rendezvous store "
-        f"{where} within {waited_s:g} s: another rank stopped or failed during start-up "
-        f"({type(err).__name__}: {detail})",
-        hint="look for the first error of the other ranks; rerun the whole job")
+        raise rendezvous_failed(err, rank, world, where, timeout_s) from err
 
 
 def _child(index: int, fn: Callable[..., None], world: int, port: int, timeout_s: float,
@@ -107,23 +122,39 @@ def _child(index: int, fn: Callable[..., None], world: int, port: int, timeout_s
 
     Workers ignore SIGINT and SIGTERM: a terminal's Ctrl-C (and systemd's stop) reaches every
     process of the job, and a server's rank 0 must be able to drain its requests through
-    them. Rank 0 ends them (a stop command, or ``Workers.kill``); if rank 0 dies, their next
-    transfer fails and they exit."""
+    them. Rank 0 ends them (a stop command, or ``Workers.kill``); if rank 0's process dies,
+    they end at once, during start-up too (:func:`~exitlm.comm.lifeline.watch_parent`). A
+    failure ends the worker with status 1 (its traceback printed under ``EXITLM_DEBUG``):
+    rank 0 reports it."""
+    watch_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     rank = index + 1
-    join_group(rank, world, port, timeout_s)
     try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+        join_group(rank, world, port, timeout_s)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        leave_orphaned()  # rank 0 is gone: nobody to tell, nothing to print
+        if debug():
+            traceback.print_exc()
+        raise SystemExit(1) from None
+
+
+class Spawned:
+    """The processes of one :func:`start_workers` call (``processes[i]`` is rank ``i + 1``)."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
 
 
 class Workers:
     """The spawned ranks ``1..world-1`` of a self-started job (see :func:`start_workers`)."""
 
-    def __init__(self, ctx: Any, world: int) -> None:
+    def __init__(self, ctx: Spawned, world: int) -> None:
         self.ctx = ctx
         self.world = world
 
@@ -165,10 +196,11 @@ class Workers:
     def kill(self) -> None:
         """Kill every child still running (idempotent)."""
         for p in self.ctx.processes:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
         for p in self.ctx.processes:
-            p.join(5)
+            if p.pid is not None:
+                p.join(5)
 
 
 def _stopped(pid: int) -> bool:
@@ -192,9 +224,17 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], world: int, *,
                           "self-started decoding processes need a process without one "
                           "(under torchrun, launch with --nproc-per-node instead)")
     port = free_port()
-    ctx = mp.start_processes(_child, args=(fn, world, port, timeout_s, threads, args),
-                             nprocs=world - 1, join=False, start_method="spawn")
+    spawn = multiprocessing.get_context("spawn")
+    ctx = Spawned([spawn.Process(target=_child, name=f"exitlm-rank-{i + 1}",
+                                 args=(i, fn, world, port, timeout_s, threads, args))
+                   for i in range(world - 1)])
     workers = Workers(ctx, world)
+    try:
+        for p in ctx.processes:
+            p.start()
+    except BaseException:
+        workers.kill()
+        raise
     errors: list[BaseException] = []
 
     def join() -> None:
@@ -209,7 +249,8 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], world: int, *,
         while joiner.is_alive():
             msg = workers.failed()
             if msg:
-                raise ParallelError(f"{msg} before joining the job (see its error above)")
+                raise ParallelError(f"{msg} before joining the job (rerun with --debug to "
+                                    "see its error)")
             joiner.join(0.05)
         if errors:
             raise ParallelError(f"decoding processes could not join: {errors[0]}")

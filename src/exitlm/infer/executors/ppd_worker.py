@@ -33,13 +33,16 @@ parameter storage, shared with the parent), one thread each:
   exactly that of plain greedy decoding (token-identical output).
 * **Lifetime.** The worker is spawned (never forked: a forked copy of a process running
   OpenMP / BLAS threads can deadlock), daemonic, stopped by :meth:`BranchWorker.close`; it
-  exits by itself when its parent's end of the pipe closes. Every wait has a timeout, and
-  a worker that fails, dies or does not answer is terminated and reported as
+  exits by itself when its parent's end of the pipe closes, and at once when the parent dies,
+  during start-up too (:mod:`~exitlm.comm.lifeline`), removing the parent's temporary
+  directory (the shared tensors were handed over through a socket there). Every wait has a
+  timeout, and a worker that fails, dies or does not answer is terminated and reported as
   :class:`BranchWorkerError`, never waited on forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import struct
 import time
@@ -51,6 +54,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as tmp
 
+from exitlm.comm.lifeline import (
+    EOF_GRACE_S,
+    adopt_tempdir,
+    leave_orphaned,
+    parent_tempdir,
+    watch_parent,
+)
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import ExitlmError
 from exitlm.infer.decoder import Decoder
@@ -149,7 +159,14 @@ class BranchCache:
 def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], m: int,
            threads: int, draft: tuple[int, int] | None, order: torch.Tensor | None) -> None:
     """The worker process: build the model on the parent's parameters and token order (and,
-    with ``draft`` = ``(d_bar, vocab)``, the early prediction's head), then run forks."""
+    with ``draft`` = ``(d_bar, vocab)``, the early prediction's head), then run forks. The
+    first message names the parent's temporary directory, removed if the parent dies first
+    ("attach" hands the shared tensors over through a socket there)."""
+    try:
+        adopt_tempdir(_unpack(conn.recv_bytes())[1])
+    except (EOFError, OSError):  # the parent died at once
+        return
+    watch_parent()  # a parent killed while this builds its model: end now, not at "ready"
     torch.set_num_threads(threads)
     try:
         model = rebuild_model(cfg, params, "the PPD parent process")
@@ -157,8 +174,8 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
             model.set_token_order(order)
         runner = prepare(model)
         conn.send_bytes(_pack(("ready",)))
-    except BaseException:
-        conn.send_bytes(_pack(("error", traceback.format_exc())))
+    except BaseException as err:
+        _report(conn, err)
         return
     cache: KVCache | None = None
     out = hin = None
@@ -166,7 +183,8 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
         while True:
             try:
                 msg = _unpack(conn.recv_bytes())
-            except (EOFError, OSError):  # the parent is gone
+            except (EOFError, OSError):  # the parent closed the pipe or is gone
+                leave_orphaned(EOF_GRACE_S)  # gone: its temporary directory goes too
                 return
             try:
                 if msg[0] == "stop":
@@ -199,9 +217,17 @@ def _serve(conn: Connection, cfg: ModelConfig, params: dict[str, torch.Tensor], 
                                            time.thread_time() - c0, tokens)))
                 else:
                     raise ValueError(f"unknown message {msg[0]!r}")
-            except BaseException:
-                conn.send_bytes(_pack(("error", traceback.format_exc())))
+            except BaseException as err:
+                _report(conn, err)
                 return
+
+
+def _report(conn: Connection, err: BaseException) -> None:
+    """Hand the worker's failure to the parent; a broken pipe means a dead parent (end
+    quietly then) or one stopping this worker (nothing to tell)."""
+    leave_orphaned(EOF_GRACE_S if isinstance(err, (OSError, EOFError)) else 0.0)
+    with contextlib.suppress(OSError, ValueError):
+        conn.send_bytes(_pack(("error", traceback.format_exc())))
 
 
 class BranchWorker:
@@ -222,6 +248,8 @@ class BranchWorker:
                                 daemon=True, name="exitlm-ppd-branch")
         self.proc.start()
         child.close()  # the worker's end: our copy closed, so its death reads as EOF here
+        # created only now, and named at once: a worker that outlives us removes it
+        self._send(("tempdir", parent_tempdir()), "start-up")
         self.ready = False
         self.attached: BranchCache | None = None
         self.pending = False

@@ -50,7 +50,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     GPUs, gloo on CPUs, with ``timeout_s`` on the default group. Returns (rank, world)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_torchrun_group(backend, timeout_s)
+        init_torchrun_group(backend, timeout_s, setting="parallel.timeout_s")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
