@@ -21,7 +21,7 @@ scratch): a 512-bit load across two lines costs about two, which an unaligned nu
 would add to every multi-row cell.
 
     cc -O3 -march=native -ffp-contract=off -fPIC -shared -std=c11 -pthread \\
-        -I src/exitlm/kernels -o /tmp/new.so src/exitlm/kernels/{kernels,block,reduce,channel}.c -lm
+        -I src/exitlm/kernels -o /tmp/new.so src/exitlm/kernels/*.c -lm
     python benchmarks/kernel_ab.py --libs old=/tmp/old.so,new=/tmp/new.so --kinds f32,q4a8 \\
         [--passes 9] [--rows 1,2,4,8] [--no-decode] [--no-rows]
 

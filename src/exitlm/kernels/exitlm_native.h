@@ -1,9 +1,10 @@
 /* exitlm's native library: every exported function and shared struct, in one place.
  *
- * The library (kernels.c, block.c, reduce.c, channel.c) is loaded from Python with ctypes;
- * exitlm/kernels/abi.py mirrors this header (the structs as ctypes.Structure, the functions as
- * argtypes/restype lists) and tests/kernels/test_native_abi.py parses this file and checks the
- * mirror field by field and argument by argument. At load, abi.py compares
+ * The library (the products: kernels.c and the files it names; block.c, reduce.c, channel.c)
+ * is loaded from Python with ctypes; exitlm/kernels/abi.py mirrors this header (the structs as
+ * ctypes.Structure, the functions as argtypes/restype lists) and
+ * tests/kernels/test_native_abi.py parses this file and checks the mirror field by field and
+ * argument by argument. At load, abi.py compares
  * exitlm_abi_version() and exitlm_struct_size() with its own values and refuses a library
  * that disagrees (a stale build or a one-sided edit would otherwise read the wrong memory).
  *

@@ -66,10 +66,11 @@ __all__ = [
 ]
 
 HERE = Path(__file__).resolve().parent
-SOURCES: tuple[Path, ...] = tuple(HERE / f for f in ("kernels.c", "block.c", "reduce.c",
-                                                     "channel.c"))
+SOURCES: tuple[Path, ...] = tuple(HERE / f for f in (
+    "kernels.c", "dense.c", "lanes.c", "scalar.c", "pool.c", "prefetch.c", "block.c",
+    "reduce.c", "channel.c"))
 """The C sources of the library."""
-HEADERS: tuple[Path, ...] = (abi.HEADER, HERE / "half.h")
+HEADERS: tuple[Path, ...] = (abi.HEADER, HERE / "half.h", HERE / "gemm.h")
 """The headers they include: the exports (``exitlm_native.h``) and internal helpers."""
 
 ISAS: tuple[str, ...] = ("avx512", "avx2", "baseline")
