@@ -97,6 +97,49 @@ def test_every_installed_build_the_cpu_runs_gives_the_same_bits() -> None:
         assert torch.equal(out, outs["baseline"]), isa
 
 
+def _edge_rows(k: int, gen: torch.Generator) -> torch.Tensor:
+    """x rows whose groups of 32 test each case of the int8 rounding (kernels.c quantize_x):
+    zeros, values whose x / d lands on .5 (ties to even), subnormals (1 / d overflows),
+    FLT_MAX and its neighbours, an infinity, a NaN, one large value among small ones."""
+    tiny = torch.finfo(torch.float32).tiny
+    big = torch.finfo(torch.float32).max
+    groups = [
+        torch.zeros(32),
+        torch.arange(32, dtype=torch.float32) - 15.5,  # halves: x * (1 / d) near k + 0.5
+        torch.linspace(-254, 254, 32),  # d = 2: odd x / d ties to even
+        torch.randn(32, generator=gen) * tiny / 64,  # subnormal: 1 / d overflows
+        torch.randn(32, generator=gen) * tiny * 4,
+        torch.full((32,), big) * torch.sign(torch.randn(32, generator=gen)),
+        torch.cat([torch.tensor([float("inf")]), torch.randn(31, generator=gen)]),
+        torch.cat([torch.randn(31, generator=gen), torch.tensor([float("nan")])]),
+        torch.cat([torch.tensor([-1e30]), torch.randn(31, generator=gen) * 1e-3]),
+        torch.randn(32, generator=gen),
+    ]
+    mixed = [torch.cat([groups[(i + j) % len(groups)] for j in range(k // 32)])
+             for i in range(len(groups))]
+    alone = [g.repeat(k // 32) for g in groups]  # one case alone decides the row's bits
+    return torch.stack(mixed + alone)
+
+
+@pytest.mark.skipif(INSTALLED is None, reason="a source tree that was never installed: no "
+                    "installed builds to compare")
+def test_int8_activations_round_alike_in_every_build_on_edge_values() -> None:
+    """The AVX2 builds round x rows to int8 with vector code (kernels.c quantize_group_vec)
+    and hand the groups it does not take (NaN, infinities, 1 / d overflowing) to the scalar
+    code the baseline build runs for all: every build gives the same bits, NaNs included."""
+    builds = {isa: loader.load_variant(isa) for isa in _supported_builds()}
+    gen = torch.Generator().manual_seed(5)
+    for kind in ("q8a8", "q4a8"):
+        args = _weights(kind, 40, 320, gen)
+        x = _edge_rows(320, gen)
+        ref = _product(builds["baseline"], kind, x, args, 1).view(torch.int32)
+        for isa, lib in builds.items():
+            for m in (1, 3, len(x)):
+                got = torch.cat([_product(lib, kind, x[i:i + m], args, 1)
+                                 for i in range(0, len(x), m)])
+                assert torch.equal(got.view(torch.int32), ref), (isa, kind, m)
+
+
 def test_the_session_names_its_kernel_path() -> None:
     path = native.kernel_path()
     assert path.backend in ("native", "torch")

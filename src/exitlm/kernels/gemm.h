@@ -5,6 +5,7 @@
 #define EXITLM_GEMM_H
 
 #define _POSIX_C_SOURCE 200809L
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
