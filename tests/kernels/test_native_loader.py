@@ -140,6 +140,26 @@ def test_int8_activations_round_alike_in_every_build_on_edge_values() -> None:
                 assert torch.equal(got.view(torch.int32), ref), (isa, kind, m)
 
 
+@pytest.mark.skipif(INSTALLED is None, reason="a source tree that was never installed: no "
+                    "installed builds to compare")
+def test_rounding_to_half_is_the_same_in_every_build() -> None:
+    """A float16 stream's rounding (kernels.c exitlm_round_to_half: F16C in the AVX2 builds,
+    software in the baseline one) gives the same bits in every build, NaN payloads included."""
+    builds = {isa: loader.load_variant(isa) for isa in _supported_builds()}
+    gen = torch.Generator().manual_seed(9)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_003,), generator=gen, dtype=torch.int64)
+    x = torch.cat([bits.to(torch.int32).view(torch.float32),  # every exponent, NaN payloads
+                   torch.tensor([65519.99, 65520.0, -65520.0, 2.0**-25, 3 * 2.0**-26, -0.0,
+                                 float("inf"), float("nan"), -float("nan")])])
+    outs = {}
+    for isa, lib in builds.items():
+        got = x.clone()
+        lib.exitlm_round_to_half(got.data_ptr(), got.numel())
+        outs[isa] = got.view(torch.int32)
+    for isa, out in outs.items():
+        assert torch.equal(out, outs["baseline"]), isa
+
+
 def test_the_session_names_its_kernel_path() -> None:
     path = native.kernel_path()
     assert path.backend in ("native", "torch")

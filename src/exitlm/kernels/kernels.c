@@ -67,18 +67,41 @@
  * x.to(float16).float()), for n floats: what a float16 model's residual stream goes through
  * between two blocks (exitlm_llama_blocks). */
 void exitlm_round_to_half(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = half_to_float(float_to_half(x[i]));
+    int64_t i = 0;
+#ifdef __AVX2__
+    /* F16C's conversions round as float_to_half does (to nearest, ties to even, by the
+     * immediate and not the MXCSR; 65520 and beyond to infinity; subnormal halves exact); only
+     * a NaN keeps part of its payload there, so NaNs take float_to_half's quiet NaN (0x7e00
+     * with the sign), as in the scalar loop of the baseline build. */
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        const __m256 nan = _mm256_or_ps(_mm256_and_ps(v, sign), qnan);
+        _mm256_storeu_ps(x + i, _mm256_blendv_ps(r, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+#endif
+    for (; i < n; i++) x[i] = half_to_float(float_to_half(x[i]));
 }
 
 /* xg[g] = X_g = hsum8(xs_g), xs_g[l] = ((x[32g+l] + x[32g+8+l]) + x[32g+16+l]) + x[32g+24+l]
- * (the header's q4 group sums; both builds). */
+ * (the header's q4 group sums; the same operations in every build: lane by lane in the AVX2
+ * builds, whose hsum8 is hsum8_scalar's order). */
 static void group_totals(const float *x, int64_t K, float *xg) {
     int64_t G = K / 32;
     for (int64_t g = 0; g < G; g++) {
         const float *p = x + 32 * g;
+#ifdef __AVX2__
+        xg[g] = hsum8(_mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                          _mm256_loadu_ps(p + 16)),
+            _mm256_loadu_ps(p + 24)));
+#else
         float xs[8];
         for (int l = 0; l < 8; l++) xs[l] = ((p[l] + p[8 + l]) + p[16 + l]) + p[24 + l];
         xg[g] = hsum8_scalar(xs);
+#endif
     }
 }
 
