@@ -7,8 +7,11 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 from exitlm.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -98,6 +101,25 @@ def int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
                                          ) from None
+
+
+def list_of(item: Callable[[str], T], what: str) -> Callable[[str], list[T]]:
+    """An argparse ``type``: comma-separated values, each parsed by ``item`` (an argparse
+    type such as :func:`int_at_least` or :func:`unit_float`), at least one, repeats dropped
+    (first occurrence kept); ``what`` names the values in the message of an empty list."""
+
+    def parse(text: str) -> list[T]:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        out: list[T] = []
+        for part in parts:
+            value = item(part)
+            if value not in out:
+                out.append(value)
+        return out
+
+    return parse
 
 
 DRAFT_WEIGHTS = ("model", "int8", "int4")

@@ -22,12 +22,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exitlm.args import int_at_least, int_list, thread_count
+from exitlm.args import int_at_least, list_of, thread_count, unit_float
 from exitlm.bench.names import OURS, REPORT_FORMAT, THEIRS, out_files
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategies_taking
 from exitlm.infer.strategies import STRATEGIES
+from exitlm.infer.strategy_options import MAX_SPECULATIONS
 from exitlm.io.dirs import ensure_dir
 from exitlm.paths import write_text_atomic
 
@@ -65,8 +66,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="JSONL prompts (strings or {\"prompt\": ...}); default: code-completion "
                         "prompts from held-out standard-library files")
-    p.add_argument("--num-prompts", type=int_at_least(1), default=8,
-                   help="prompts drawn from held-out standard-library files (without --prompts)")
+    p.add_argument("--num-prompts", type=int_at_least(1), default=None,
+                   help="prompts run: with --prompts, the file's first N (default: all of "
+                        f"them); without, N held-out standard-library prompts (default "
+                        f"{BUILTIN_PROMPTS})")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
                    help="tokens per prompt (default: 64; with --task, the task's own budget)")
     p.add_argument("--repeats", type=int_at_least(1), default=1,
@@ -82,12 +85,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep", choices=("speculation", "threshold"), default=None,
                    help="speculation: self-spec over exit layer x speculations (LayerSkip "
                         "Fig. 6); threshold: early exit over thresholds (EE-LLM Fig. 8)")
-    p.add_argument("--sweep-exits", type=int_list, default=None,
-                   help="exit layers for --sweep speculation")
-    p.add_argument("--sweep-speculations", type=int_list, default="1,2,4,6",
-                   help="speculations for --sweep speculation")
-    p.add_argument("--sweep-thresholds", type=_floats, default="1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4",
-                   help="thresholds for --sweep threshold")
+    p.add_argument("--sweep-exits", type=list_of(int_at_least(1), "exit layers"),
+                   default=None, help="exit layers for --sweep speculation")
+    p.add_argument("--sweep-speculations",
+                   type=list_of(int_at_least(1, MAX_SPECULATIONS), "speculation counts"),
+                   default=None, help="speculations for --sweep speculation (default: "
+                                      f"{SWEEP_SPECULATIONS})")
+    p.add_argument("--sweep-thresholds", type=list_of(unit_float, "thresholds in [0, 1]"),
+                   default=None, help=f"thresholds for --sweep threshold (default: "
+                                      f"{SWEEP_THRESHOLDS})")
     p.add_argument("--task", choices=("humaneval", "docstrings"), default=None,
                    help="task-level quality vs speed of every strategy: HumanEval pass@1 or "
                         "held-out docstring continuation ROUGE-L (LayerSkip Table 3)")
@@ -103,18 +109,44 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
-                                         ) from None
+BUILTIN_PROMPTS = 8
+"""Built-in prompts run without ``--prompts`` and ``--num-prompts``."""
+SWEEP_SPECULATIONS = "1,2,4,6"
+SWEEP_THRESHOLDS = "1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4"
+
+# the flags that only a mode reads, and the mode (an argparse dest and its flag)
+_MODE_FLAGS = {"sweep_exits": ("sweep", "--sweep speculation"),
+               "sweep_speculations": ("sweep", "--sweep speculation"),
+               "sweep_thresholds": ("sweep", "--sweep threshold"),
+               "limit": ("task", "--task")}
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """Refuse flags that the chosen mode would ignore: ``--task`` with ``--sweep``, a sweep's
+    values without that sweep, ``--limit`` without ``--task``."""
+    if args.task is not None and args.sweep is not None:
+        raise ConfigError(f"--task {args.task} and --sweep {args.sweep} are separate runs; "
+                          "pass one of them")
+    for dest, (mode, needs) in _MODE_FLAGS.items():
+        if getattr(args, dest, None) is None:
+            continue
+        chosen = getattr(args, mode)
+        wanted = needs.split()[-1] if mode == "sweep" else None
+        if chosen is None or (wanted is not None and chosen != wanted):
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} applies to {needs} only; it would be ignored",
+                              hint=f"add {needs} or leave out {flag}")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from exitlm.bench.run import BenchConfig  # lazy: the parser imports no torch
 
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    check_modes(args)
+    strategies = tuple(dict.fromkeys(s.strip() for s in args.strategies.split(",")
+                                     if s.strip()))
+    if not strategies:
+        raise ConfigError(f"--strategies: expected a comma-separated subset of "
+                          f"{list(OURS + THEIRS)}, got {args.strategies!r}")
     options: dict[str, dict[str, Any]] = {}
     names = {f for s in STRATEGIES.values() for f in s.options_type.__dataclass_fields__}
     for name in sorted(names):
@@ -126,7 +158,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         model=args.model, dtype=args.dtype, head_dtype=args.head_dtype, strategies=strategies,
         prompts_file=args.prompts,
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens or 64,
+        num_prompts=(args.num_prompts if args.num_prompts is not None
+                     else None if args.prompts else BUILTIN_PROMPTS),
+        max_new_tokens=args.max_new_tokens or 64,
         repeats=args.repeats, threads=args.threads,
         layerskip_exits=args.layerskip_exits, options=options,
     )
@@ -200,10 +234,11 @@ def run(args: argparse.Namespace) -> int:
         exits = (args.sweep_exits if args.sweep_exits
                  else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
                  else sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
-        report["sweep"] = sweep_self_spec(bench, list(exits), list(args.sweep_speculations),
-                                          out_dir)
+        specs = args.sweep_speculations or [int(x) for x in SWEEP_SPECULATIONS.split(",")]
+        report["sweep"] = sweep_self_spec(bench, list(exits), specs, out_dir)
     elif args.sweep == "threshold":
-        report["sweep"] = sweep_thresholds(bench, list(args.sweep_thresholds), out_dir)
+        thresholds = args.sweep_thresholds or [float(x) for x in SWEEP_THRESHOLDS.split(",")]
+        report["sweep"] = sweep_thresholds(bench, thresholds, out_dir)
     else:
         report.update(run_comparison(bench))
     text = json.dumps(report, indent=2, ensure_ascii=False)

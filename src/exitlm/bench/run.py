@@ -62,7 +62,9 @@ class BenchConfig:
     head_dtype: str | None = None
     strategies: tuple[str, ...] = ("ar", "early-exit", "self-spec", "ppd", "hf", "hf-ee")
     prompts_file: str | None = None
-    num_prompts: int = 8
+    num_prompts: int | None = 8
+    """Prompts run: the first of ``prompts_file`` (``None``: all of them), else that many
+    built-in ones (``None``: 8)."""
     max_new_tokens: int = 64
     repeats: int = 1
     threads: int = 1
@@ -74,7 +76,7 @@ class BenchConfig:
         if unknown:
             raise ConfigError(f"unknown strategies {unknown}; choose from {list(OURS + THEIRS)}")
         for flag, value in (("--num-prompts", self.num_prompts), ("--repeats", self.repeats)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{flag}: expected an integer >= 1, got {value}")
         check_threads(self.threads)
 
@@ -132,6 +134,9 @@ def load_prompts(path: str) -> list[str]:
         text = rec if isinstance(rec, str) else rec.get("prompt") if isinstance(rec, dict) else None
         if not isinstance(text, str):
             raise ConfigError(f"{path}:{i + 1}: expected a string or an object with 'prompt'")
+        if not text:
+            raise ConfigError(f"{path}:{i + 1}: the prompt is empty; expected some text to "
+                              "continue")
         prompts.append(text)
     if not prompts:
         raise ConfigError(f"{path} holds no prompts")
@@ -208,7 +213,7 @@ class Bench:
             rank_model_tokens(self.model, self.tokenizer, n)
         self._hf: Any = None
         self.prompts = (load_prompts(cfg.prompts_file) if cfg.prompts_file
-                        else builtin_prompts(cfg.num_prompts))[: cfg.num_prompts]
+                        else builtin_prompts(cfg.num_prompts or 8))[: cfg.num_prompts]
         self.prompt_ids = self._fit_to_context([self.tokenizer.encode(p) for p in self.prompts])
 
     def load_again(self) -> Any:
@@ -340,9 +345,10 @@ def summarize(runs: list[Run], ref: list[Run] | None) -> dict[str, Any]:
     dec_tok = sum(r.decode_tokens for r in runs)
     dec_s = sum(r.decode_s for r in runs)
     new = sum(len(r.tokens) for r in runs)
+    total_s = sum(r.total_s for r in runs)
     out: dict[str, Any] = {
         "decode_tokens_per_s": dec_tok / dec_s if dec_s > 0 else 0.0,
-        "end_to_end_tokens_per_s": new / sum(r.total_s for r in runs),
+        "end_to_end_tokens_per_s": new / total_s if total_s > 0 else 0.0,
         "new_tokens": new,
     }
     if ref is not None:
@@ -412,12 +418,13 @@ def run_comparison(b: Bench) -> dict[str, Any]:
     for res in results.values():
         res["decode_speedup_vs_ar"] = res["decode_tokens_per_s"] / base if base else 0.0
     ratios: dict[str, float] = {}
-    if "self-spec" in results and "hf-ee" in results:
+    # a ratio over a strategy whose decode time was not measured is left out
+    if "self-spec" in results and results.get("hf-ee", {}).get("decode_tokens_per_s"):
         ratios["self_spec_over_hf_ee"] = (results["self-spec"]["decode_tokens_per_s"]
                                           / results["hf-ee"]["decode_tokens_per_s"])
     if "self-spec" in results:
         ratios["self_spec_over_ar"] = results["self-spec"]["decode_speedup_vs_ar"]
-    if "ar" in results and "hf" in results:
+    if "ar" in results and results.get("hf", {}).get("decode_tokens_per_s"):
         ratios["ar_over_hf"] = base / results["hf"]["decode_tokens_per_s"]
     out: dict[str, Any] = {"results": results, "ratios": ratios}
     if "hf-ee" in results and b.model.config.exits.layers:

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from exitlm.args import finite_float, int_at_least, thread_count
+from exitlm.args import finite_float, int_at_least, positive_float, thread_count
 from exitlm.config import ConfigError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategy_overrides
 from exitlm.infer.strategies import STRATEGIES
@@ -52,7 +54,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tasks", required=True, help="comma-separated task names")
     p.add_argument("--include-path", "--include_path", default=None,
                    help="a directory of task YAML files (local, offline tasks)")
-    p.add_argument("--limit", type=float, default=None,
+    p.add_argument("--limit", type=positive_float, default=None,
                    help="documents per task (a count, or a fraction below 1)")
     p.add_argument("--output-path", "--output_path", default=None,
                    help="where lm-eval writes its results")
@@ -121,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm lm-eval``."""
     from exitlm.progress import phase  # lazy: loaded when the command runs
 
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise ConfigError(f"--include-path {args.include_path}: not a directory (expected a "
+                          "directory of task YAML files)")
     try:
         with phase("loading lm-eval"):
             from lm_eval._cli import HarnessCLI
@@ -143,15 +148,53 @@ def run(args: argparse.Namespace) -> int:
     TaskManager.__init__ = indexing  # type: ignore[method-assign]
     try:
         cli.execute(parsed)
+    except ValueError as err:
+        if not str(err).startswith("Tasks not found"):
+            raise
+        where = f" in {args.include_path} or" if args.include_path else ""
+        raise ConfigError(f"--tasks {args.tasks}: {err}",
+                          hint=f"check the names: tasks are looked up{where} among lm-eval's "
+                               "own (--include-path DIR adds a directory of task YAML files)"
+                          ) from None
     finally:
         TaskManager.__init__ = index  # type: ignore[method-assign]
     return 0
 
 
+HUMANEVAL_FILES = ("results.json", "samples.jsonl")
+
+
+def check_humaneval_out(out: Path) -> Path:
+    """``--out``, created, before anything is generated: a directory whose ``results.json``
+    and ``samples.jsonl`` are absent or an earlier ``exitlm humaneval`` run's (its
+    ``results.json`` is a report with ``pass_at_1``); files someone else put there under those
+    names are never replaced."""
+    from exitlm.io.dirs import ensure_dir  # lazy: loaded when the command runs
+
+    ensure_dir(out, "--out")
+    present = [n for n in HUMANEVAL_FILES if (out / n).exists() or (out / n).is_symlink()]
+    for name in present:
+        if not (out / name).is_file():
+            raise ConfigError(f"--out {out}: {name} is not a file; exitlm humaneval writes its "
+                              "results under that name", hint="choose another --out")
+    if present and not _humaneval_report(out / "results.json"):
+        raise ConfigError(f"--out {out}: {', '.join(present)} not written by exitlm humaneval; "
+                          "refusing to replace", hint="choose another --out or move the files "
+                                                      "away")
+    return out
+
+
+def _humaneval_report(path: Path) -> bool:
+    """Whether ``path`` is the ``results.json`` of an ``exitlm humaneval`` run."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"pass_at_1", "problems", "results"} <= set(data)
+
+
 def run_humaneval(args: argparse.Namespace) -> int:
     """Entry point of ``exitlm humaneval``: prints one JSON object."""
-    from pathlib import Path
-
     from exitlm.eval import humaneval, sandbox  # lazy: loaded when the command runs
 
     # lazy: loaded when the command runs
@@ -161,6 +204,7 @@ def run_humaneval(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    out = None if args.out is None else check_humaneval_out(Path(args.out))
     isolate = not args.unsafe_no_sandbox
     reason = sandbox.unavailable_reason()
     if reason and isolate:  # before the model loads: nothing is generated for nothing
@@ -189,12 +233,13 @@ def run_humaneval(args: argparse.Namespace) -> int:
               "sandbox": reason is None,
               "options": {k: v for k, v in vars(options).items()}, "problems": len(items),
               "pass_at_1": scored.pass_at_1, **timing, "results": scored.results}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "samples.jsonl").write_text("".join(
+    if out is not None:
+        from exitlm.paths import write_text_atomic  # lazy: loaded when the command runs
+
+        check_humaneval_out(out)  # files may have appeared while it ran
+        write_text_atomic(out / "samples.jsonl", "".join(
             json.dumps({"task_id": it["task_id"], "completion": t}) + "\n"
-            for it, t in zip(items, texts, strict=True)), encoding="utf-8")
-        (out / "results.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+            for it, t in zip(items, texts, strict=True)))
+        write_text_atomic(out / "results.json", json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
                         "paper's small-to-large enumeration with early stop")
     t.add_argument("--backward", action="store_true",
                    help="plan on t_fwd + t_bwd (needs t_noctx_bwd in the profile)")
-    t.add_argument("--batch", type=int_at_least(0), default=0,
+    t.add_argument("--batch", type=int_at_least(0, MAX_PLAN_BATCH), default=0,
                    help="joint batch x token plan for batch size B (needs \"batch\" profiles)")
     t.add_argument("--save-profile", help="with --model: write the fitted profile JSON here")
     t.add_argument("--threads", type=thread_count, default=1,
@@ -137,6 +137,8 @@ Example:
 
 
 def _floats(text: str, n: int, flag: str, names: str) -> list[float]:
+    """``n`` comma-separated finite numbers >= 0 (times, memory); a :class:`PlanError`
+    naming ``flag`` otherwise."""
     try:
         vals = [float(x) for x in text.split(",")]
     except ValueError:
@@ -145,6 +147,27 @@ def _floats(text: str, n: int, flag: str, names: str) -> list[float]:
         ) from None
     if len(vals) != n:
         raise PlanError(f"{flag} needs {n} comma-separated numbers ({names}), got {len(vals)}")
+    bad = next((x for x in vals if not math.isfinite(x) or x < 0), None)
+    if bad is not None:
+        raise PlanError(f"{flag}: expected finite numbers >= 0 ({names}), got {bad!r} in "
+                        f"{text!r}")
+    return vals
+
+
+def _counts(text: str, n: int, flag: str) -> tuple[int, ...]:
+    """``n`` comma-separated integers >= 0 (exits per stage); a :class:`PlanError` naming
+    ``flag`` for anything else (``1.5`` is not a count)."""
+    parts = [x.strip() for x in text.split(",")]
+    try:
+        vals = tuple(int(x) for x in parts)
+    except ValueError:
+        raise PlanError(f"{flag}: expected {n} comma-separated integers >= 0 (one per "
+                        f"stage), got {text!r}") from None
+    if len(vals) != n:
+        raise PlanError(f"{flag} has {len(vals)} entries but there are {n} stages; give one "
+                        "count N_i per stage")
+    if any(v < 0 for v in vals):
+        raise PlanError(f"{flag}: expected integers >= 0, got {text!r}")
     return vals
 
 
@@ -206,19 +229,45 @@ def _cmd_ppd(args: argparse.Namespace) -> int:
     return _run(body, args)
 
 
-def check_plan_size(seq_len: Any, what: str) -> None:
-    """Refuse a TeraPipe plan whose ``(L+1) x (L+1)`` cost matrices (a few float64 copies)
-    would not fit in this machine's memory."""
+def check_plan_size(seq_len: Any, what: str, tables: int = 1) -> None:
+    """Refuse a TeraPipe plan whose ``(L+1) x (L+1)`` cost matrices (a few float64 copies,
+    and one more per further cost table held at once: ``tables``, the batch sizes of a
+    joint plan) would not fit in this machine's memory."""
     from exitlm.config import physical_memory  # lazy: loaded when the command runs
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise PlanError(f"{what}: expected an integer >= 1, got {seq_len!r}")
-    need = 5 * 8 * (seq_len + 1) ** 2
+    need = (4 + tables) * 8 * (seq_len + 1) ** 2
     total = physical_memory()
     if total is not None and need > total // 2:
-        raise PlanError(f"{what} {seq_len}: the plan's cost matrices need about "
+        of = f" for {tables} batch sizes" if tables > 1 else ""
+        raise PlanError(f"{what} {seq_len}: the plan's cost matrices{of} need about "
                         f"{need / 2**30:,.1f} GiB, more than half of this machine's "
                         f"{total / 2**30:,.1f} GiB")
+
+
+MAX_PLAN_BATCH = 1024
+"""The largest ``--batch`` of a joint batch x token plan (its knapsack is quadratic in it)."""
+
+
+def _batch_profiles(prof: dict[str, Any], batch: int, seq_len: int, backward: bool,
+                    where: str) -> list[dict[str, Any]]:
+    """The profiles of batch sizes ``1..batch`` in ``prof["batch"]``, each for the profile's
+    ``seq_len`` tokens, checked to fit in memory together."""
+    found = prof.get("batch")
+    if not isinstance(found, list) or len(found) < batch:
+        raise PlanError(f"--batch {batch} needs a \"batch\" list with profiles for "
+                        f"batch sizes 1..{batch} in the profile")
+    for b, entry in enumerate(found[:batch]):
+        if not isinstance(entry, dict):
+            raise PlanError(f"{where}: batch[{b}] must be a JSON object (the profile of batch "
+                            f"size {b + 1}), got {short_repr(entry)}")
+        t = entry.get("t_noctx")
+        if isinstance(t, list) and len(t) != seq_len:
+            raise PlanError(f"{where}: batch[{b}].t_noctx has {len(t)} entries but seq_len is "
+                            f"{seq_len}; every batch size's profile gives t(i, 0) for i = 1..L")
+    check_plan_size(seq_len, "the profile's seq_len", batch * (2 if backward else 1))
+    return found[:batch]
 
 
 # ----- terapipe ------------------------------------------------------------------------------
@@ -349,10 +398,8 @@ def _cmd_terapipe(args: argparse.Namespace) -> int:
                             f"is {seq_len}; give t(i, 0) for i = 1..L")
         t0 = time.perf_counter()
         if a.batch:
-            batch = prof.get("batch")
-            if not isinstance(batch, list) or len(batch) < a.batch:
-                raise PlanError(f"--batch {a.batch} needs a \"batch\" list with profiles for "
-                                f"batch sizes 1..{a.batch} in the profile")
+            batch = _batch_profiles(prof, a.batch, seq_len, a.backward,
+                                    a.profile or "the profile of --model")
             costs = [_cost(batch[b], a.backward, f"batch[{b}]", unit, warnings)
                      for b in range(a.batch)]
             out = plan_batch(costs, a.batch, int(stages), a.epsilon, a.method)
@@ -418,6 +465,29 @@ def _write_json(path: str, obj: Any) -> None:
     write_text_atomic(Path(path), json.dumps(obj, indent=2))
 
 
+COOLDOWN_ROUNDS = 33
+"""Simulations of one schedule that cool-down filling may run (``_order_cooldown``'s rounds
+and the final one)."""
+
+
+def check_simulation_size(a: argparse.Namespace, cap: int) -> None:
+    """Refuse a pipeline simulation of more than :data:`MAX_SIMULATED_STEPS` stage steps:
+    ``--stages`` x (``--microbatches`` + the bubble-filling microbatches, ``cap`` per filled
+    part) x ``--token-slices``, times the simulations that cool-down ordering runs."""
+    parts = {"none": 0, "part1": 1, "part2": 1, "both": 2}[a.fill]
+    rounds = COOLDOWN_ROUNDS if a.fill in ("part2", "both") and a.schedule == "1f1b" else 1
+    steps = a.stages * (a.microbatches + parts * cap) * a.token_slices * rounds
+    if steps > MAX_SIMULATED_STEPS:
+        fill = f" + {parts} x {cap} bubble-filling microbatches" if parts else ""
+        again = f", simulated {rounds} times to order the cool-down" if rounds > 1 else ""
+        raise PlanError(
+            f"--stages {a.stages} x (--microbatches {a.microbatches}{fill}) x --token-slices "
+            f"{a.token_slices}{again} is more than the simulator does (at most "
+            f"{MAX_SIMULATED_STEPS:,} stage steps)",
+            hint="use fewer stages or microbatches" + (", or --fill none / part1" if parts
+                                                        else ""))
+
+
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     def body(a: argparse.Namespace) -> int:
         # lazy: loaded when the command runs
@@ -429,8 +499,8 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
                             f"{a.token_slices} is more than the simulator does (at most "
                             f"{MAX_SIMULATED_STEPS:,} stage steps)")
         notes: dict[str, Any] = {}
-        n = tuple(int(x) for x in _floats(a.exits_per_stage, p, "--exits-per-stage",
-                                          "N1..NP")) if a.exits_per_stage else (0,) * p
+        n = _counts(a.exits_per_stage, p, "--exits-per-stage") if a.exits_per_stage \
+            else (0,) * p
         costs = {k: OpCost() for k in ("IN", "BB", "EE", "FE")}
         if a.model:
             cfg = _load_config(a.model)
@@ -461,16 +531,22 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         spec = PipelineSpec(p, a.microbatches, n, alpha=a.alpha,
                             deferred_exits=not a.no_defer, **costs)
         steps = stage_step_times(spec)
+        mem = stage_memory(spec)
+        if not all(math.isfinite(x) for st in steps for x in st) or \
+                not all(math.isfinite(m["total"]) for m in mem):
+            raise PlanError("the per-stage times or memory overflow (they are not finite); "
+                            "give --times / --memory in a larger unit, or a smaller --alpha "
+                            "or --exits-per-stage")
         f_max = max(f for f, _ in steps)
         b_max = max(b for _, b in steps)
         cap = bubble_fill_capacity(p, f_max, b_max) if b_max > 0 else 0
+        check_simulation_size(a, cap)
         part2 = part2_backward_stages(p, f_max, b_max, cap) if b_max > 0 else []
         part1 = part1_forward_depths(n, cap)
         slices = (1,) * a.token_slices  # equal shares of a microbatch's time
         ratio = b_max / f_max if f_max > 0 and b_max > 0 else 1.0
         sched = training_schedule(spec, a.schedule, backward_forward_ratio=ratio, slices=slices)
         sim = simulate(training_ops(spec, sched))
-        mem = stage_memory(spec)
         out: dict[str, Any] = {
             "time_per_iteration_bound": iteration_time_bound(spec),
             "time_per_iteration_simulated": sim.makespan,

@@ -160,20 +160,63 @@ def uniform_slicing(seq_len: int, num_slices: int) -> list[int]:
 
 
 def best_uniform(cost: np.ndarray, stages: int) -> dict[str, object]:
-    """The best uniform slicing over ``n = 1..L`` slices (TeraPipe Sec. 4.2 baseline)."""
+    """The best uniform slicing over ``n = 1..L`` slices (TeraPipe Sec. 4.2 baseline).
+
+    Every count's slice times are looked up at once (``L^2 / 2`` lookups in all, no Python
+    loop over slices); the chosen slicing's latency is :func:`slicing_latency`'s."""
     cost = _check_cost(cost)
     n = cost.shape[0] - 1
-    best: dict[str, object] = {"latency": math.inf}
+    best_k, best_lat = 0, math.inf
     for k in range(1, n + 1):
-        sl = uniform_slicing(n, k)
-        lat = slicing_latency(cost, sl, stages)
-        if lat < best["latency"]:  # type: ignore[operator]
-            best = {"latency": lat, "slices": sl, "num_slices": k}
-    return best
+        q, r = divmod(n, k)
+        idx = np.arange(k)
+        lengths = np.where(idx < r, q + 1, q)  # uniform_slicing(n, k)
+        times = cost[lengths, idx * q + np.minimum(idx, r)]  # t(l_i, l_1 + ... + l_{i-1})
+        lat = float(times.sum() + (stages - 1) * times.max())
+        if lat < best_lat:
+            best_k, best_lat = k, lat
+    if best_k == 0:
+        return {"latency": math.inf}
+    sl = uniform_slicing(n, best_k)
+    return {"latency": slicing_latency(cost, sl, stages), "slices": sl, "num_slices": best_k}
+
+
+MAX_DP_WORK = 15_000_000_000
+"""The most work one plan may take, in DP cells (a slice end ``e`` and start ``m`` for one
+``t_max``; :class:`DPBudget`): about a minute here. The paper's enumeration with
+``epsilon = 0`` evaluates up to every distinct ``t(l, c)`` - ``L^2 / 2`` values - at
+``L^2 / 2`` cells each, which is hours from a few thousand tokens on; the bisection needs a
+few dozen evaluations."""
+
+_CALL_CELLS = 4000
+"""The fixed cost of one step ``e`` of :func:`solve_tmax` (a few numpy calls), in cells."""
+
+
+class DPBudget:
+    """The work left to a plan (:data:`MAX_DP_WORK` by default), shared by the plans of a
+    joint batch plan: an evaluation that would overspend it is refused before it runs."""
+
+    def __init__(self, cells: int | None = None) -> None:
+        self.limit = MAX_DP_WORK if cells is None else cells
+        self.left = self.limit
+
+    def spend(self, rows: int, seq_len: int, done: int) -> None:
+        """Account for :func:`solve_tmax` over ``rows`` values of ``t_max``; ``done``: the
+        evaluations made so far (for the message)."""
+        need = rows * seq_len * (seq_len + 1) // 2 + seq_len * _CALL_CELLS
+        if need > self.left:
+            raise PlanError(
+                f"TeraPipe planning of {seq_len:,} tokens stopped after {done:,} dynamic-"
+                f"program evaluations: more would take over {self.limit:,} DP cells "
+                "(minutes to hours)",
+                hint="use --method bisect (the default: a few dozen evaluations), a larger "
+                     "--epsilon with --method enumerate, or a shorter --seq-len")
+        self.left -= need
 
 
 def plan_slices(cost: np.ndarray, stages: int, epsilon: float = 0.0,
-                method: str = "enumerate", batch: int = 32) -> dict[str, object]:
+                method: str = "enumerate", batch: int = 32,
+                budget: DPBudget | None = None) -> dict[str, object]:
     """Optimal slicing for ``stages`` (K) stages, TeraPipe Eq. 6 over Algorithm 1.
 
     Candidates for ``t_max`` are the distinct values ``t(l, c)``, from the smallest feasible
@@ -183,7 +226,9 @@ def plan_slices(cost: np.ndarray, stages: int, epsilon: float = 0.0,
     ``S*(L; inf) + (K-1) t_max >= best``, an equally valid bound). ``bisect`` prunes
     intervals of candidates with ``S*(L; hi) + (K-1) lo >= best`` or ``S*(lo) = S*(hi)``.
     Both return the optimum for ``epsilon = 0``; with ``epsilon > 0`` the result is within
-    ``K epsilon`` of it. Returns slices, latency (Eq. 5), slice times and counters.
+    ``K epsilon`` of it. ``budget`` bounds the work (:class:`DPBudget`; a
+    :class:`PlanError` when spent). Returns slices, latency (Eq. 5), slice times and
+    counters.
     """
     cost = _check_cost(cost)
     if stages < 1:
@@ -203,8 +248,10 @@ def plan_slices(cost: np.ndarray, stages: int, epsilon: float = 0.0,
         bott[e] = np.min(np.maximum(bott[:e], ends[e, :e]))
     cand = cand[cand >= bott[n]]
     state = {"evals": 0, "best": math.inf, "slices": [], "tmax": math.nan}
+    budget = DPBudget() if budget is None else budget
 
     def evaluate(tms: np.ndarray) -> np.ndarray:
+        budget.spend(len(tms), n, int(state["evals"]))
         s, q = solve_tmax(cost, tms, ends)
         state["evals"] += len(tms)
         for r in range(len(tms)):
@@ -283,7 +330,9 @@ def plan_batch(costs: Sequence[np.ndarray], batch_size: int, stages: int,
     if batch_size < 1 or len(costs) < batch_size:
         raise PlanError(f"need a cost table for every batch size 1..{batch_size}, "
                         f"got {len(costs)}")
-    per_b = [plan_slices(costs[b], stages, epsilon, method) for b in range(batch_size)]
+    budget = DPBudget()  # one budget for the whole joint plan
+    per_b = [plan_slices(costs[b], stages, epsilon, method, budget=budget)
+             for b in range(batch_size)]
     t_b = [float(p["latency"]) for p in per_b]  # type: ignore[arg-type]
     best = [0.0] + [math.inf] * batch_size
     choice = [0] * (batch_size + 1)

@@ -244,12 +244,24 @@ def read_checkpoint(
     try:
         optim = optimizer_state_from_tensors(_load(path / "optimizer.safetensors"),
                                              meta["optimizer"])
-        state = TrainState(int(meta["step"]), int(meta["data_position"]), meta["scheduler"],
-                           meta["extra"])
+        state = TrainState(_count(meta, "step", path), _count(meta, "data_position", path),
+                           meta["scheduler"], meta["extra"])
         _set_rng_state(meta["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path / 'state.json'}: invalid state ({err})") from None
     return weights, optim, state
+
+
+def _count(meta: dict[str, Any], key: str, path: Path) -> int:
+    """``meta[key]``, an integer >= 0 (``step`` also the number in the directory's name):
+    a hand-edited or foreign ``state.json`` must not resume at step -5 or read batches from
+    a negative position."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+    if key == "step" and STEP_DIR.fullmatch(path.name) and int(path.name[5:]) != value:
+        raise ValueError(f"step {value} differs from the step of the directory name")
+    return value
 
 
 def _load(file: Path) -> dict[str, torch.Tensor]:

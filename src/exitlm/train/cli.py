@@ -145,7 +145,8 @@ def _eval(args: argparse.Namespace) -> int:
     path = Path(args.model)
     spec = args.tokenizer or _eval_tokenizer_spec(args.model, path if path.is_dir() else None)
     if spec is not None:
-        tok: Any = load_tokenizer(spec) if spec != "default" or loaded.tokenizer is None \
+        setting = "--tokenizer" if args.tokenizer else f"{args.model}'s data.tokenizer"
+        tok: Any = load_tokenizer(spec, setting) if spec != "default" or loaded.tokenizer is None \
             else loaded.tokenizer
     elif loaded.tokenizer is not None:
         tok, spec = loaded.tokenizer, str(path.resolve()) if path.exists() else args.model

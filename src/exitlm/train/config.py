@@ -228,7 +228,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         if len(parts) < 2 or parts[0] not in _SECTIONS:
             raise ConfigError(f"override key {key!r} must start with one of {sorted(_SECTIONS)}")
         try:
-            value = yaml.safe_load(raw)
+            value = load_yaml(raw)
+        except DuplicateKey as err:
+            raise ConfigError(f"override {item!r}: {err}") from None
         except (yaml.YAMLError, RecursionError) as err:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({_first_line(err)})"
                               ) from None
@@ -303,9 +305,46 @@ def read_yaml(path: Path) -> Any:
     if "\x00" in text:
         raise ConfigError(f"{path}: contains NUL bytes; expected a YAML text file")
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except DuplicateKey as err:
+        raise ConfigError(f"{path}:{err.line}: {err}") from None
     except (yaml.YAMLError, RecursionError) as err:
         raise ConfigError(f"{path}: not valid YAML ({_first_line(err)})") from None
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping (1-based ``line`` and ``first`` of the two)."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"the key {key!r} is given twice in one mapping (also on line "
+                         f"{first}); keep one")
+        self.key, self.line, self.first = key, line, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last silently: ``train: {steps: 3}`` then ``train: {steps: 5}`` would drop the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}  # key -> the line it was first given on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' merges, by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first:
+                    raise DuplicateKey(key, line, first[key])
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                break
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """The YAML document in ``text`` (safe types only; a key given twice in one mapping is a
+    :class:`yaml.YAMLError`)."""
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe types only
 
 
 def _first_line(err: BaseException) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from exitlm.config import ConfigError
+from exitlm.errors import ExitlmError
 from exitlm.io import load_model
 from exitlm.io.corpus import DataConfig, is_held_out, iter_documents, list_sources, stdlib_root
 from exitlm.io.default_model import cache_root
@@ -60,18 +61,22 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(spec: str) -> Any:
-    """``bytes``, a directory with ``tokenizer.json``, or any name/path ``load_model`` takes."""
+def load_tokenizer(spec: str, setting: str = "data.tokenizer") -> Any:
+    """``bytes``, a directory with ``tokenizer.json``, or any name/path ``load_model`` takes;
+    errors name ``setting`` (the option that gave ``spec``)."""
     if spec == "bytes":
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.load(path)
-
-    tok = load_model(spec).tokenizer
+    given = f"{setting} {spec!r}" if setting.startswith("--") else f"{setting}={spec!r}"
+    try:
+        tok = load_model(spec).tokenizer
+    except ExitlmError as err:
+        raise ConfigError(f"{given}: {err}", hint=err.hint) from None
     if tok is None:
-        raise ConfigError(f"data.tokenizer={spec!r} has no tokenizer; use 'bytes', 'default' or "
-                          "a checkpoint directory with tokenizer.json")
+        raise ConfigError(f"{given} has no tokenizer; use 'bytes', 'default' or a checkpoint "
+                          "directory with tokenizer.json")
     return tok
 
 

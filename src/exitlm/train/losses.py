@@ -237,6 +237,18 @@ class LossConfig:
                               "(LayerSkip) or model.exits.layers")
         if total_steps < 1:
             raise ConfigError(f"train.steps must be >= 1, got {total_steps}")
+        if self.kind == "ee-llm":
+            # the weights move monotonically from exit_weights_initial to exit_weights, so a
+            # step with nothing to train is the first or the last
+            for step in (0, total_steps - 1):
+                if not any(w != 0.0 for w in self.weights_at(step, cfg, total_steps).values()):
+                    raise ConfigError(
+                        f"loss: every weight is 0 at step {step} (loss.final_weight="
+                        f"{self.final_weight:g}, loss.exit_weights"
+                        f"{'_initial' if step == 0 and self.weight_schedule == 'warmup' else ''}"
+                        " all 0): that step has nothing to train",
+                        hint="give loss.final_weight or an exit weight a value > 0 (a warm-up "
+                             "from 0 needs loss.final_weight > 0)")
 
     def weights_at(self, step: int, cfg: ModelConfig, total_steps: int) -> dict[int, float]:
         """``{layer: w}`` at training step ``step`` (the final output is ``cfg.num_layers``)."""

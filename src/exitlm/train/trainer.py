@@ -72,6 +72,17 @@ def build_model(spec: ModelSpec, seed: int = 0) -> BuiltModel:
                       new_exit_layers(before.layers, exits.layers, same))
 
 
+def check_context(max_seq_len: int, seq_len: int, preset: bool) -> None:
+    """Refuse training windows longer than the model's context: positions past
+    ``max_seq_len`` have no learned embedding (GPT-2) and are never seen by the saved model
+    (RoPE), which refuses longer inputs."""
+    if seq_len > max_seq_len:
+        fix = ("or raise model.overrides.max_seq_len" if preset
+               else "(the model of model.init was built for that context)")
+        raise ConfigError(f"data.seq_len={seq_len} exceeds the model's context "
+                          f"(max_seq_len={max_seq_len}); set data.seq_len <= {max_seq_len} {fix}")
+
+
 class Trainer(RunStateMixin):
     """Build everything a run needs from a :class:`TrainConfig`; :meth:`train` runs it.
 
@@ -107,6 +118,7 @@ class Trainer(RunStateMixin):
         model = built.model.to(self.device).train()
         self.tokenizer = built.tokenizer
         mcfg = model.config
+        check_context(mcfg.max_seq_len, cfg.data.seq_len, cfg.model.init in MODEL_PRESETS)
         check_batch_fits_in_memory(mcfg, run.batch_size, run.grad_accum, cfg.data.seq_len)
         cfg.loss.validate(mcfg, run.steps)
         self.weights0 = cfg.loss.weights_at(0, mcfg, run.steps)
