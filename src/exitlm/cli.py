@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from exitlm.env import DEBUG
+from exitlm.env import debug as env_debug
 from exitlm.errors import ExitlmError, ExitlmWarning
 
 # Modules exposing ``register(subparsers)``; each adds sub-commands with
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    debug = bool(args.debug or os.environ.get("EXITLM_DEBUG"))
+    debug = bool(args.debug) or env_debug()
     name = f"exitlm {args.command}"
     with warnings.catch_warnings(), _debug_env(debug):
         warnings.showwarning = _show_warning
@@ -107,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
 def _debug_env(debug: bool) -> Iterator[None]:
     """``EXITLM_DEBUG=1`` while a ``--debug`` command runs: the code below the command line
     (``comm``'s quiet rendezvous) and the processes it starts keep their details too."""
-    if not debug or os.environ.get("EXITLM_DEBUG"):
+    if not debug or env_debug():
         yield
         return
-    os.environ["EXITLM_DEBUG"] = "1"
+    os.environ[DEBUG] = "1"
     try:
         yield
     finally:
-        os.environ.pop("EXITLM_DEBUG", None)
+        os.environ.pop(DEBUG, None)
 
 
 def error_lines(command: str, err: ExitlmError) -> str:

@@ -30,4 +30,14 @@ def switched_off(name: str) -> bool:
     return False
 
 
-__all__ = ["OFF", "ON", "switched_off"]
+DEBUG = "EXITLM_DEBUG"
+"""Set (to any value) by ``exitlm --debug`` for the command and the processes it starts, or by
+the user: tracebacks and the details of lower layers stay."""
+
+
+def debug() -> bool:
+    """Whether :data:`DEBUG` is set (any value: the command line reads it so)."""
+    return bool(os.environ.get(DEBUG))
+
+
+__all__ = ["DEBUG", "OFF", "ON", "debug", "switched_off"]

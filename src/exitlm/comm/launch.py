@@ -42,12 +42,12 @@ from exitlm.comm.lifeline import leave_orphaned, watch_parent
 from exitlm.comm.rendezvous import (
     bounded,
     deadline_s,
-    debug,
     quiet_c10d,
     rendezvous_failed,
     store_unanswered,
 )
 from exitlm.config import ConfigError
+from exitlm.env import debug
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a transfer may wait for a peer (seconds)."""

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from exitlm.comm.health import ParallelError
+from exitlm.env import debug
 
 T = TypeVar("T")
 
@@ -37,12 +38,6 @@ store and then joining the group each by the timeout; this only catches what it 
 _NOISE = re.compile(r"^(\[[WE]\d{4} [^\]]*\] \[c10d\]|Exception raised from |frame #\d+: |"
                     r"<omitting python frames>\s*$|\s*$)")
 """Lines of c10d's connection logs: its ``[W...]``/``[E...]`` lines, their C++ frames."""
-
-
-def debug() -> bool:
-    """Whether the details stay: ``EXITLM_DEBUG`` is set (``exitlm --debug`` sets it for the
-    command and the processes it starts; any value, as the command reads it)."""
-    return bool(os.environ.get("EXITLM_DEBUG"))
 
 
 def deadline_s(timeout_s: float) -> float:
