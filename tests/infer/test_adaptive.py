@@ -347,6 +347,34 @@ def test_a_fresh_models_first_step_is_a_timed_plain_step(
     assert st.plain_steps >= 2 and st.rounds >= 2 * st.plain_steps - 2
 
 
+def test_a_budgets_last_token_is_a_plain_step_not_a_zero_draft_round(
+        forced: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a planned round meets a budget with one token left (no draft fits), the step is
+    a plain one: it is not timed as a round of zero drafts, whose shape the engine never
+    timed at start-up (pricing it timed a chain and layers mid-request, once the machine
+    made the planner choose a round for the last token)."""
+    forced.costs = FakeCosts(base=1.0, per_row=0.05, head=0.05)  # type: ignore[attr-defined]
+    rounds: list[int] = []
+    counted = SpecPlanner.timed_round
+
+    def recorded(self: SpecPlanner, e: int, d: int, b: int, *args: object) -> None:
+        rounds.append(d)
+        counted(self, e, d, b, *args)
+
+    monkeypatch.setattr(SpecPlanner, "timed_round", recorded)
+    model = _perfect_draft_model()
+    prompt = random_prompts()[0]
+    generate(model, None, prompt, strategy="self-spec", max_new_tokens=NEW)  # times plain
+    lasts = 0
+    for new in range(2, 14):
+        ar = generate(model, None, prompt, max_new_tokens=new)
+        got = generate(model, None, prompt, strategy="self-spec", max_new_tokens=new)
+        assert got.token_ids == ar.token_ids
+        lasts += got.sequences[0].exit_layers[-1] == model.num_layers
+    assert rounds and min(rounds) >= 1
+    assert lasts > 0  # some budgets ended on a plain step (rounds of d + 1 did not fit)
+
+
 @pytest.mark.parametrize("drafts", [None, 3])
 def test_an_engine_times_the_primitives_before_any_request(drafts: int | None) -> None:
     """The primitives a plan prices are timed when the engine starts: a request does not

@@ -302,16 +302,18 @@ class SelfSpecDecoder(Decoder):
             self._plan = None
             planner.probed(self._current_plan(batch))
             return emits
+        limits = [min(d, max(0, s.remaining - 1)) for d, s in zip(plan.drafts, batch.seqs,
+                                                                  strict=True)]
         t0 = time.perf_counter()
-        if plan.exit_layer is None:
+        if plan.exit_layer is None or not any(limits):
+            # a round with no drafts left in any row's budget is a plain step: taken as one
+            # (timing it as a round would price a zero-draft shape no request starts with)
             wanted = not planner.plain_timed(b)
             emits = self._plain_step(batch)
             planner.timed_plain(b, time.perf_counter() - t0)
             if wanted:  # the plan waited for this timing: plan again now
                 self._plan = None
             return emits
-        limits = [min(d, max(0, s.remaining - 1)) for d, s in zip(plan.drafts, batch.seqs,
-                                                                  strict=True)]
         emits = self._round(batch, plan.exit_layer, limits, observe=True)
         tokens = sum(len(e.tokens) for e in emits) / b
         planner.timed_round(plan.exit_layer, max(limits), b, tokens, time.perf_counter() - t0)
