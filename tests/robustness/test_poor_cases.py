@@ -45,7 +45,7 @@ def test_a_rank_that_cannot_meet_the_others_names_itself_and_the_store(tmp_path:
 def test_a_rank_whose_master_port_another_program_holds_gives_up(tmp_path: Path) -> None:
     """Rank 1 of an env-launched ``train`` whose MASTER_PORT an unrelated program listens on
     (it accepts and never answers): torch waits for the store's answer forever; exitlm gives
-    up after 2 x parallel.timeout_s + 30 s, naming MASTER_ADDR:MASTER_PORT."""
+    up after 2 x parallel.timeout_s + 10 s, naming MASTER_ADDR:MASTER_PORT."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path).to_dict()))
     squatter = socket.socket()

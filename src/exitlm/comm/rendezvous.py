@@ -31,7 +31,7 @@ from exitlm.env import debug
 
 T = TypeVar("T")
 
-GRACE_S = 30.0
+GRACE_S = 10.0
 """Added to twice the timeout for :func:`bounded`'s deadline: torch bounds connecting to the
 store and then joining the group each by the timeout; this only catches what it does not."""
 
