@@ -91,6 +91,20 @@ def test_an_unknown_data_tokenizer_names_the_setting(tmp_path: Path,
     assert_clean_error(res, "--tokenizer 'no-such-tokenizer'", "not a known name")
 
 
+@pytest.mark.parametrize(("override", "needles"), [
+    ("parallel.timeout_s=1.0e+30", ["parallel.timeout_s", "604800", "1e+30"]),
+    ("parallel.timeout_s=.inf", ["parallel.timeout_s", "604800", "inf"]),
+    ("parallel.fill_microbatches=1000000000000", ["parallel.fill_microbatches=1000000000000",
+                                                  "pp - 1 = 0"]),
+])
+def test_parallel_waits_and_bubble_fills_are_bounded(override: str, needles: list[str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A timeout that overflows thread joins and socket timeouts, and a bubble-filling count
+    that would build a schedule of 10^12 microbatches, are refused before any work."""
+    res = cli(["train", "--config", "tiny", "--print-config", override], capsys)
+    assert_clean_error(res, *needles)
+
+
 def test_resume_from_hand_edited_checkpoint_state(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A state.json whose step or data position is negative (a traceback, or "resumed at step

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from exitlm.config import ConfigError
-from exitlm.schema import NonNegativeInt, PositiveFloat, PositiveInt, check
+from exitlm.schema import NonNegativeInt, PositiveFloat, PositiveInt, Range, check
 
 Schedule = Literal["1f1b", "gpipe"]
 ExitPlacement = Literal["next", "end"]
 BubbleFill = Literal["none", "warmup", "cooldown", "both"]
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``parallel.timeout_s``: a week (thread joins and socket timeouts overflow on
+values like ``1e30``; a wait longer than this is a hang, not a slow rank)."""
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,15 @@ class ParallelConfig:
       microbatch.
     * ``bubble_fill``: partial forward/backward of extra microbatches in the warm-up
       (``warmup``, Part 1) and/or cool-down (``cooldown``, Part 2) bubbles (App. C.2), their
-      number from ``backward_forward_ratio`` (b / f) unless ``fill_microbatches`` is set.
+      number from ``backward_forward_ratio`` (b / f) unless ``fill_microbatches`` is set
+      (at most ``pp - 1``).
     * ``token_slices``: TeraPipe token slicing of every microbatch along the sequence: ``1``
       (none), ``N`` (N equal slices), a list of slice lengths summing to ``data.seq_len``,
       or ``auto`` (the dynamic program of :mod:`exitlm.plan.terapipe` over a cost model of
       this machine).
     * ``timeout_s``: every collective and transfer between processes that does not complete
-      within this many seconds ends the job with an error naming the rank that stopped.
+      within this many seconds ends the job with an error naming the rank that stopped (at
+      most :data:`MAX_TIMEOUT_S`).
     """
 
     pp: PositiveInt = 1
@@ -55,7 +61,7 @@ class ParallelConfig:
     backward_forward_ratio: PositiveFloat = 2.0
     fill_microbatches: NonNegativeInt | None = None
     token_slices: PositiveInt | tuple[PositiveInt, ...] | Literal["auto"] = 1
-    timeout_s: PositiveFloat = 300.0
+    timeout_s: Annotated[float, Range(gt=0, le=MAX_TIMEOUT_S)] = 300.0
 
     def __post_init__(self) -> None:
         if self.token_slices is None:  # YAML null: no slicing
@@ -64,6 +70,12 @@ class ParallelConfig:
         if self.token_slices == ():
             raise ConfigError("parallel.token_slices: expected a number of slices, a list of "
                               "slice lengths or 'auto', got []")
+        if self.fill_microbatches is not None and self.fill_microbatches > self.pp - 1:
+            raise ConfigError(
+                f"parallel.fill_microbatches={self.fill_microbatches}: the bubbles of "
+                f"parallel.pp={self.pp} stages hold at most pp - 1 = {self.pp - 1} partial "
+                "microbatches per part (EE-LLM App. C.2.1); leave it unset for the number "
+                "backward_forward_ratio gives")
         if self.boundaries and len(self.boundaries) != self.pp - 1:
             raise ConfigError(f"parallel.boundaries needs pp - 1 = {self.pp - 1} values, got "
                               f"{list(self.boundaries)}")
