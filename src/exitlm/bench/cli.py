@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exitlm.args import int_at_least, list_of, thread_count, unit_float
-from exitlm.bench.names import OURS, REPORT_FORMAT, THEIRS, out_files
+from exitlm.bench.names import BUILTIN_PROMPTS, OURS, REPORT_FORMAT, THEIRS, out_files
 from exitlm.config import ConfigError
 from exitlm.errors import ExitlmError
 from exitlm.infer.flags import add_head_dtype_flag, add_strategy_flags, strategies_taking
@@ -90,10 +90,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep-speculations",
                    type=list_of(int_at_least(1, MAX_SPECULATIONS), "speculation counts"),
                    default=None, help="speculations for --sweep speculation (default: "
-                                      f"{SWEEP_SPECULATIONS})")
+                                      f"{_listed(SWEEP_SPECULATIONS)})")
     p.add_argument("--sweep-thresholds", type=list_of(unit_float, "thresholds in [0, 1]"),
                    default=None, help=f"thresholds for --sweep threshold (default: "
-                                      f"{SWEEP_THRESHOLDS})")
+                                      f"{_listed(SWEEP_THRESHOLDS)})")
     p.add_argument("--task", choices=("humaneval", "docstrings"), default=None,
                    help="task-level quality vs speed of every strategy: HumanEval pass@1 or "
                         "held-out docstring continuation ROUGE-L (LayerSkip Table 3)")
@@ -109,16 +109,19 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-BUILTIN_PROMPTS = 8
-"""Built-in prompts run without ``--prompts`` and ``--num-prompts``."""
-SWEEP_SPECULATIONS = "1,2,4,6"
-SWEEP_THRESHOLDS = "1.0,0.95,0.9,0.8,0.7,0.6,0.5,0.4"
+SWEEP_SPECULATIONS = (1, 2, 4, 6)
+SWEEP_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 
-# the flags that only a mode reads, and the mode (an argparse dest and its flag)
-_MODE_FLAGS = {"sweep_exits": ("sweep", "--sweep speculation"),
-               "sweep_speculations": ("sweep", "--sweep speculation"),
-               "sweep_thresholds": ("sweep", "--sweep threshold"),
-               "limit": ("task", "--task")}
+# the flags that only a mode reads: the mode's argparse dest and the value it must have
+# (None: any)
+_MODE_FLAGS = {"sweep_exits": ("sweep", "speculation"),
+               "sweep_speculations": ("sweep", "speculation"),
+               "sweep_thresholds": ("sweep", "threshold"),
+               "limit": ("task", None)}
+
+
+def _listed(values: tuple[object, ...]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def check_modes(args: argparse.Namespace) -> None:
@@ -127,12 +130,12 @@ def check_modes(args: argparse.Namespace) -> None:
     if args.task is not None and args.sweep is not None:
         raise ConfigError(f"--task {args.task} and --sweep {args.sweep} are separate runs; "
                           "pass one of them")
-    for dest, (mode, needs) in _MODE_FLAGS.items():
+    for dest, (mode, wanted) in _MODE_FLAGS.items():
         if getattr(args, dest, None) is None:
             continue
         chosen = getattr(args, mode)
-        wanted = needs.split()[-1] if mode == "sweep" else None
         if chosen is None or (wanted is not None and chosen != wanted):
+            needs = f"--{mode}" if wanted is None else f"--{mode} {wanted}"
             flag = "--" + dest.replace("_", "-")
             raise ConfigError(f"{flag} applies to {needs} only; it would be ignored",
                               hint=f"add {needs} or leave out {flag}")
@@ -158,8 +161,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         model=args.model, dtype=args.dtype, head_dtype=args.head_dtype, strategies=strategies,
         prompts_file=args.prompts,
-        num_prompts=(args.num_prompts if args.num_prompts is not None
-                     else None if args.prompts else BUILTIN_PROMPTS),
+        num_prompts=args.num_prompts,  # None: the whole file, or BUILTIN_PROMPTS of ours
         max_new_tokens=args.max_new_tokens or 64,
         repeats=args.repeats, threads=args.threads,
         layerskip_exits=args.layerskip_exits, options=options,
@@ -234,10 +236,10 @@ def run(args: argparse.Namespace) -> int:
         exits = (args.sweep_exits if args.sweep_exits
                  else list(ecfg.layers) if ecfg.layers and not ecfg.every_layer
                  else sorted({max(1, bench.model.num_layers * k // 8) for k in (2, 3, 4, 5, 6)}))
-        specs = args.sweep_speculations or [int(x) for x in SWEEP_SPECULATIONS.split(",")]
+        specs = args.sweep_speculations or list(SWEEP_SPECULATIONS)
         report["sweep"] = sweep_self_spec(bench, list(exits), specs, out_dir)
     elif args.sweep == "threshold":
-        thresholds = args.sweep_thresholds or [float(x) for x in SWEEP_THRESHOLDS.split(",")]
+        thresholds = args.sweep_thresholds or list(SWEEP_THRESHOLDS)
         report["sweep"] = sweep_thresholds(bench, thresholds, out_dir)
     else:
         report.update(run_comparison(bench))

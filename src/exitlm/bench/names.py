@@ -6,6 +6,10 @@ OURS = ("ar", "early-exit", "self-spec", "ppd")
 THEIRS = ("hf", "hf-ee")
 """transformers' ``generate``: plain, and with LayerSkip's ``assistant_early_exit``."""
 
+BUILTIN_PROMPTS = 8
+"""Held-out standard-library prompts a bench runs when it is given no prompts file and no
+count."""
+
 REPORT_FORMAT = "exitlm-bench/1"
 """The ``format`` of every report ``exitlm bench`` writes: how it recognises its own files in
 ``--out-dir`` (it replaces those; anyone else's only with ``--overwrite``)."""

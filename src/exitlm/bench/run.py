@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from exitlm.args import check_threads
-from exitlm.bench.names import OURS, SWEEP_FILES, THEIRS
+from exitlm.bench.names import BUILTIN_PROMPTS, OURS, SWEEP_FILES, THEIRS
 from exitlm.config import LAYERSKIP_EXITS, ConfigError, ExitConfig
 from exitlm.infer.api import generate
 from exitlm.infer.cli import byte_level_tokenizer
@@ -62,9 +62,9 @@ class BenchConfig:
     head_dtype: str | None = None
     strategies: tuple[str, ...] = ("ar", "early-exit", "self-spec", "ppd", "hf", "hf-ee")
     prompts_file: str | None = None
-    num_prompts: int | None = 8
+    num_prompts: int | None = BUILTIN_PROMPTS
     """Prompts run: the first of ``prompts_file`` (``None``: all of them), else that many
-    built-in ones (``None``: 8)."""
+    built-in ones (``None``: :data:`~exitlm.bench.names.BUILTIN_PROMPTS`)."""
     max_new_tokens: int = 64
     repeats: int = 1
     threads: int = 1
@@ -213,7 +213,7 @@ class Bench:
             rank_model_tokens(self.model, self.tokenizer, n)
         self._hf: Any = None
         self.prompts = (load_prompts(cfg.prompts_file) if cfg.prompts_file
-                        else builtin_prompts(cfg.num_prompts or 8))[: cfg.num_prompts]
+                        else builtin_prompts(cfg.num_prompts or BUILTIN_PROMPTS))[: cfg.num_prompts]
         self.prompt_ids = self._fit_to_context([self.tokenizer.encode(p) for p in self.prompts])
 
     def load_again(self) -> Any:
