@@ -478,10 +478,12 @@ def check_simulation_size(a: argparse.Namespace, cap: int) -> None:
     rounds = COOLDOWN_ROUNDS if a.fill in ("part2", "both") and a.schedule == "1f1b" else 1
     steps = a.stages * (a.microbatches + parts * cap) * a.token_slices * rounds
     if steps > MAX_SIMULATED_STEPS:
-        fill = f" + {parts} x {cap} bubble-filling microbatches" if parts else ""
+        fill = f" + {parts} x {cap} bubble-filling microbatches" if parts * cap else ""
+        mbs = (f"(--microbatches {a.microbatches}{fill})" if fill
+               else f"--microbatches {a.microbatches}")
         again = f", simulated {rounds} times to order the cool-down" if rounds > 1 else ""
         raise PlanError(
-            f"--stages {a.stages} x (--microbatches {a.microbatches}{fill}) x --token-slices "
+            f"--stages {a.stages} x {mbs} x --token-slices "
             f"{a.token_slices}{again} is more than the simulator does (at most "
             f"{MAX_SIMULATED_STEPS:,} stage steps)",
             hint="use fewer stages or microbatches" + (", or --fill none / part1" if parts
@@ -494,10 +496,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         from exitlm.plan.simulate import simulate, training_ops, training_schedule
 
         p = a.stages
-        if p * a.microbatches * a.token_slices > MAX_SIMULATED_STEPS:
-            raise PlanError(f"--stages {p} x --microbatches {a.microbatches} x --token-slices "
-                            f"{a.token_slices} is more than the simulator does (at most "
-                            f"{MAX_SIMULATED_STEPS:,} stage steps)")
+        check_simulation_size(a, 0)  # before a model loads: the filled bubbles only add
         notes: dict[str, Any] = {}
         n = _counts(a.exits_per_stage, p, "--exits-per-stage") if a.exits_per_stage \
             else (0,) * p
