@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -35,9 +34,9 @@ from exitlm.io.hf_map import CheckpointError
 from exitlm.io.st import all_finite, atomic_dir
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.paths import write_text_atomic
+from exitlm.train.run_dir import STEP_DIR, dir_step
 
 STATE_VERSION = 1
-STEP_DIR = re.compile(r"step-\d{8}")
 
 
 @dataclass
@@ -259,7 +258,7 @@ def _count(meta: dict[str, Any], key: str, path: Path) -> int:
     value = meta[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
-    if key == "step" and STEP_DIR.fullmatch(path.name) and int(path.name[5:]) != value:
+    if key == "step" and STEP_DIR.fullmatch(path.name) and dir_step(path.name) != value:
         raise ValueError(f"step {value} differs from the step of the directory name")
     return value
 

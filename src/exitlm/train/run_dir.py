@@ -43,9 +43,15 @@ CHECKPOINTS = "checkpoints"
 OUTPUTS = (RUN_FILE, "train_config.json", "log.jsonl", "loss.png", "tb", CHECKPOINTS, "model",
            "exits")
 STEP_DIR = re.compile(r"step-\d{8}")
+"""The name of one checkpoint's directory under ``checkpoints/`` (``step-`` and the step)."""
 _OUT_NAMES = frozenset(OUTPUTS) | {"log.jsonl.tmp"}
 _CHECKPOINT_NAMES = frozenset({"latest"})
 _LOG_TAIL = 64 * 1024  # bytes of log.jsonl read to find the last step
+
+
+def dir_step(name: str) -> int:
+    """The step of a checkpoint directory named ``name`` (:data:`STEP_DIR`)."""
+    return int(name.removeprefix("step-"))
 
 
 class RunDir:

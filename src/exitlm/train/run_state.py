@@ -30,7 +30,7 @@ from exitlm.train.checkpoint import (
 )
 from exitlm.train.finite import refuse_non_finite
 from exitlm.train.parallel.layout import Layout
-from exitlm.train.run_dir import RUN_FILE, RunDir
+from exitlm.train.run_dir import RUN_FILE, RunDir, dir_step
 from exitlm.train.schedules import lr_at
 
 
@@ -170,7 +170,7 @@ class RunStateMixin:
             for stale in self.stale_checkpoints:
                 shutil.rmtree(stale, ignore_errors=True)
             newest = latest_checkpoint(self.out)
-            if self.resuming and newest is not None and int(newest.name[5:]) > self.step:
+            if self.resuming and newest is not None and dir_step(newest.name) > self.step:
                 raise ExitlmError(f"{newest} appeared while this run was starting; another "
                                   "process writes to train.out_dir")
             self.run_id = rd.start(self.run_id)
