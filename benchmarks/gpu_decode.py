@@ -13,6 +13,8 @@ each variant's fastest round kept), so the ratios share the machine's state:
   branch replayed on a second CUDA stream, with Theorem 4.1's prediction for the measured p_correct
   (one time unit: a layer's share of ``ar_graphs``' time per token); ``--ppd-eager`` adds
   the eager path (branches on Python threads);
+* ``ar_fused`` / ``self_spec_fused`` / ``ppd_fused`` (``--fused``) - the same on the graph
+  runner whose layer steps are compiled by ``torch.compile`` (:mod:`exitlm.runtime.fused`);
 * ``hf_generate`` - ``transformers``' greedy ``generate`` on an export of the same weights;
   ``hf_assistant_early_exit`` (LayerSkip model, batch 1) - its LayerSkip integration.
 
@@ -185,6 +187,7 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
     cpu = model.embed_tokens.weight.device.type == "cpu"
     graphed = prepare(model, backend="static" if cpu else "graphs")
     eager = prepare(model, backend="eager")
+    fused = prepare(model, backend="fused") if args.fused else None
     assert isinstance(graphed, GraphRunner)
     note(f"{label}: exporting for transformers ...")
     hf = hf_export(model, dtype)
@@ -198,10 +201,10 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
                              args.new_tokens, cfg.max_seq_len)
         engines: dict[tuple[object, ...], Engine] = {}
 
-        def ours(strategy: str, opts: dict[str, Any], graphs: bool,
+        def ours(strategy: str, opts: dict[str, Any], graphs: bool | Runner,
                  engines: dict[tuple[object, ...], Engine] = engines
                  ) -> Callable[[list[list[int]], int], list[Run]]:
-            runner = graphed if graphs else eager
+            runner = graphs if isinstance(graphs, Runner) else graphed if graphs else eager
             return lambda p, n: run_ours(engines, runner, p, n, strategy, opts)
 
         variants: dict[str, Callable[[list[list[int]], int], list[Run]]] = {
@@ -219,6 +222,13 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
                 variants["ppd_graphs"] = ours("ppd", ppd, True)
                 if args.ppd_eager:
                     variants["ppd_eager_threads"] = ours("ppd", ppd, False)
+        if fused is not None:  # the layer steps compiled, inside the graphs
+            variants["ar_fused"] = ours("ar", {}, fused)
+            if layerskip:
+                variants["self_spec_fused"] = ours("self-spec", spec, fused)
+                if batch == 1:
+                    variants["ppd_fused"] = ours("ppd", {"ppd_layer": args.ppd_layer or e,
+                                                         "ppd_k": 1}, fused)
         note(f"{label}: batch {batch}, {len(groups)} group(s) x {args.new_tokens} tokens ...")
         runs = measure(variants, groups, args.new_tokens, args.repeats)
         res: dict[str, Any] = {"results": summarize(runs)}
@@ -231,6 +241,9 @@ def bench_model(label: str, model: Any, tokenizer: Any, dtype: torch.dtype,
                  f"({r.get('vs_hf_generate', 0):.2f}x hf)")
     out["graphs_captured"] = graphed.captures
     out["graph_capture_s"] = graphed.capture_s
+    if isinstance(fused, GraphRunner):  # capture_s includes the compiles (warm-up runs)
+        out["fused_captured"] = fused.captures
+        out["fused_capture_s"] = fused.capture_s
     hf.to("cpu")  # free the GPU for the next model
     return out
 
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppd-layer", type=int_at_least(1), default=None)
     ap.add_argument("--ppd-eager", action="store_true",
                     help="also PPD's eager path (branches on Python threads + CUDA streams)")
+    ap.add_argument("--fused", action="store_true",
+                    help="also the layer steps compiled by torch.compile inside the graphs "
+                         "(ar_fused, self_spec_fused, ppd_fused; compiles take minutes)")
     ap.add_argument("--device", type=_device, default="cuda",
                     help="cuda, or cpu for a smoke test of this script (no graphs are captured)")
     args = ap.parse_args(argv)

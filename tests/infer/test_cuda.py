@@ -118,3 +118,24 @@ def test_cuda_graph_ppd_equals_greedy_and_eager_ppd() -> None:
             assert got.token_ids == w == e.token_ids, parallel
             assert (got.stats.forks, got.stats.matches) == (e.stats.forks, e.stats.matches)
     assert graphs.captures > 0
+
+
+def test_fused_layer_steps_give_the_eager_tokens() -> None:
+    """The graph runner whose layer steps inductor compiled (:mod:`exitlm.runtime.fused`)
+    gives the eager runner's tokens (fp32): AR over lengths that cross attention windows,
+    self-speculative rounds, and PPD with its branch on a second stream."""
+    model = _cuda_model("linear", True)
+    fused, eager = prepare(model, backend="fused"), prepare(model, backend="eager")
+    assert isinstance(fused, GraphRunner) and fused.capture and fused.fused is not None
+    prompts = random_prompts(sizes=(5, 9, 3))
+    ar = generate(eager, None, prompts, max_new_tokens=90).token_ids
+    assert generate(fused, None, prompts, max_new_tokens=90).token_ids == ar
+    spec = generate(fused, None, prompts, strategy="self-spec", exit_layer=2,
+                    num_speculations=3, max_new_tokens=90)
+    assert spec.token_ids == ar
+    for p in prompts:
+        want = generate(eager, None, [p], max_new_tokens=NEW).token_ids
+        got = generate(fused, None, [p], strategy="ppd", ppd_layer=3, ppd_k=2,
+                       max_new_tokens=NEW)
+        assert got.token_ids == want
+    assert fused.captures > 0

@@ -57,7 +57,10 @@ def test_auto_picks_the_device_s_runner() -> None:
         prepare(model, backend="graphs")
     with pytest.raises(ValueError, match="unknown runtime backend"):
         prepare(model, backend="fast")  # type: ignore[arg-type]
-    assert set(BACKENDS) == {"auto", "eager", "native", "graphs", "static"}
+    fused = prepare(model, backend="fused")  # off CUDA: the compiled static code, no graphs
+    assert isinstance(fused, GraphRunner) and not fused.capture and fused.kind == "fused"
+    assert fused.fused is not None and fused.fused.compiler == "inductor"
+    assert set(BACKENDS) == {"auto", "eager", "native", "graphs", "fused", "static"}
 
 
 def test_several_engines_share_one_model() -> None:

@@ -18,11 +18,13 @@ from exitlm.runtime.native import NativeRunner
 from exitlm.runtime.products import Products
 from exitlm.runtime.runner import Chain, Runner, Segments
 
-Backend = Literal["auto", "eager", "native", "graphs", "static"]
-BACKENDS: tuple[str, ...] = ("auto", "eager", "native", "graphs", "static")
+Backend = Literal["auto", "eager", "native", "graphs", "fused", "static"]
+BACKENDS: tuple[str, ...] = ("auto", "eager", "native", "graphs", "fused", "static")
 """``auto``: the fastest for the model's device; ``eager``: plain torch (the reference);
-``native``: the CPU kernels (needs a C compiler); ``graphs``: CUDA graphs; ``static``: the
-CUDA-graph code run eagerly (any device: what the CPU tests check)."""
+``native``: the CPU kernels (needs a C compiler); ``graphs``: CUDA graphs; ``fused``: CUDA
+graphs of layer steps compiled by ``torch.compile``'s inductor (:mod:`exitlm.runtime.fused`;
+off CUDA, the compiled static code without graphs); ``static``: the CUDA-graph code run
+eagerly (any device: what the CPU tests check)."""
 
 
 def prepare(model: EarlyExitLM, *, backend: Backend = "auto", pack_rows: bool = False
@@ -42,6 +44,8 @@ def prepare(model: EarlyExitLM, *, backend: Backend = "auto", pack_rows: bool = 
             backend = "eager"
     if backend == "graphs":
         return GraphRunner(model)
+    if backend == "fused":
+        return GraphRunner(model, capture=device.type == "cuda", fuse="inductor")
     if backend == "static":
         return GraphRunner(model, capture=False)
     if device.type != "cpu":

@@ -52,6 +52,7 @@ from exitlm.env import switched_off
 from exitlm.model.kv_cache import KVCache, WritePlan
 from exitlm.model.layers import attention_dtype
 from exitlm.model.transformer import EarlyExitLM, StepContext
+from exitlm.runtime.fused import FusedStep
 from exitlm.runtime.runner import Chain, Pick, Runner
 
 MIN_SLOTS = 64
@@ -100,16 +101,21 @@ class GraphRunner(Runner):
         model: a CUDA model (any model with ``capture=False``). Its weights are read by the
             graphs in place: values may change, storage may not.
         capture: capture and replay graphs (CUDA only); ``False`` runs the static code eagerly.
+        fuse: a ``torch.compile`` backend (:data:`~exitlm.runtime.fused.COMPILERS`) that
+            compiles each layer's static step (:mod:`exitlm.runtime.fused`), captured inside
+            the graphs; ``None``: the eager modules' kernels.
 
     Attributes:
         enabled: primitives use the static code only while this is true (benchmarks compare).
+        fused: the compiled layer step, or ``None``.
         captures: graphs captured so far (a new shape or a new cache each).
         capture_s: the time those captures took (warm-up runs included).
     """
 
     kind = "graphs"
 
-    def __init__(self, model: EarlyExitLM, *, capture: bool = True) -> None:
+    def __init__(self, model: EarlyExitLM, *, capture: bool = True,
+                 fuse: str | None = None) -> None:
         super().__init__(model)
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}")
@@ -121,6 +127,9 @@ class GraphRunner(Runner):
         self._programs: OrderedDict[tuple[object, ...], _Program] = OrderedDict()
         self._pool: object = None
         self._stream = torch.cuda.current_stream(self.device) if capture else None
+        self.fused = None if fuse is None else FusedStep(fuse)
+        if fuse is not None:
+            self.kind = "fused"
 
     # ----- what the engine asks --------------------------------------------------------------
     def release(self, cache: KVCache) -> None:
@@ -236,12 +245,18 @@ class GraphRunner(Runner):
         if model.rope_inv_freq is not None:
             cos, ssin = model._rope_table(torch.tensor([slots - 1]), self.attn_dtype)
             rope = (cos[positions], ssin[positions])  # (B, T, 1, D)
+        reach = torch.arange(slots, device=positions.device)
+        mask = reach[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, S)
+        if self.fused is not None:
+            cos, ssin = (None, None) if rope is None else rope
+            for i in range(start, end):  # one compiled program serves every layer
+                h = self.fused(model.layers[i], h, cos, ssin, cache.keys[i][:, :, :slots],
+                               cache.values[i][:, :, :slots], positions, mask)
+            return h
         b, t = positions.shape
         # fill is the caller's: the eager write's host-side update is a no-op here
         plan = WritePlan(end=slots, start=-1, length=t, index=positions,
                          new_fill=torch.zeros(b, dtype=torch.long))
-        reach = torch.arange(slots, device=positions.device)
-        mask = reach[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, S)
         ctx = StepContext(positions, rope, plan, mask)
         return model.run_layers(h, start, end, cache=cache, ctx=ctx)
 
