@@ -11,7 +11,7 @@ import torch
 from _ee_models import ee_model, one_thread  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, generate
-from exitlm.infer.engine import prefill_groups
+from exitlm.infer.engine import prefill_groups, shared_prompts
 from exitlm.infer.strategies import get_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -199,6 +199,70 @@ def test_cancel_while_filling_and_rows_moving_under_it() -> None:
         assert req.token_ids == generate(model, None, p, sampling=sampling).token_ids[0]
     cache = engine.pool.cache
     assert cache is not None and int(cache.lengths.sum()) == 0 and int(cache.fill.sum()) == 0
+
+
+def test_shared_prompts_put_identical_prompts_first() -> None:
+    order, runs = shared_prompts([(1, 2, 3), (4,), (1, 2, 3), (5, 6), (4,), (7, 8),
+                                  (1, 2, 3), (5, 6)])
+    assert order == [0, 2, 6, 3, 7, 1, 4, 5]  # one-token prompts have nothing to share
+    assert runs == [(0, 3), (3, 5)]
+    assert shared_prompts([(1, 2), (3, 4, 5)]) == ([0, 1], [])
+    # a prompt a running sequence holds is a run of its own, even alone
+    assert shared_prompts([(9, 9, 9, 9), (3, 4, 5)], held={(3, 4, 5)}) == ([1, 0], [(0, 1)])
+
+
+@pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
+@pytest.mark.parametrize("head", ["linear", "block"])
+def test_identical_prompts_are_prefilled_once(strategy: str, opts: dict, head: str) -> None:
+    """Three choices of one 12-token prompt (seeded samples and a greedy one) and another
+    prompt, admitted in one step: the shared prompt's positions are prefilled once (its last
+    position once per choice), and every request gets the tokens it gets alone."""
+    model = ee_model(head, every_layer=head == "linear")
+    g = torch.Generator().manual_seed(3)
+    shared, other = (torch.randint(0, 23, (n,), generator=g).tolist() for n in (12, 9))
+    samplings = [SamplingOptions(max_new_tokens=10, ignore_eos=True, temperature=0.8,
+                                 seed=s) for s in (0, 1)]
+    samplings.append(SamplingOptions(max_new_tokens=10, ignore_eos=True))
+    engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
+                    max_batch=4)
+    per_step = _count_prefill(engine)
+    jobs = [(other, samplings[2])] + [(shared, s) for s in samplings]
+    reqs = [engine.submit(p, s) for p, s in jobs]
+    engine.run()
+    assert per_step[1] == 11 + 3 + len(other)
+    for req, (p, s) in zip(reqs, jobs, strict=True):
+        alone = generate(model, None, p, strategy=strategy, sampling=s, **opts)
+        assert req.token_ids == alone.token_ids[0]
+    assert reqs[1].token_ids != reqs[2].token_ids  # the seeds gave different samples
+    cache = engine.pool.cache
+    assert cache is not None and int(cache.lengths.sum()) == 0
+
+
+@pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
+def test_a_prompt_a_running_sequence_holds_is_copied(strategy: str, opts: dict) -> None:
+    """Two choices of a 30-token prompt under an 8-position budget: the first fills in
+    parts, the second starts from its row once it decodes (one position), as does a third
+    copy submitted while both decode. Every request gets the tokens it gets alone."""
+    model = ee_model("block", every_layer=False)
+    prompt = torch.randint(0, 23, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    samplings = [SamplingOptions(max_new_tokens=12, ignore_eos=True, temperature=0.8,
+                                 seed=s) for s in (0, 1)]
+    samplings.append(SamplingOptions(max_new_tokens=12, ignore_eos=True))
+    engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
+                    max_batch=4, prefill_chunk=8)
+    per_step = _count_prefill(engine)
+    reqs = [engine.submit(prompt, s) for s in samplings[:2]]
+    while not reqs[1].token_ids:
+        engine.step()
+    assert sorted(per_step.values())[-2:] == [8, 8] and per_step[max(per_step)] == 1
+    reqs.append(engine.submit(prompt, samplings[2]))
+    engine.step()
+    assert per_step[max(per_step)] == 1
+    engine.run()
+    assert sum(per_step.values()) == 30 + 1 + 1
+    for req, s in zip(reqs, samplings, strict=True):
+        alone = generate(model, None, prompt, strategy=strategy, sampling=s, **opts)
+        assert req.token_ids == alone.token_ids[0]
 
 
 def test_prefill_chunk_must_be_positive() -> None:

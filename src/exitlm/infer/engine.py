@@ -17,7 +17,9 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
    (the first always), and a longer prompt in parts - the rest of the step's budget, at least
    a quarter of it - so that neither a long prompt nor a crowd of short ones holds every
    running stream for its whole prefill. One long prompt fills at a time (its row the last
-   one); other long ones wait at the queue's front;
+   one); other long ones wait at the queue's front. A prompt that several requests share
+   (``n`` choices) is prefilled once, or copied from a running sequence that holds it
+   (:func:`shared_prompts`); each request prefills only its last position;
 3. runs one decoder step over every running sequence - each accepts, exits and stops on
    its own - and records the tokens: stop tokens, stop strings and ``max_new_tokens`` end a
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
@@ -41,7 +43,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -85,6 +87,29 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING
     if lengths:
         groups.append((a, len(lengths)))
     return groups
+
+
+def shared_prompts(prompts: list[tuple[int, ...]], held: Container[tuple[int, ...]] = ()
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
+    """An admission order for ``prompts`` in which the prompts of two tokens or more that
+    are prefilled once (:meth:`Engine._prefill_new`) sit together first - those that come
+    twice or more (``n`` choices of one request, the same prompt sent again) and those a
+    running sequence holds whole (``held``) - then the others sorted by length
+    (:func:`prefill_groups`). Returns the order (indices into ``prompts``) and the runs of one
+    prompt each, ranges ``[a, b)`` of it."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(p, []).append(i)
+    order: list[int] = []
+    runs: list[tuple[int, int]] = []
+    for key, idx in by_prompt.items():
+        if len(key) > 1 and (len(idx) > 1 or key in held):
+            runs.append((len(order), len(order) + len(idx)))
+            order += idx
+    taken = set(order)
+    rest = sorted((i for i in range(len(prompts)) if i not in taken),
+                  key=lambda i: len(prompts[i]))
+    return order + rest, runs
 
 
 class EngineBroken(RuntimeError):
@@ -382,13 +407,19 @@ class Engine:
         return len(self.running) - (self.filling is not None)
 
     def _admit(self, updates: list[Update]) -> None:
+        held = self._held_prompts()
         with self._lock:
-            new, long = self._take()
+            new, long, used = self._take(held)
         empty = [r for r in new if r.sampling.max_new_tokens == 0]
         for r in empty:
             updates.append(self._finish(r, "length"))
-        new = sorted((r for r in new if r.sampling.max_new_tokens > 0),
-                     key=lambda r: len(r.prompt_ids))
+        new = [r for r in new if r.sampling.max_new_tokens > 0]
+        runs: list[tuple[int, int]] = []
+        if self.decoder.fills_in_parts:  # prompts prefilled once first
+            order, runs = shared_prompts([r.prompt_key for r in new], held)
+            new = [new[i] for i in order]
+        else:
+            new.sort(key=lambda r: len(r.prompt_ids))
         if new or long is not None:
             t0 = time.perf_counter()
             started = self.decoder.startup_s
@@ -405,19 +436,31 @@ class Engine:
             if long is not None:  # the last row: it fills in parts, from this step on
                 self.running.append(long)
                 self.filling = long
-            self._prefill_new(lo, new, t0, started, updates)
+            self._prefill_new(lo, new, runs, held, t0, started, updates)
         if self.filling is not None:
             assert self.prefill_chunk is not None
-            used = sum(len(r.prompt_ids) for r in new)
             self._fill(updates, max(self.prefill_chunk - used, self.prefill_chunk // 4, 1))
 
-    def _take(self) -> tuple[list[Request], Request | None]:
+    def _held_prompts(self) -> dict[tuple[int, ...], int]:
+        """The rows of the decoding sequences by prompt (of two tokens or more: each is in
+        the cache whole), where a new sequence of the same prompt may start from a copy
+        (decoders that continue a prompt held in part, :attr:`Decoder.fills_in_parts`)."""
+        if not self._waiting or not self.decoder.fills_in_parts:
+            return {}
+        return {r.prompt_key: row for row, r in enumerate(self.running[:self._decoding])
+                if len(r.prompt_ids) > 1}
+
+    def _take(self, held: dict[tuple[int, ...], int]
+              ) -> tuple[list[Request], Request | None, int]:
         """The waiting requests this step admits, in queue order, while rows are free: without
-        ``prefill_chunk``, all; with it, the prompts of at most ``prefill_chunk`` tokens while
-        their sum stays within it (the first always), and the first longer one when no prompt
-        is filling (it fills in parts); later long ones keep their places at the queue's
-        front (one long prompt fills at a time)."""
+        ``prefill_chunk``, all; with it, the prompts of at most ``prefill_chunk`` positions to
+        prefill while their sum stays within it (the first always), and the first longer one
+        when no prompt is filling (it fills in parts); later long ones keep their places at
+        the queue's front (one long prompt fills at a time). A prompt that a running
+        sequence (``held``) or one taken before it holds costs one position
+        (:meth:`_prefill_new`). Returns them and the positions they cost."""
         budget, used = self.prefill_chunk, 0
+        shared = set(held)
         new: list[Request] = []
         long: Request | None = None
         kept: list[Request] = []
@@ -425,6 +468,8 @@ class Engine:
                                  < self.max_batch):
             r = self._waiting[0]
             n = len(r.prompt_ids) if r.sampling.max_new_tokens > 0 else 0
+            if n > 1 and r.prompt_key in shared:
+                n = 1
             if budget is not None and n > budget:
                 if self.filling is None and long is None:
                     long = self._waiting.popleft()
@@ -435,19 +480,39 @@ class Engine:
                 break
             new.append(self._waiting.popleft())
             used += n
+            if n > 1 and self.decoder.fills_in_parts:
+                shared.add(r.prompt_key)
         self._waiting.extendleft(reversed(kept))
-        return new, long
+        return new, long, used
 
-    def _prefill_new(self, lo: int, new: list[Request], t0: float, started: float,
+    def _prefill_new(self, lo: int, new: list[Request], runs: list[tuple[int, int]],
+                     held: dict[tuple[int, ...], int], t0: float, started: float,
                      updates: list[Update]) -> None:
-        """Prefill ``new`` (rows ``lo ..``, sorted by prompt length) whole, in groups."""
+        """Prefill ``new`` (rows ``lo ..``) whole. Each run of one prompt
+        (:func:`shared_prompts`) is prefilled once: every position but the last comes from
+        the row of a running sequence that holds the prompt (``held``), or is filled into the
+        run's first row (:meth:`Decoder.fill`), and is copied into the run's rows; then each
+        row prefills the last position, which gives its first token with its own sampling.
+        The other prompts, sorted by length, are prefilled in groups."""
         if not new:
             return
         emits: list[Emit] = []
-        for a, b in prefill_groups([len(r.prompt_ids) for r in new]):
+        shared = runs[-1][1] if runs else 0
+        groups = [(a + shared, b + shared) for a, b in
+                  prefill_groups([len(r.prompt_ids) for r in new[shared:]])]
+        for k, (a, b) in enumerate([*runs, *groups]):
+            seqs = [r.seq for r in new[a:b]]
             with self.threads.split("torch"):
-                emits += self.decoder.prefill(self.pool.batch(lo + a, lo + b,
-                                                              [r.seq for r in new[a:b]]))
+                if k < len(runs):
+                    start = len(new[a].prompt_ids) - 1
+                    src = held.get(new[a].prompt_key)
+                    first = lo + a
+                    if src is None:  # the run's first row fills it
+                        src, first = lo + a, lo + a + 1
+                        self.decoder.fill(self.pool.batch(src, src + 1, seqs[:1]), start)
+                    if first < lo + b:
+                        self.pool.copy_prefix(src, first, lo + b, start)
+                emits += self.decoder.prefill(self.pool.batch(lo + a, lo + b, seqs))
             t1 = time.perf_counter()
             for r in new[a:b]:
                 r.t_first = t1

@@ -74,6 +74,12 @@ class SlotPool:
         assert self.cache is not None and len(seqs) == hi - lo
         return Batch(seqs, self.cache.rows(lo, hi), {k: v[lo:hi] for k, v in self.aux.items()})
 
+    def copy_prefix(self, src: int, lo: int, hi: int, n: int) -> None:
+        """Rows ``[lo, hi)`` hold the first ``n`` positions of row ``src`` (a prompt
+        prefilled once for several sequences, :meth:`KVCache.copy_prefix`)."""
+        assert self.cache is not None
+        self.cache.copy_prefix(src, lo, hi, n)
+
     def move_row(self, src: int, dst: int) -> None:
         """Sequence in row ``src`` moves to row ``dst`` (which it overwrites)."""
         assert self.cache is not None

@@ -144,6 +144,18 @@ class KVCache:
         self._lengths[dst] = self._lengths[src]
         self._fill[:, dst] = self._fill[:, src]
 
+    def copy_prefix(self, src: int, lo: int, hi: int, n: int) -> None:
+        """Rows ``[lo, hi)`` hold row ``src``'s first ``n`` positions, and only them: length
+        ``n``, each slot filled as far as ``src``'s is, at most ``n`` (a prompt prefilled once
+        for several sequences; ``src``, outside the range, holds at least ``n``)."""
+        if not 0 <= n <= int(self._lengths[src]) or lo <= src < hi:
+            raise ValueError(f"cannot copy {n} positions of row {src} (holding "
+                             f"{int(self._lengths[src])}) into rows [{lo}, {hi})")
+        for t in (*self.keys, *self.values):
+            t[lo:hi, :, :n] = t[src : src + 1, :, :n]
+        self._lengths[lo:hi] = n
+        self._fill[:, lo:hi] = self._fill[:, src : src + 1].clamp(max=n)
+
     def clear_row(self, row: int) -> None:
         """Forget row ``row`` (length and fill 0; its entries are overwritten later)."""
         self._lengths[row] = 0

@@ -2,11 +2,12 @@
 
 A request becomes one engine request per choice: ``n`` choices of each prompt (completions
 take a list of prompts; choice ``i`` belongs to prompt ``i // n``), choice ``i`` seeded
-``seed + i``. Unstreamed, the handler waits for every choice (and cancels them when the client
-disconnects); streamed, every engine update becomes an SSE event ``data: {chunk}``, the
-stream ends with ``data: [DONE]``, and a client that goes away cancels the choices (the
-generator is closed, its ``finally`` cancels them). An engine failure is a 500, or in a stream
-one ``data: {"error": ...}`` event before ``[DONE]``.
+``seed + i``; the engine prefills a prompt once for its choices. Unstreamed, the handler
+waits for every choice (and cancels them when the client disconnects); streamed, every engine
+update becomes an SSE event ``data: {chunk}``, the stream ends with ``data: [DONE]``, and a
+client that goes away cancels the choices (the generator is closed, its ``finally`` cancels
+them). An engine failure is a 500, or in a stream one ``data: {"error": ...}`` event before
+``[DONE]``.
 
 ``echo`` with ``logprobs`` (lm-evaluation-harness's log-likelihoods) scores the prompt with
 :meth:`~exitlm.infer.engine.Engine.score` at the final layer, on the engine thread; generated
