@@ -16,6 +16,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from exitlm.args import int_list
 from exitlm.config import ConfigError
 from exitlm.infer.strategies import STRATEGIES
 from exitlm.schema import convert, field_hints
@@ -41,12 +42,9 @@ def strategies_taking(name: str) -> tuple[str, ...]:
     return tuple(s for s, _, _ in _fields().get(name, []))
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        msg = f"expected comma-separated integers, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from err
+def _int_tuple(text: str) -> tuple[int, ...]:
+    """:func:`exitlm.args.int_list` as the tuple a strategy option holds."""
+    return tuple(int_list(text))
 
 
 def _argument(annotation: Any) -> dict[str, Any]:
@@ -60,7 +58,7 @@ def _argument(annotation: Any) -> dict[str, Any]:
     if typing.get_origin(annotation) is Literal:
         return {"choices": list(args)}
     if typing.get_origin(annotation) is tuple:
-        return {"type": _int_list, "metavar": "L1,L2,..."}
+        return {"type": _int_tuple, "metavar": "L1,L2,..."}
     if annotation in (int, float, str):
         return {"type": annotation}
     raise TypeError(f"no command-line form for options of type {annotation!r}")

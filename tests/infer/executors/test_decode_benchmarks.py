@@ -54,8 +54,9 @@ def test_dist_decode_quick() -> None:
 
 
 def test_tp_decode_quick() -> None:
-    out = _run("tp_decode.py", "--quick", "--model", "debug", "--dtypes", "float32,int8")
-    assert [r["dtype"] for r in out["results"]] == ["float32", "int8"]
+    # one weight format (tests/infer/executors/test_tp_quantized.py covers int8 / int4 TP)
+    out = _run("tp_decode.py", "--quick", "--model", "debug", "--dtypes", "float32")
+    assert [r["dtype"] for r in out["results"]] == ["float32"]
     for r in out["results"]:
         assert r["one_process_tokens_per_s"][0] > 0 and r["tp2_tokens_per_s"][0] > 0
         assert r["ratio_of_medians"] > 0 and r["ratio_vs_best_one_process"] > 0
