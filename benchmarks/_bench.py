@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts (run as ``python benchmarks/NAME.py``, which puts
 this folder on ``sys.path``): progress notes on stderr, nearest-rank percentiles, held-out
-prompts fitted to a model's context, the machine every report names, and bad input reported
-in one line."""
+prompts fitted to a model's context (and a long held-out source file), the machine every
+report names, and bad input reported in one line."""
 
 from __future__ import annotations
 
@@ -67,6 +67,31 @@ def held_out_prompt_ids(tokenizer: Any, n: int, context: int, new_tokens: int,
 
     keep = max(1, min(keep, context - new_tokens - 1))
     return [tokenizer.encode(p)[-keep:] for p in builtin_prompts(n)]
+
+
+class ByteIds:
+    """Token ids of a model without a tokenizer (the random ``debug`` preset): its bytes,
+    modulo the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab for b in text.encode()]
+
+
+def long_prompt_ids(tokenizer: Any, n: int, script: str) -> list[int]:
+    """``n`` tokens of held-out standard-library source (``argparse.py``: real code and
+    docstrings, not in any shipped model's training corpus list); ``script`` names the
+    benchmark in the error when the file is shorter."""
+    import argparse as source
+
+    with open(source.__file__, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read())
+    if len(ids) < n:
+        raise SystemExit(f"{script}: {source.__file__} has only {len(ids)} tokens, "
+                         f"the prompt asks for {n}")
+    return ids[:n]
 
 
 @contextlib.contextmanager

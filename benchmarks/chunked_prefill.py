@@ -37,34 +37,18 @@ from typing import Any
 
 import torch
 
-from _bench import held_out_prompt_ids, machine, note, one_line_errors, percentile
+from _bench import (
+    ByteIds,
+    held_out_prompt_ids,
+    long_prompt_ids,
+    machine,
+    note,
+    one_line_errors,
+    percentile,
+)
 from exitlm.args import int_at_least, int_list
 from exitlm.infer import Engine, SamplingOptions
 from exitlm.io import load_model
-
-
-class _Bytes:
-    """Token ids of a model without a tokenizer (the random ``debug`` preset): its bytes,
-    modulo the vocabulary."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def encode(self, text: str) -> list[int]:
-        return [b % self.vocab for b in text.encode()]
-
-
-def _long_prompt(tokenizer: Any, n: int) -> list[int]:
-    """``n`` tokens of held-out standard-library source (``argparse.py``: real code and
-    docstrings, not in any shipped model's training corpus list)."""
-    import argparse as source
-
-    with open(source.__file__, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
-    if len(ids) < n:
-        raise SystemExit(f"chunked_prefill: {source.__file__} has only {len(ids)} tokens, "
-                         f"--long asks for {n}")
-    return ids[:n]
 
 
 def _one_pass(model: Any, tokenizer: Any, chunk: int | None, shorts: list[list[int]],
@@ -125,12 +109,12 @@ def main() -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     context = model.config.max_seq_len
-    encoder = tokenizer if tokenizer is not None else _Bytes(model.config.vocab_size)
+    encoder = tokenizer if tokenizer is not None else ByteIds(model.config.vocab_size)
     if args.long + args.long_new > context:
         raise SystemExit(f"chunked_prefill: --long {args.long} + --long-new {args.long_new} "
                          f"exceeds the model's context ({context})")
     shorts = held_out_prompt_ids(encoder, args.streams, context, args.short_new, keep=32)
-    long = _long_prompt(encoder, args.long)
+    long = long_prompt_ids(encoder, args.long, "chunked_prefill")
     settings: list[int | None] = [None, *args.chunks]
     runs: dict[str, list[dict[str, Any]]] = {}
     for k in range(args.passes):

@@ -147,6 +147,8 @@ class Engine:
             docstring): longer prompts go in parts; ``None``: every admitted prompt whole, in
             the step that admits it. Ignored by decoders that cannot
             (:attr:`Decoder.fills_in_parts`).
+        share_prompts: prefill a prompt once for the requests that share it
+            (:func:`shared_prompts`; decoders that fill in parts); ``False``: each its own.
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class Engine:
         max_queue: int | None = None,
         threads: int | None = None,
         prefill_chunk: int | None = None,
+        share_prompts: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
@@ -174,7 +177,8 @@ class Engine:
         self.executor = executor_for(model, self.strategy, self.options)
         try:
             self.executor.start(EngineSpec(self.strategy.name, self.options, tokenizer,
-                                           max_batch, max_seq_len, threads, prefill_chunk))
+                                           max_batch, max_seq_len, threads, prefill_chunk,
+                                           share_prompts))
         except BaseException:
             if self._own_executor:
                 self.executor.close()
@@ -206,6 +210,7 @@ class Engine:
         """The requests holding pool rows, in row order: the decoding ones, then the one
         whose prompt is being prefilled in parts (:attr:`filling`), if any."""
         self.prefill_chunk = prefill_chunk if self.decoder.fills_in_parts else None
+        self.share_prompts = share_prompts and self.decoder.fills_in_parts
         self.filling: Request | None = None
         """The request whose long prompt is prefilled in parts (the last of ``running``)."""
         self.prefill_s = 0.0
@@ -415,7 +420,7 @@ class Engine:
             updates.append(self._finish(r, "length"))
         new = [r for r in new if r.sampling.max_new_tokens > 0]
         runs: list[tuple[int, int]] = []
-        if self.decoder.fills_in_parts:  # prompts prefilled once first
+        if self.share_prompts:  # prompts prefilled once first
             order, runs = shared_prompts([r.prompt_key for r in new], held)
             new = [new[i] for i in order]
         else:
@@ -445,7 +450,7 @@ class Engine:
         """The rows of the decoding sequences by prompt (of two tokens or more: each is in
         the cache whole), where a new sequence of the same prompt may start from a copy
         (decoders that continue a prompt held in part, :attr:`Decoder.fills_in_parts`)."""
-        if not self._waiting or not self.decoder.fills_in_parts:
+        if not self._waiting or not self.share_prompts:
             return {}
         return {r.prompt_key: row for row, r in enumerate(self.running[:self._decoding])
                 if len(r.prompt_ids) > 1}
@@ -480,7 +485,7 @@ class Engine:
                 break
             new.append(self._waiting.popleft())
             used += n
-            if n > 1 and self.decoder.fills_in_parts:
+            if n > 1 and self.share_prompts:
                 shared.add(r.prompt_key)
         self._waiting.extendleft(reversed(kept))
         return new, long, used
@@ -537,13 +542,43 @@ class Engine:
             self.prefill_s += time.perf_counter() - t0
             return
         self.filling = None  # a decoding row from here on, whatever the prefill does
+        copies = self._waiting_copies(r)
+        if copies:  # rows after it: they start from its row (_prefill_new's runs)
+            for q in copies:
+                q.status, q.t_admit = "running", t0
+            look = max(self.decoder.lookahead(q.seq) for q in (*self.running, *copies))
+            self.pool.ensure(len(self.running) + len(copies), len(r.prompt_ids) + look)
+            self.running += copies
+        reqs = [r, *copies]
         with self.threads.split("torch"):
-            emits = self.decoder.prefill(batch)
-        r.t_first = time.perf_counter()
+            if copies:
+                start = len(r.prompt_ids) - 1
+                if stop - part < start:  # it holds fewer than all but the last position
+                    self.decoder.fill(self.pool.batch(row, row + 1, [r.seq]), start)
+                self.pool.copy_prefix(row, row + 1, row + len(reqs), start)
+            emits = self.decoder.prefill(self.pool.batch(row, row + len(reqs),
+                                                         [q.seq for q in reqs]))
+        t1 = time.perf_counter()
+        for q in reqs:
+            q.t_first = t1
         startup = self.decoder.startup_s - started
         self.startup_s += startup
-        self.prefill_s += r.t_first - t0 - startup
-        self._record(row, [r], emits, updates)
+        self.prefill_s += t1 - t0 - startup
+        self._record(row, reqs, emits, updates)
+
+    def _waiting_copies(self, r: Request) -> list[Request]:
+        """The waiting requests with ``r``'s prompt (of two tokens or more), while rows are
+        free, taken out of the queue: a long prompt's other choices, which waited while it
+        filled in parts, start from its row when its last part is prefilled."""
+        if len(r.prompt_ids) < 2 or not self.share_prompts:
+            return []
+        with self._lock:
+            room = self.max_batch - len(self.running)
+            copies = [q for q in self._waiting if q.prompt_key == r.prompt_key
+                      and q.sampling.max_new_tokens > 0][:max(room, 0)]
+            for q in copies:
+                self._waiting.remove(q)
+        return copies
 
     def _decode(self, updates: list[Update]) -> None:
         t0 = time.perf_counter()

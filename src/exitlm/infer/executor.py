@@ -56,6 +56,7 @@ class EngineSpec:
     max_seq_len: int | None
     threads: int | None
     prefill_chunk: int | None = None
+    share_prompts: bool = True
 
 
 class Executor:

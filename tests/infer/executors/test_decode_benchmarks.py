@@ -5,6 +5,7 @@ tiny budgets: ``benchmarks/ppd_processes.py`` (AR, thread and process PPD, Theor
 ``benchmarks/batch_decode.py --quick`` (batches through the native blocks against torch),
 ``benchmarks/huge_pages.py --quick`` (weights in huge pages against 4 KiB pages),
 ``benchmarks/chunked_prefill.py --quick`` (a long prompt whole or in parts),
+``benchmarks/shared_prefill.py --quick`` (n choices of one prompt prefilled once or each),
 ``benchmarks/adaptive_self_spec.py --quick --fresh 1`` (the planner of a fresh process),
 ``benchmarks/greedy_heads.py --quick`` (screened against whole heads per precision). They
 run, print one JSON object with the documented fields, and report every method exact where
@@ -111,6 +112,18 @@ def test_chunked_prefill_quick() -> None:
     assert parts["tokens_while_it_filled"] == 2 * out["streams"]  # 96 = 3 parts: 2 steps between
     for s in (whole, parts):
         assert s["long_tokens_equal_whole"] is True and s["max_gap_s"] > 0
+
+
+def test_shared_prefill_quick() -> None:
+    out = _run("shared_prefill.py", "--model", "debug", "--quick")
+    rows = out["results"]
+    assert {(r["choices"], r["prefill_chunk"], r["shared"]) for r in rows} == {
+        (1, None, True), (3, None, True), (3, None, False), (1, 16, True), (3, 16, True),
+        (3, 16, False)}
+    for r in rows:
+        assert r["all_first_tokens_s"] > 0
+        if r["choices"] > 1 and r["shared"]:
+            assert r["same_tokens_as_unshared"] is True and r["speedup_vs_unshared"] > 0
 
 
 def test_adaptive_self_spec_fresh_passes() -> None:

@@ -172,7 +172,8 @@ class TPExecutor(Executor):
                                    "max_batch": spec.max_batch,
                                    "max_seq_len": spec.max_seq_len,
                                    "threads": self.threads,
-                                   "prefill_chunk": spec.prefill_chunk}])
+                                   "prefill_chunk": spec.prefill_chunk,
+                                   "share_prompts": spec.share_prompts}])
 
     def admit(self, sampling: SamplingOptions) -> SamplingOptions:
         """Sampling without a seed gets one here, the same on every rank."""
@@ -249,7 +250,8 @@ def _replay(shard: EarlyExitLM, tokenizer: Any, timeout_s: float) -> None:
                 engine = Engine(runner, tokenizer, strategy.name,
                                 strategy.options(None, **_from_json(spec["options"])),
                                 max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"],
-                                threads=spec["threads"], prefill_chunk=spec["prefill_chunk"])
+                                threads=spec["threads"], prefill_chunk=spec["prefill_chunk"],
+                                share_prompts=spec["share_prompts"])
                 continue
             assert engine is not None, "rank 0 steps before it starts an engine"
             if kind == SCORE:
