@@ -196,3 +196,26 @@ def test_a_shipped_delta_loads_by_name(pair: tuple, tmp_path: Path,
     x = torch.randint(0, 256, (1, 8))
     torch.testing.assert_close(_logits(got.model, x), _logits(tuned.model, x), atol=1e-5,
                                rtol=1e-5)
+
+
+def test_a_shipped_base_name_wins_over_a_folder_of_that_name(
+        pair: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta over a model exitlm ships, by name, loads that model even where a folder of
+    the same name sits beside the delta (as ``load_model`` takes the name first): the folder
+    had been taken as the base and the delta refused as made for other weights."""
+    import exitlm.io.shipped as shipped
+
+    base_dir, base, tuned = pair
+    data = tmp_path / "data"
+    monkeypatch.setattr(shipped, "DATA_DIR", data)
+    monkeypatch.setitem(shipped.SHIPPED_MODELS, "tiny-base", "tiny_base")
+    save_model(base, data / "tiny_base")
+    out = tmp_path / "deltas"
+    save_delta("tiny-base", base.model, tuned.model, out / "tuned", rank=2, dtype=torch.float32)
+    assert json.loads((out / "tuned" / DELTA_META).read_text())["base"] == "tiny-base"
+    torch.manual_seed(1)
+    save_model(load_model("debug"), out / "tuned" / "tiny-base")  # another model, that name
+    got = load_model(str(out / "tuned"))
+    x = torch.randint(0, 256, (1, 8))
+    torch.testing.assert_close(_logits(got.model, x), _logits(tuned.model, x), atol=1e-5,
+                               rtol=1e-5)

@@ -41,6 +41,9 @@ working directory of the run that wrote it; :func:`bundle_base` still reads it."
 READ_FORMATS = (1, 2)
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 NAMED_BUNDLES: dict[str, Path] = {"default-ee": DATA_DIR / "default_ee"}
+SHIPPED_MODELS: dict[str, str] = {"layerskip-code": "layerskip_code"}
+"""Name -> folder under ``exitlm/data`` of the models shipped whole (or as a delta):
+:mod:`exitlm.io.shipped`."""
 
 
 def find_bundle(name_or_path: str) -> Path | None:
@@ -53,8 +56,10 @@ def find_bundle(name_or_path: str) -> Path | None:
     return None
 
 
-_NAMES_FIRST = ("default", *NAMED_BUNDLES)
-"""Names :func:`exitlm.io.load_model` takes as names even where a path of that name exists."""
+def is_package_name(base: str) -> bool:
+    """Whether :func:`exitlm.io.load_model` takes ``base`` as the name of a model exitlm ships
+    or embeds, even where a path of that name exists."""
+    return base == "default" or base in NAMED_BUNDLES or base in SHIPPED_MODELS
 
 
 def base_reference(base: str, directory: Path) -> str:
@@ -64,7 +69,7 @@ def base_reference(base: str, directory: Path) -> str:
     checkpoint loads from any working directory and keeps working when the two move together;
     a name, an absolute path and a path that does not exist are kept as given."""
     path = Path(base).expanduser()
-    if base in _NAMES_FIRST or path.is_absolute() or not path.exists():
+    if is_package_name(base) or path.is_absolute() or not path.exists():
         return base
     try:
         rel = Path(os.path.relpath(path.resolve(), directory.expanduser().resolve()))
@@ -138,7 +143,7 @@ def bundle_base(directory: Path, base: str, version: int = BUNDLE_FORMAT) -> str
     fingerprint of its backbone; the other one would load silently)."""
     file = directory / BUNDLE_META
     path = Path(base).expanduser()
-    if base in _NAMES_FIRST or path.is_absolute():
+    if is_package_name(base) or path.is_absolute():
         return str(path) if path.is_absolute() else base
     near, far = directory / path, path
     legacy = version == 1 and far.exists()

@@ -34,7 +34,7 @@ import torch
 
 from exitlm.config import ConfigError, ModelConfig
 from exitlm.errors import warn
-from exitlm.io.bundle import base_reference, find_bundle
+from exitlm.io.bundle import base_reference, find_bundle, is_package_name
 from exitlm.io.hf_map import CheckpointError, check_float_weight
 from exitlm.io.loaded import LoadedModel, settled
 from exitlm.io.native import config_from_dict
@@ -155,12 +155,16 @@ def read_delta_meta(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
 
 
 def base_of(directory: Path, meta: dict[str, Any]) -> str:
-    """What to load as the base of the delta in ``directory``: its ``base``, a path taken
-    relative to the directory when one exists there, else as given (a name; a path relative to
-    the working directory, as exitlm before :func:`~exitlm.io.bundle.base_reference` recorded
-    it: the fingerprint refuses another model)."""
+    """What to load as the base of the delta in ``directory``: its ``base``, a name exitlm
+    ships as that name (:func:`~exitlm.io.bundle.is_package_name`, whatever folders sit
+    beside it), a path taken relative to the directory when one exists there, else as given
+    (a name; a path relative to the working directory, as exitlm before
+    :func:`~exitlm.io.bundle.base_reference` recorded it: the fingerprint refuses another
+    model)."""
     near = directory / meta["base"]
-    base = str(near) if not Path(meta["base"]).is_absolute() and near.exists() else meta["base"]
+    base = meta["base"]
+    if not (is_package_name(base) or Path(base).is_absolute()) and near.exists():
+        base = str(near)
     if is_delta_dir(Path(base).expanduser()):
         raise CheckpointError(f"{directory / DELTA_META}: base {meta['base']!r} is itself a "
                               "delta; a delta sits on a whole checkpoint")

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exitlm.io.bundle import DATA_DIR
+from exitlm.io.bundle import DATA_DIR, SHIPPED_MODELS
 from exitlm.io.delta import is_delta_dir
 from exitlm.io.native import is_native_dir
-
-SHIPPED_MODELS: dict[str, str] = {"layerskip-code": "layerskip_code"}
-"""Name -> folder under ``exitlm/data``."""
 
 
 def shipped_dir(name: str, data_dir: Path | None = None) -> Path | None:
