@@ -11,7 +11,7 @@ import torch
 from _ee_models import ee_model, one_thread  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, generate
-from exitlm.infer.engine import prefill_groups, shared_prompts
+from exitlm.infer.prefill_plan import PrefillPart, held_start, plan_prefill, prefill_groups
 from exitlm.infer.strategies import get_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,14 +201,32 @@ def test_cancel_while_filling_and_rows_moving_under_it() -> None:
     assert cache is not None and int(cache.lengths.sum()) == 0 and int(cache.fill.sum()) == 0
 
 
-def test_shared_prompts_put_identical_prompts_first() -> None:
-    order, runs = shared_prompts([(1, 2, 3), (4,), (1, 2, 3), (5, 6), (4,), (7, 8),
-                                  (1, 2, 3), (5, 6)])
+def test_the_plan_prefills_a_shared_prompt_once() -> None:
+    prompts = [[1, 2, 3], [4], [1, 2, 3], [5, 6], [4], [7, 8], [1, 2, 3], [5, 6]]
+    order, parts = plan_prefill(prompts)
     assert order == [0, 2, 6, 3, 7, 1, 4, 5]  # one-token prompts have nothing to share
-    assert runs == [(0, 3), (3, 5)]
-    assert shared_prompts([(1, 2), (3, 4, 5)]) == ([0, 1], [])
-    # a prompt a running sequence holds is a run of its own, even alone
-    assert shared_prompts([(9, 9, 9, 9), (3, 4, 5)], held={(3, 4, 5)}) == ([1, 0], [(0, 1)])
+    assert parts == [PrefillPart(0, 3, 2), PrefillPart(3, 5, 1), PrefillPart(5, 7),
+                     PrefillPart(7, 8)]  # the rest in padded groups
+    assert plan_prefill([[1, 2], [3, 4, 5]]) == ([0, 1], [PrefillPart(0, 2)])
+    order, parts = plan_prefill(prompts, share=False)  # every prompt whole, by length
+    assert [len(prompts[i]) for i in order] == [1, 1, 2, 2, 2, 3, 3, 3]
+    assert all(p.start == 0 for p in parts)
+
+
+def test_the_plan_copies_a_start_a_running_prompt_holds() -> None:
+    """A running row's prompt sharing all but the last token, or at least 32 tokens, is
+    copied from; the longest shared start wins; a shorter one is not worth a part."""
+    system = list(range(40))
+    held = [(0, [*system, 90, 91]), (3, [*system[:35], 99]), (5, [7, 7, 7])]
+    assert held_start([*system, 50], held) == (0, 40)
+    assert held_start([*system[:33], 60], held) == (0, 33)
+    assert held_start([*system[:20], 1, 2], held) is None  # 20 shared positions: too few
+    assert held_start([7, 7, 7], held) == (5, 2)  # the same prompt: all but the last
+    assert held_start([7, 7], held) == (5, 1)
+    prompts = [[3, 3], [*system, 50], [7, 7, 7], [*system, 50], [*system, 8]]
+    order, parts = plan_prefill(prompts, held)
+    assert order == [1, 3, 4, 2, 0]  # the copies of one start together, by the rest's length
+    assert parts == [PrefillPart(0, 3, 40, 0), PrefillPart(3, 4, 2, 5), PrefillPart(4, 5)]
 
 
 @pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
@@ -264,6 +282,34 @@ def test_a_prompt_a_running_sequence_holds_is_copied(strategy: str, opts: dict) 
     assert sum(per_step.values()) == 30 + 1 + 1
     for req, s in zip(reqs, samplings, strict=True):
         alone = generate(model, None, prompt, strategy=strategy, sampling=s, **opts)
+        assert req.token_ids == alone.token_ids[0]
+
+
+@pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_a_shared_start_is_copied_from_a_running_row(strategy: str, opts: dict,
+                                                     chunk: int | None) -> None:
+    """Prompts that begin with a running request's 40-token start (a system prompt) copy it
+    from its row and prefill only their own tails - whole, or in parts when the tail exceeds
+    the budget - and get the tokens they get alone; a prompt sharing fewer tokens does not."""
+    model = ee_model("block", every_layer=False)
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(0, 23, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (5, 6, 20)]
+    prompts = [system + tails[0], system + tails[1], system + tails[2],
+               system[:10] + tails[1]]
+    sampling = SamplingOptions(max_new_tokens=30, ignore_eos=True)
+    engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
+                    max_batch=4, prefill_chunk=chunk)
+    per_step = _count_prefill(engine)
+    reqs = [engine.submit(prompts[0], sampling)]
+    while not reqs[0].token_ids:
+        engine.step()
+    reqs += [engine.submit(p, sampling) for p in prompts[1:]]
+    engine.run()
+    assert sum(per_step.values()) == 45 + 6 + 20 + 16
+    for req, p in zip(reqs, prompts, strict=True):
+        alone = generate(model, None, p, strategy=strategy, sampling=sampling, **opts)
         assert req.token_ids == alone.token_ids[0]
 
 

@@ -205,7 +205,7 @@ def test_a_shipped_base_name_wins_over_a_folder_of_that_name(
     had been taken as the base and the delta refused as made for other weights."""
     import exitlm.io.shipped as shipped
 
-    base_dir, base, tuned = pair
+    _, base, tuned = pair
     data = tmp_path / "data"
     monkeypatch.setattr(shipped, "DATA_DIR", data)
     monkeypatch.setitem(shipped.SHIPPED_MODELS, "tiny-base", "tiny_base")

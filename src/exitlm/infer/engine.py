@@ -10,7 +10,8 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
 
 1. drops cancelled requests (freeing their rows);
 2. admits waiting requests while rows are free and prefills them in padded batches of
-   similar prompt lengths (:func:`prefill_groups`; their first token comes out of the
+   similar prompt lengths (:func:`~exitlm.infer.prefill_plan.prefill_groups`; their first
+   token comes out of the
    prefill). With ``prefill_chunk``, a step prefills about that many prompt positions at
    most, between the decoding steps of the others (vLLM's chunked prefill, Sarathi-Serve's
    "stall-free" batching): shorter prompts whole, first come first served, while they fit
@@ -18,8 +19,9 @@ Every :meth:`Engine.step` (vLLM's scheduler loop, gpt-fast's ``generate`` loop):
    a quarter of it - so that neither a long prompt nor a crowd of short ones holds every
    running stream for its whole prefill. One long prompt fills at a time (its row the last
    one); other long ones wait at the queue's front. A prompt that several requests share
-   (``n`` choices) is prefilled once, or copied from a running sequence that holds it
-   (:func:`shared_prompts`); each request prefills only its last position;
+   (``n`` choices) is prefilled once, and a prompt's start that a running sequence's prompt
+   shares is copied from its row (:mod:`~exitlm.infer.prefill_plan`); each request prefills
+   at least its last position itself;
 3. runs one decoder step over every running sequence - each accepts, exits and stops on
    its own - and records the tokens: stop tokens, stop strings and ``max_new_tokens`` end a
    request, which leaves the pool at once (:mod:`exitlm.infer.pool` compacts its rows).
@@ -43,7 +45,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ from exitlm.infer.executor import Cancel, EngineSpec, Event, Executor, Submit
 from exitlm.infer.executors import executor_for
 from exitlm.infer.options import SamplingOptions
 from exitlm.infer.pool import SlotPool
+from exitlm.infer.prefill_plan import Held, PrefillPart, held_start, plan_prefill
 from exitlm.infer.request import Request, Update
 from exitlm.infer.result import FinishReason, TokenLogprob
 from exitlm.infer.sampling import make_generator
@@ -66,50 +69,6 @@ from exitlm.kernels.blas import gemv_bound
 from exitlm.model.transformer import EarlyExitLM
 from exitlm.runtime.runner import Runner
 from exitlm.tokenizer import Tokenizer
-
-PREFILL_PADDING = 1.25
-"""Prompts prefilled together may hold at most this many padded positions per real one."""
-
-
-def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING
-                   ) -> list[tuple[int, int]]:
-    """Split prompts sorted by length into ranges ``[a, b)`` prefilled as one right-padded
-    batch each: a range grows while its padded size (count x longest) stays within
-    ``padding`` x its real tokens. Mixed lengths would otherwise pay for the longest prompt in
-    every row (e.g. 14, 67, 424 and 17 tokens: 1696 positions for 522 real ones)."""
-    groups: list[tuple[int, int]] = []
-    a, total = 0, 0
-    for i, n in enumerate(lengths):
-        if i > a and (i - a + 1) * n > padding * (total + n):
-            groups.append((a, i))
-            a, total = i, 0
-        total += n
-    if lengths:
-        groups.append((a, len(lengths)))
-    return groups
-
-
-def shared_prompts(prompts: list[tuple[int, ...]], held: Container[tuple[int, ...]] = ()
-                   ) -> tuple[list[int], list[tuple[int, int]]]:
-    """An admission order for ``prompts`` in which the prompts of two tokens or more that
-    are prefilled once (:meth:`Engine._prefill_new`) sit together first - those that come
-    twice or more (``n`` choices of one request, the same prompt sent again) and those a
-    running sequence holds whole (``held``) - then the others sorted by length
-    (:func:`prefill_groups`). Returns the order (indices into ``prompts``) and the runs of one
-    prompt each, ranges ``[a, b)`` of it."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_prompt.setdefault(p, []).append(i)
-    order: list[int] = []
-    runs: list[tuple[int, int]] = []
-    for key, idx in by_prompt.items():
-        if len(key) > 1 and (len(idx) > 1 or key in held):
-            runs.append((len(order), len(order) + len(idx)))
-            order += idx
-    taken = set(order)
-    rest = sorted((i for i in range(len(prompts)) if i not in taken),
-                  key=lambda i: len(prompts[i]))
-    return order + rest, runs
 
 
 class EngineBroken(RuntimeError):
@@ -147,8 +106,10 @@ class Engine:
             docstring): longer prompts go in parts; ``None``: every admitted prompt whole, in
             the step that admits it. Ignored by decoders that cannot
             (:attr:`Decoder.fills_in_parts`).
-        share_prompts: prefill a prompt once for the requests that share it
-            (:func:`shared_prompts`; decoders that fill in parts); ``False``: each its own.
+        share_prompts: prefill a prompt once for the requests that share it, and copy a
+            prompt's start from a running sequence's row that holds it
+            (:mod:`~exitlm.infer.prefill_plan`; decoders that fill in parts); ``False``:
+            every prompt prefilled whole by its own request.
     """
 
     def __init__(
@@ -419,12 +380,9 @@ class Engine:
         for r in empty:
             updates.append(self._finish(r, "length"))
         new = [r for r in new if r.sampling.max_new_tokens > 0]
-        runs: list[tuple[int, int]] = []
-        if self.share_prompts:  # prompts prefilled once first
-            order, runs = shared_prompts([r.prompt_key for r in new], held)
-            new = [new[i] for i in order]
-        else:
-            new.sort(key=lambda r: len(r.prompt_ids))
+        order, parts = plan_prefill([r.prompt_ids for r in new], held,
+                                    share=self.share_prompts)
+        new = [new[i] for i in order]
         if new or long is not None:
             t0 = time.perf_counter()
             started = self.decoder.startup_s
@@ -441,31 +399,35 @@ class Engine:
             if long is not None:  # the last row: it fills in parts, from this step on
                 self.running.append(long)
                 self.filling = long
-            self._prefill_new(lo, new, runs, held, t0, started, updates)
+                start = held_start(long.prompt_ids, held) if held else None
+                if start is not None:  # its start is a running row's: the parts follow it
+                    row = len(self.running) - 1
+                    self.pool.copy_prefix(start[0], row, row + 1, start[1])
+            self._prefill_new(lo, new, parts, t0, started, updates)
         if self.filling is not None:
             assert self.prefill_chunk is not None
             self._fill(updates, max(self.prefill_chunk - used, self.prefill_chunk // 4, 1))
 
-    def _held_prompts(self) -> dict[tuple[int, ...], int]:
-        """The rows of the decoding sequences by prompt (of two tokens or more: each is in
-        the cache whole), where a new sequence of the same prompt may start from a copy
-        (decoders that continue a prompt held in part, :attr:`Decoder.fills_in_parts`)."""
+    def _held_prompts(self) -> Held:
+        """The decoding rows and their prompts (each in the cache whole), whose starts new
+        prompts may copy (decoders that continue a prompt held in part,
+        :attr:`Decoder.fills_in_parts`)."""
         if not self._waiting or not self.share_prompts:
-            return {}
-        return {r.prompt_key: row for row, r in enumerate(self.running[:self._decoding])
-                if len(r.prompt_ids) > 1}
+            return []
+        return [(row, r.prompt_ids) for row, r in enumerate(self.running[:self._decoding])
+                if len(r.prompt_ids) > 1]
 
-    def _take(self, held: dict[tuple[int, ...], int]
-              ) -> tuple[list[Request], Request | None, int]:
+    def _take(self, held: Held) -> tuple[list[Request], Request | None, int]:
         """The waiting requests this step admits, in queue order, while rows are free: without
         ``prefill_chunk``, all; with it, the prompts of at most ``prefill_chunk`` positions to
         prefill while their sum stays within it (the first always), and the first longer one
         when no prompt is filling (it fills in parts); later long ones keep their places at
-        the queue's front (one long prompt fills at a time). A prompt that a running
-        sequence (``held``) or one taken before it holds costs one position
-        (:meth:`_prefill_new`). Returns them and the positions they cost."""
+        the queue's front (one long prompt fills at a time). A prompt costs the positions
+        that :func:`~exitlm.infer.prefill_plan.plan_prefill` leaves it: those after the start
+        a running sequence (``held``) holds, one when it is a prompt taken before it. Returns
+        them and the positions they cost."""
         budget, used = self.prefill_chunk, 0
-        shared = set(held)
+        taken: set[tuple[int, ...]] = set()
         new: list[Request] = []
         long: Request | None = None
         kept: list[Request] = []
@@ -473,8 +435,11 @@ class Engine:
                                  < self.max_batch):
             r = self._waiting[0]
             n = len(r.prompt_ids) if r.sampling.max_new_tokens > 0 else 0
-            if n > 1 and r.prompt_key in shared:
+            if n > 1 and r.prompt_key in taken:
                 n = 1
+            elif n > 1 and held:
+                start = held_start(r.prompt_ids, held)
+                n -= 0 if start is None else start[1]
             if budget is not None and n > budget:
                 if self.filling is None and long is None:
                     long = self._waiting.popleft()
@@ -486,40 +451,34 @@ class Engine:
             new.append(self._waiting.popleft())
             used += n
             if n > 1 and self.share_prompts:
-                shared.add(r.prompt_key)
+                taken.add(r.prompt_key)
         self._waiting.extendleft(reversed(kept))
         return new, long, used
 
-    def _prefill_new(self, lo: int, new: list[Request], runs: list[tuple[int, int]],
-                     held: dict[tuple[int, ...], int], t0: float, started: float,
-                     updates: list[Update]) -> None:
-        """Prefill ``new`` (rows ``lo ..``) whole. Each run of one prompt
-        (:func:`shared_prompts`) is prefilled once: every position but the last comes from
-        the row of a running sequence that holds the prompt (``held``), or is filled into the
-        run's first row (:meth:`Decoder.fill`), and is copied into the run's rows; then each
-        row prefills the last position, which gives its first token with its own sampling.
-        The other prompts, sorted by length, are prefilled in groups."""
+    def _prefill_new(self, lo: int, new: list[Request], parts: list[PrefillPart],
+                     t0: float, started: float, updates: list[Update]) -> None:
+        """Prefill ``new`` (rows ``lo ..``, in the order of ``parts``, which
+        :func:`~exitlm.infer.prefill_plan.plan_prefill` made): each part's rows first hold
+        their prompts' first ``start`` positions - copied from a running row, or filled into
+        the part's first row (:meth:`Decoder.fill`) and copied to the others - then prefill
+        the rest, the last position giving each row its first token with its own sampling."""
         if not new:
             return
         emits: list[Emit] = []
-        shared = runs[-1][1] if runs else 0
-        groups = [(a + shared, b + shared) for a, b in
-                  prefill_groups([len(r.prompt_ids) for r in new[shared:]])]
-        for k, (a, b) in enumerate([*runs, *groups]):
-            seqs = [r.seq for r in new[a:b]]
+        for part in parts:
+            a, b = lo + part.a, lo + part.b
+            seqs = [r.seq for r in new[part.a:part.b]]
             with self.threads.split("torch"):
-                if k < len(runs):
-                    start = len(new[a].prompt_ids) - 1
-                    src = held.get(new[a].prompt_key)
-                    first = lo + a
-                    if src is None:  # the run's first row fills it
-                        src, first = lo + a, lo + a + 1
-                        self.decoder.fill(self.pool.batch(src, src + 1, seqs[:1]), start)
-                    if first < lo + b:
-                        self.pool.copy_prefix(src, first, lo + b, start)
-                emits += self.decoder.prefill(self.pool.batch(lo + a, lo + b, seqs))
+                if part.start:
+                    src, first = part.source, a
+                    if src is None:  # rows of one prompt: its first row fills it
+                        src, first = a, a + 1
+                        self.decoder.fill(self.pool.batch(a, a + 1, seqs[:1]), part.start)
+                    if first < b:
+                        self.pool.copy_prefix(src, first, b, part.start)
+                emits += self.decoder.prefill(self.pool.batch(a, b, seqs))
             t1 = time.perf_counter()
-            for r in new[a:b]:
+            for r in new[part.a:part.b]:
                 r.t_first = t1
         startup = self.decoder.startup_s - started
         self.startup_s += startup

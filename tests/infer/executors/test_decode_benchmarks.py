@@ -124,6 +124,9 @@ def test_shared_prefill_quick() -> None:
         assert r["all_first_tokens_s"] > 0
         if r["choices"] > 1 and r["shared"]:
             assert r["same_tokens_as_unshared"] is True and r["speedup_vs_unshared"] > 0
+    start = out["shared_start"]
+    assert start["same_tokens_as_unshared"] is True and start["arriving"] == 3
+    assert start["start_tokens"] >= 32 and start["speedup_vs_unshared"] > 0
 
 
 def test_adaptive_self_spec_fresh_passes() -> None:
