@@ -11,7 +11,13 @@ import torch
 from _ee_models import ee_model, one_thread  # noqa: F401
 from exitlm.config import ConfigError
 from exitlm.infer import Engine, SamplingOptions, generate
-from exitlm.infer.prefill_plan import PrefillPart, held_start, plan_prefill, prefill_groups
+from exitlm.infer.prefill_plan import (
+    PrefillPart,
+    alike_starts,
+    held_start,
+    plan_prefill,
+    prefill_groups,
+)
 from exitlm.infer.strategies import get_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -229,6 +235,23 @@ def test_the_plan_copies_a_start_a_running_prompt_holds() -> None:
     assert parts == [PrefillPart(0, 3, 40, 0), PrefillPart(3, 4, 2, 5), PrefillPart(4, 5)]
 
 
+def test_prompts_with_a_common_start_are_clustered() -> None:
+    """Prompts of one 40-token start and other tails cluster at the start they all share;
+    one of 20 shared tokens stays alone, as do different prompts; a whole prompt repeated
+    shares all but its last position, however short."""
+    system = list(range(40))
+    prompts = [[*system, 1, 2], [5, 5], [*system[:20], 9], [*system, 3], [5, 5],
+               [*system, 1, 7, 7], [8, 8, 8]]
+    clusters, alone = alike_starts(prompts, list(range(len(prompts))))
+    assert clusters == [(40, [0, 5, 3]), (1, [1, 4])]  # in the order of the prompts
+    assert sorted(alone) == [2, 6]
+    order, parts = plan_prefill(prompts)
+    assert order[:3] == [3, 0, 5]  # by the rest's length: 1, 2, 3
+    # the rests (1, 2, 3 tokens) in padded groups: the first fills the start, then copies
+    assert parts[0] == PrefillPart(0, 1, 40) and parts[1] == PrefillPart(1, 3, 40, None, 0)
+    assert parts[2] == PrefillPart(3, 5, 1)
+
+
 @pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
 @pytest.mark.parametrize("head", ["linear", "block"])
 def test_identical_prompts_are_prefilled_once(strategy: str, opts: dict, head: str) -> None:
@@ -308,6 +331,28 @@ def test_a_shared_start_is_copied_from_a_running_row(strategy: str, opts: dict,
     reqs += [engine.submit(p, sampling) for p in prompts[1:]]
     engine.run()
     assert sum(per_step.values()) == 45 + 6 + 20 + 16
+    for req, p in zip(reqs, prompts, strict=True):
+        alone = generate(model, None, p, strategy=strategy, sampling=sampling, **opts)
+        assert req.token_ids == alone.token_ids[0]
+
+
+@pytest.mark.parametrize(("strategy", "opts"), CHUNKED[:4])
+def test_a_start_shared_by_new_requests_is_filled_once(strategy: str, opts: dict) -> None:
+    """Four requests admitted together, three with one 40-token start (a system prompt) and
+    tails of 3, 4 and 30 tokens, one alike for 10 tokens only: the start is filled once, the
+    tails prefilled from it, and every request gets the tokens it gets alone."""
+    model = ee_model("block", every_layer=False)
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 23, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (3, 4, 30)]
+    prompts = [system + t for t in tails] + [system[:10] + tails[1]]
+    sampling = SamplingOptions(max_new_tokens=10, ignore_eos=True)
+    engine = Engine(model, None, strategy, get_strategy(strategy).options(**opts),
+                    max_batch=4)
+    per_step = _count_prefill(engine)
+    reqs = [engine.submit(p, sampling) for p in prompts]
+    engine.run()
+    assert per_step[1] == 40 + 3 + 4 + 30 + 14
     for req, p in zip(reqs, prompts, strict=True):
         alone = generate(model, None, p, strategy=strategy, sampling=sampling, **opts)
         assert req.token_ids == alone.token_ids[0]

@@ -422,12 +422,12 @@ class Engine:
         ``prefill_chunk``, all; with it, the prompts of at most ``prefill_chunk`` positions to
         prefill while their sum stays within it (the first always), and the first longer one
         when no prompt is filling (it fills in parts); later long ones keep their places at
-        the queue's front (one long prompt fills at a time). A prompt costs the positions
-        that :func:`~exitlm.infer.prefill_plan.plan_prefill` leaves it: those after the start
-        a running sequence (``held``) holds, one when it is a prompt taken before it. Returns
-        them and the positions they cost."""
+        the queue's front (one long prompt fills at a time). A prompt costs about the
+        positions that :func:`~exitlm.infer.prefill_plan.plan_prefill` leaves it: those after
+        the longest start it shares with a running sequence's prompt (``held``) or one taken
+        before it. Returns them and the positions they cost."""
         budget, used = self.prefill_chunk, 0
-        taken: set[tuple[int, ...]] = set()
+        taken: list[tuple[int, Sequence[int]]] = []  # the prompts taken, as held_start reads
         new: list[Request] = []
         long: Request | None = None
         kept: list[Request] = []
@@ -435,10 +435,8 @@ class Engine:
                                  < self.max_batch):
             r = self._waiting[0]
             n = len(r.prompt_ids) if r.sampling.max_new_tokens > 0 else 0
-            if n > 1 and r.prompt_key in taken:
-                n = 1
-            elif n > 1 and held:
-                start = held_start(r.prompt_ids, held)
+            if n > 1 and (held or taken):
+                start = held_start(r.prompt_ids, [*held, *taken])
                 n -= 0 if start is None else start[1]
             if budget is not None and n > budget:
                 if self.filling is None and long is None:
@@ -450,8 +448,8 @@ class Engine:
                 break
             new.append(self._waiting.popleft())
             used += n
-            if n > 1 and self.share_prompts:
-                taken.add(r.prompt_key)
+            if self.share_prompts and n > 0:
+                taken.append((-1, r.prompt_ids))
         self._waiting.extendleft(reversed(kept))
         return new, long, used
 
@@ -471,7 +469,9 @@ class Engine:
             with self.threads.split("torch"):
                 if part.start:
                     src, first = part.source, a
-                    if src is None:  # rows of one prompt: its first row fills it
+                    if part.copy_of is not None:  # a row an earlier part filled
+                        src = lo + part.copy_of
+                    elif src is None:  # rows of one start: the first one fills it
                         src, first = a, a + 1
                         self.decoder.fill(self.pool.batch(a, a + 1, seqs[:1]), part.start)
                     if first < b:

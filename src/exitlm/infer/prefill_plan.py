@@ -8,8 +8,9 @@ lengths, and prompts that share their start with another one prefilled once.
   sequence whose prompt starts with the same ``m`` tokens holds exactly what this prompt's
   prefill would write there (vLLM's automatic prefix caching, on the engine's contiguous
   rows). :func:`plan_prefill` copies from a running row when the shared start is at least
-  :data:`MIN_SHARED_PREFIX` positions (or the whole prompt but its last position), and
-  prefills a prompt that several new requests share (``n`` choices) once for them.
+  :data:`MIN_SHARED_PREFIX` positions (or the whole prompt but its last position), and fills
+  a start that several new requests share (``n`` choices of one prompt, one system prompt)
+  once for them.
 
 Each row still prefills at least its prompt's last position itself: that position's logits
 give its first token, sampled with the row's own options.
@@ -76,49 +77,79 @@ def held_start(prompt: Sequence[int], held: Held, min_prefix: int = MIN_SHARED_P
 @dataclass(frozen=True)
 class PrefillPart:
     """Rows ``[a, b)`` of the admission order prefilled as one batch, each holding its
-    prompt's first ``start`` positions beforehand: copied from the running row ``source``,
-    or (``source`` ``None``, ``start`` > 0: rows of one prompt) filled into row ``a`` first
-    and copied to the others."""
+    prompt's first ``start`` positions beforehand: copied from the running row ``source``, or
+    from row ``copy_of`` of the admission (an earlier part filled it), or else (both ``None``,
+    ``start`` > 0) filled into row ``a`` first and copied to the others."""
 
     a: int
     b: int
     start: int = 0
     source: int | None = None
+    copy_of: int | None = None
+
+
+def alike_starts(prompts: Sequence[Sequence[int]], idx: list[int],
+                 min_prefix: int = MIN_SHARED_PREFIX) -> tuple[list[tuple[int, list[int]]],
+                                                              list[int]]:
+    """The prompts ``idx`` in clusters that share a start - ``(m, members)``, ``m`` at least
+    ``min_prefix`` positions and less than every member's length, or the members one prompt
+    of two tokens or more (``m`` all but its last) - and those that share none."""
+    order = sorted(idx, key=lambda i: tuple(prompts[i]))  # alike starts side by side
+    clusters: list[tuple[int, list[int]]] = []
+    alone: list[int] = []
+    cur: list[int] = []
+    m, same = 0, True
+
+    def close() -> None:
+        if len(cur) > 1:
+            clusters.append((m, cur))
+        else:
+            alone.extend(cur)
+
+    for i in order:
+        if cur:
+            prev = prompts[cur[-1]]
+            joined = min(m, common_prefix(prev, prompts[i]), len(prompts[i]) - 1)
+            alike = same and list(prompts[i]) == list(prev)
+            if joined > 0 and (joined >= min_prefix or alike):
+                cur.append(i)
+                m, same = joined, alike
+                continue
+            close()
+        cur, m, same = [i], len(prompts[i]) - 1, True
+    close()
+    return clusters, alone
 
 
 def plan_prefill(prompts: Sequence[Sequence[int]], held: Held = (), *, share: bool = True,
                  min_prefix: int = MIN_SHARED_PREFIX) -> tuple[list[int], list[PrefillPart]]:
     """The order in which to admit ``prompts`` (indices into it) and the parts that prefill
-    them. The requests of one prompt sit together: several of one prompt of two tokens or
-    more prefill it once, and all of them start from a running row's copy when one holds
-    enough of it (:func:`held_start`), the prompts copying the same start in batches of their
-    rests' lengths; the others follow sorted by length, in :func:`prefill_groups`.
-    ``share=False``: every prompt whole, sorted by length."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts if share else ()):
-        by_prompt.setdefault(tuple(p), []).append(i)
+    them. A prompt whose start a running row holds copies it (:func:`held_start`), the
+    prompts copying one start in batches of their rests' lengths; prompts that share a start
+    with each other (:func:`alike_starts`: the ``n`` choices of one prompt, one system prompt)
+    fill it once into the first one's row and copy it; the others follow sorted by length,
+    in :func:`prefill_groups`. ``share=False``: every prompt whole, sorted by length."""
     order: list[int] = []
     parts: list[PrefillPart] = []
     copied: dict[tuple[int, int], list[int]] = {}  # (row, start) -> the prompts that copy it
-    for key, idx in by_prompt.items():
-        start = held_start(key, held, min_prefix)
-        if start is not None:
-            copied.setdefault(start, []).extend(idx)
-        elif len(idx) > 1 and len(key) > 1:
-            parts.append(PrefillPart(len(order), len(order) + len(idx), len(key) - 1))
-            order += idx
-    for (row, start), idx in copied.items():  # one batch per copy, its rests padded alike
+    rest: list[int] = []
+    for i, p in enumerate(prompts):
+        start = held_start(p, held, min_prefix) if share else None
+        (copied.setdefault(start, []) if start is not None else rest).append(i)
+    clusters, alone = alike_starts(prompts, rest, min_prefix) if share else ([], rest)
+    for source, start, idx in [*((r, m, x) for (r, m), x in copied.items()),
+                               *((None, m, x) for m, x in clusters)]:
         idx.sort(key=lambda i: len(prompts[i]))
-        parts += [PrefillPart(len(order) + a, len(order) + b, start, row) for a, b in
-                  prefill_groups([len(prompts[i]) - start for i in idx])]
+        first = len(order)
+        for k, (a, b) in enumerate(prefill_groups([len(prompts[i]) - start for i in idx])):
+            parts.append(PrefillPart(first + a, first + b, start, source,
+                                     None if source is not None or k == 0 else first))
         order += idx
-    taken = set(order)
-    rest = sorted((i for i in range(len(prompts)) if i not in taken),
-                  key=lambda i: len(prompts[i]))
+    alone.sort(key=lambda i: len(prompts[i]))
     parts += [PrefillPart(len(order) + a, len(order) + b) for a, b in
-              prefill_groups([len(prompts[i]) for i in rest])]
-    return order + rest, parts
+              prefill_groups([len(prompts[i]) for i in alone])]
+    return order + alone, parts
 
 
-__all__ = ["MIN_SHARED_PREFIX", "PREFILL_PADDING", "PrefillPart", "common_prefix", "held_start",
-           "plan_prefill", "prefill_groups"]
+__all__ = ["MIN_SHARED_PREFIX", "PREFILL_PADDING", "PrefillPart", "alike_starts", "common_prefix",
+           "held_start", "plan_prefill", "prefill_groups"]
