@@ -435,7 +435,7 @@ class Engine:
                                  < self.max_batch):
             r = self._waiting[0]
             n = len(r.prompt_ids) if r.sampling.max_new_tokens > 0 else 0
-            if n > 1 and (held or taken):
+            if budget is not None and n > 1 and (held or taken):  # (a budget bounds taken)
                 start = held_start(r.prompt_ids, [*held, *taken])
                 n -= 0 if start is None else start[1]
             if budget is not None and n > budget:
@@ -448,7 +448,7 @@ class Engine:
                 break
             new.append(self._waiting.popleft())
             used += n
-            if self.share_prompts and n > 0:
+            if budget is not None and self.share_prompts and n > 0:
                 taken.append((-1, r.prompt_ids))
         self._waiting.extendleft(reversed(kept))
         return new, long, used
