@@ -101,6 +101,26 @@ def test_batched_prompts_and_token_ids(ar: Server, reference: Reference) -> None
     assert [c.text for c in res.choices] == [want[1], want[0]]
 
 
+def test_a_shared_start_is_reported_cached(ar: Server, reference: Reference) -> None:
+    """Two prompts beginning with one 40-token start: the engine fills it once and copies it
+    for the other, which usage reports as that prompt's ``cached_tokens`` (and the metrics
+    count); the texts are what each prompt gives alone. ``n`` choices of a prompt prefill it
+    once among themselves: nothing of it was cached."""
+    client = ar.client()
+    start = "def shared_system_prompt(x):  return x + 1\n"[:40]
+    prompts = [start + "a = 1", start + "b = 22"]
+    before = ar.metric("exitlm_prompt_tokens_cached_total")
+    res = client.completions.create(model="tiny", prompt=prompts, max_tokens=8,
+                                    temperature=0)
+    assert [c.text for c in res.choices] == [reference.run(p, max_new_tokens=8).text
+                                             for p in prompts]
+    assert res.usage.prompt_tokens_details.cached_tokens == 40
+    ar.wait_for(lambda: ar.metric("exitlm_prompt_tokens_cached_total") >= before + 40)
+    res = client.completions.create(model="tiny", prompt=start + "c", n=3, max_tokens=4,
+                                    temperature=0.9, seed=1)
+    assert res.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_stop_strings(ar: Server, reference: Reference) -> None:
     client = ar.client()
     full = reference.run("Hello", max_new_tokens=16).text

@@ -403,6 +403,7 @@ class Engine:
                 if start is not None:  # its start is a running row's: the parts follow it
                     row = len(self.running) - 1
                     self.pool.copy_prefix(start[0], row, row + 1, start[1])
+                    long.prompt_copied = start[1]
             self._prefill_new(lo, new, parts, t0, started, updates)
         if self.filling is not None:
             assert self.prefill_chunk is not None
@@ -476,6 +477,8 @@ class Engine:
                         self.decoder.fill(self.pool.batch(a, a + 1, seqs[:1]), part.start)
                     if first < b:
                         self.pool.copy_prefix(src, first, b, part.start)
+                    for r in new[first - lo:part.b]:
+                        r.prompt_copied = part.start
                 emits += self.decoder.prefill(self.pool.batch(a, b, seqs))
             t1 = time.perf_counter()
             for r in new[part.a:part.b]:
@@ -515,6 +518,8 @@ class Engine:
                 if stop - part < start:  # it holds fewer than all but the last position
                     self.decoder.fill(self.pool.batch(row, row + 1, [r.seq]), start)
                 self.pool.copy_prefix(row, row + 1, row + len(reqs), start)
+                for q in copies:
+                    q.prompt_copied = start
             emits = self.decoder.prefill(self.pool.batch(row, row + len(reqs),
                                                          [q.seq for q in reqs]))
         t1 = time.perf_counter()

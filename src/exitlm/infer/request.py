@@ -51,6 +51,9 @@ class Request:
     exit_layers: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     layer_evaluations: int = 0
+    prompt_copied: int = 0
+    """Positions of the prompt copied from another row's cache instead of prefilled
+    (:mod:`~exitlm.infer.prefill_plan`)."""
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0

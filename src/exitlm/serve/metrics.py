@@ -5,7 +5,8 @@ Every series is prefixed ``exitlm_``:
 * ``http_requests_total{path,status}``; ``requests_total{finish_reason}`` (engine requests,
   one per choice; ``cancelled`` when the client went away, ``error`` after an engine failure);
   ``engine_failures_total``;
-* ``prompt_tokens_total``, ``generation_tokens_total``, and
+* ``prompt_tokens_total``, ``prompt_tokens_cached_total`` (of those, positions copied from
+  another request's cache: shared prompts and starts), ``generation_tokens_total``, and
   ``generation_tokens_by_exit_layer_total{layer}`` (the 1-based layer whose output chose each
   token; ``layer == num_layers`` is the full depth);
 * ``layer_evaluations_total`` (transformer-layer evaluations spent decoding, recomputation and
@@ -68,6 +69,9 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("exitlm_prompt_tokens", "prompt tokens of finished "
                                      "engine requests", registry=r)
+        self.prompt_cached = Counter("exitlm_prompt_tokens_cached", "prompt positions of "
+                                     "finished engine requests copied from another request's "
+                                     "cache instead of prefilled", registry=r)
         self.generation_tokens = Counter("exitlm_generation_tokens", "tokens generated",
                                          registry=r)
         self.by_exit = Counter("exitlm_generation_tokens_by_exit_layer",
@@ -113,6 +117,7 @@ class Metrics:
         r = update.request
         self.requests.labels(r.finish_reason or "length").inc()
         self.prompt_tokens.inc(len(r.prompt_ids))
+        self.prompt_cached.inc(r.prompt_copied)
         full = len(r.token_ids) * self.num_layers
         self.evaluations.inc(r.layer_evaluations)
         self.full_depth.inc(full)
