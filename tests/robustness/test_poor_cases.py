@@ -122,7 +122,7 @@ def test_a_mistyped_model_name_lists_every_known_name(
 
 def _update(spent: int, tokens: int) -> SimpleNamespace:
     request = SimpleNamespace(finish_reason="length", prompt_ids=[1], token_ids=[0] * tokens,
-                              layer_evaluations=spent, stats=DecodeStats(),
+                              layer_evaluations=spent, prompt_copied=0, stats=DecodeStats(),
                               t_submit=0.0, t_first=0.0, t_end=0.0)
     return SimpleNamespace(token_ids=[], exit_layers=[], finished=True, request=request)
 
