@@ -399,7 +399,7 @@ class Engine:
             if long is not None:  # the last row: it fills in parts, from this step on
                 self.running.append(long)
                 self.filling = long
-                start = held_start(long.prompt_ids, held) if held else None
+                start = held_start(long.prompt_ids, held)
                 if start is not None:  # its start is a running row's: the parts follow it
                     row = len(self.running) - 1
                     self.pool.copy_prefix(start[0], row, row + 1, start[1])
@@ -465,24 +465,8 @@ class Engine:
             return
         emits: list[Emit] = []
         for part in parts:
-            a, b = lo + part.a, lo + part.b
-            seqs = [r.seq for r in new[part.a:part.b]]
-            with self.threads.split("torch"):
-                if part.start:
-                    src, first = part.source, a
-                    if part.copy_of is not None:  # a row an earlier part filled
-                        src = lo + part.copy_of
-                    elif src is None:  # rows of one start: the first one fills it
-                        src, first = a, a + 1
-                        self.decoder.fill(self.pool.batch(a, a + 1, seqs[:1]), part.start)
-                    if first < b:
-                        self.pool.copy_prefix(src, first, b, part.start)
-                    for r in new[first - lo:part.b]:
-                        r.prompt_copied = part.start
-                emits += self.decoder.prefill(self.pool.batch(a, b, seqs))
-            t1 = time.perf_counter()
-            for r in new[part.a:part.b]:
-                r.t_first = t1
+            source = part.source if part.copy_of is None else lo + part.copy_of
+            emits += self._prefill_rows(lo + part.a, new[part.a:part.b], part.start, source)
         startup = self.decoder.startup_s - started
         self.startup_s += startup
         self.prefill_s += time.perf_counter() - t0 - startup
@@ -505,30 +489,45 @@ class Engine:
             return
         self.filling = None  # a decoding row from here on, whatever the prefill does
         copies = self._waiting_copies(r)
-        if copies:  # rows after it: they start from its row (_prefill_new's runs)
+        if copies:  # rows after it, which start from its row (_prefill_rows)
             for q in copies:
                 q.status, q.t_admit = "running", t0
             look = max(self.decoder.lookahead(q.seq) for q in (*self.running, *copies))
             self.pool.ensure(len(self.running) + len(copies), len(r.prompt_ids) + look)
             self.running += copies
         reqs = [r, *copies]
+        emits = self._prefill_rows(row, reqs, len(r.prompt_ids) - 1 if copies else 0)
+        startup = self.decoder.startup_s - started
+        self.startup_s += startup
+        self.prefill_s += r.t_first - t0 - startup
+        self._record(row, reqs, emits, updates)
+
+    def _prefill_rows(self, a: int, reqs: list[Request], start: int = 0,
+                      source: int | None = None) -> list[Emit]:
+        """Prefill rows ``[a, a + len(reqs))``, which hold ``reqs``, as one batch: each first
+        holds its prompt's first ``start`` positions - copied from row ``source``, or (``None``)
+        filled into row ``a`` past what it holds (:meth:`Decoder.fill`) and copied to the
+        others - then prefills the rest, the last position giving each row its first token
+        with its own sampling."""
+        b = a + len(reqs)
+        seqs = [q.seq for q in reqs]
         with self.threads.split("torch"):
-            if copies:
-                start = len(r.prompt_ids) - 1
-                if stop - part < start:  # it holds fewer than all but the last position
-                    self.decoder.fill(self.pool.batch(row, row + 1, [r.seq]), start)
-                self.pool.copy_prefix(row, row + 1, row + len(reqs), start)
-                for q in copies:
+            if start:
+                first = a
+                if source is None:  # rows of one start: the first one fills it
+                    source, first = a, a + 1
+                    one = self.pool.batch(a, a + 1, seqs[:1])
+                    if int(one.cache.lengths[0]) < start:
+                        self.decoder.fill(one, start)
+                if first < b:
+                    self.pool.copy_prefix(source, first, b, start)
+                for q in reqs[first - a:]:
                     q.prompt_copied = start
-            emits = self.decoder.prefill(self.pool.batch(row, row + len(reqs),
-                                                         [q.seq for q in reqs]))
+            emits = self.decoder.prefill(self.pool.batch(a, b, seqs))
         t1 = time.perf_counter()
         for q in reqs:
             q.t_first = t1
-        startup = self.decoder.startup_s - started
-        self.startup_s += startup
-        self.prefill_s += t1 - t0 - startup
-        self._record(row, reqs, emits, updates)
+        return emits
 
     def _waiting_copies(self, r: Request) -> list[Request]:
         """The waiting requests with ``r``'s prompt (of two tokens or more), while rows are
@@ -538,7 +537,7 @@ class Engine:
             return []
         with self._lock:
             room = self.max_batch - len(self.running)
-            copies = [q for q in self._waiting if q.prompt_key == r.prompt_key
+            copies = [q for q in self._waiting if q.prompt_ids == r.prompt_ids
                       and q.sampling.max_new_tokens > 0][:max(room, 0)]
             for q in copies:
                 self._waiting.remove(q)

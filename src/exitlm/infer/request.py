@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 from exitlm.infer.decoder import Seq
@@ -62,11 +61,6 @@ class Request:
     _layer: int = 0
     tracker: TextTracker = field(init=False)
     """Generated tokens and text (stop strings, incremental decoding)."""
-
-    @cached_property
-    def prompt_key(self) -> tuple[int, ...]:
-        """The prompt as a dictionary key: requests with the same one share its prefill."""
-        return tuple(self.prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:

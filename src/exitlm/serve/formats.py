@@ -99,12 +99,11 @@ def chat_logprobs(tt: TokenText, entries: Sequence[TokenLogprob]) -> dict[str, A
 
 # ----- summaries ------------------------------------------------------------------------------
 
-def usage(prompts: list[list[int]], reqs: list[Request]) -> dict[str, Any]:
+def usage(prompts: list[list[int]], reqs: list[Request], n: int) -> dict[str, Any]:
     """OpenAI's ``usage`` of the choices ``reqs`` of ``prompts`` (choice ``i`` of prompt
     ``i // n``; each prompt counted once): ``prompt_tokens_details.cached_tokens`` are the
     positions of a prompt that none of its choices prefilled - copied from another request's
     cache (:mod:`exitlm.infer.prefill_plan`)."""
-    n = max(1, len(reqs) // max(1, len(prompts)))
     prompt = sum(map(len, prompts))
     done = sum(len(r.token_ids) for r in reqs)
     cached = sum(min(r.prompt_copied for r in reqs[i * n:(i + 1) * n])

@@ -180,7 +180,7 @@ async def _complete(state: ServerState, http: HTTPRequest, plan: Plan, group: Re
     choices = [_choice(state, plan, i, r, scores) for i, r in enumerate(reqs)]
     body = {**_head(state, plan, "chat.completion" if plan.chat else "text_completion"),
             "choices": choices,
-            "usage": formats.usage(plan.prompts, reqs),
+            "usage": formats.usage(plan.prompts, reqs, plan.n),
             "early_exit": formats.early_exit(reqs, state.num_layers, state.strategy)}
     return JSONResponse(body)
 
@@ -241,7 +241,7 @@ async def _stream(state: ServerState, plan: Plan, group: RequestGroup,
             yield _dumps(chunk)
         if usage:
             yield _dumps({**_chunk(state, plan, []),
-                          "usage": formats.usage(plan.prompts, reqs),
+                          "usage": formats.usage(plan.prompts, reqs, plan.n),
                           "early_exit": formats.early_exit(reqs, state.num_layers,
                                                            state.strategy)})
     except EngineFailure as err:
