@@ -32,9 +32,13 @@ from typing import Any
 import torch
 
 from _bench import ByteIds, long_prompt_ids, machine, note, one_line_errors
-from exitlm.args import int_at_least, int_list
+from exitlm.args import int_at_least, list_of
 from exitlm.infer import Engine, SamplingOptions
 from exitlm.io import load_model
+
+RUNNING_EXTRA = 8
+"""Tokens the shared-start case's running request decodes past ``--new`` (it must still hold
+its row when the others are admitted)."""
 
 
 def _one(model: Any, prompt: list[int], n: int, chunk: int | None, share: bool,
@@ -58,7 +62,7 @@ def _prefix(model: Any, system: list[int], tails: list[list[int]], share: bool, 
     """A request of ``system + tails[0]`` decoding, then one per other tail arriving: seconds
     until each of those has its first token, and their tokens (greedy)."""
     engine = Engine(model, None, "ar", max_batch=len(tails), threads=1, share_prompts=share)
-    sampling = SamplingOptions(max_new_tokens=new + 8, ignore_eos=True)
+    sampling = SamplingOptions(max_new_tokens=new + RUNNING_EXTRA, ignore_eos=True)
     first = engine.submit(system + tails[0], sampling)
     while not first.token_ids:
         engine.step()
@@ -77,7 +81,8 @@ def main() -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="float32", help="float32, float16, int8, int4, ...")
     p.add_argument("--prompt-len", type=int_at_least(2), default=512)
-    p.add_argument("--choices", type=int_list, default=[2, 4, 8])
+    p.add_argument("--choices", type=list_of(int_at_least(2), "choice counts (each >= 2)"),
+                   default=[2, 4, 8])
     p.add_argument("--chunk", type=int_at_least(1), default=256,
                    help="the prefill budget per step of the in-parts setting")
     p.add_argument("--new", type=int_at_least(1), default=4, help="tokens per choice")
@@ -93,19 +98,20 @@ def main() -> int:
     with one_line_errors("shared_prefill"):
         loaded = load_model(args.model, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
-    if args.prompt_len + args.new > model.config.max_seq_len:
+    if args.prompt_len + args.new + RUNNING_EXTRA > model.config.max_seq_len:
         raise SystemExit(f"shared_prefill: --prompt-len {args.prompt_len} + --new {args.new} "
-                         f"exceeds the model's context ({model.config.max_seq_len})")
+                         f"+ {RUNNING_EXTRA} exceeds the model's context "
+                         f"({model.config.max_seq_len})")
     encoder = tokenizer if tokenizer is not None else ByteIds(model.config.vocab_size)
-    prompt = long_prompt_ids(encoder, args.prompt_len, "shared_prefill")
+    k_tails = max(args.choices)
+    source = long_prompt_ids(encoder, args.prompt_len + (k_tails + 1) * args.tail,
+                             "shared_prefill")
+    prompt = source[:args.prompt_len]
     cases = [(n, chunk, share) for chunk in (None, args.chunk) for n in (1, *args.choices)
              for share in ((True,) if n == 1 else (True, False))]
     times: dict[tuple[int, int | None, bool], list[float]] = {c: [] for c in cases}
     tokens: dict[tuple[int, int | None, bool], list[list[int]]] = {}
     _one(model, prompt[:16], 2, None, True, 1)  # warm-up (thread pools, packed weights)
-    k_tails = max(args.choices)
-    source = long_prompt_ids(encoder, args.prompt_len + (k_tails + 1) * args.tail,
-                             "shared_prefill")
     system = source[:args.prompt_len - args.tail]
     tails = [source[args.prompt_len + i * args.tail:args.prompt_len + (i + 1) * args.tail]
              for i in range(k_tails + 1)]
