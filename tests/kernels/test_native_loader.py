@@ -183,7 +183,40 @@ def test_exitlm_native_names_a_build(monkeypatch: pytest.MonkeyPatch, fresh: Non
     monkeypatch.setenv("EXITLM_NATIVE", "fastest")
     with pytest.warns(ExitlmWarning, match="EXITLM_NATIVE='fastest'"):
         assert native.available()
-    assert native.kernel_path().isa == _supported_builds()[0]
+    cpu = native.kernel_path().cpu
+    assert native.kernel_path().isa == next(i for i in loader.auto_order(cpu)
+                                            if i in _supported_builds())
+
+
+@pytest.mark.parametrize(("vendor", "family", "flags", "first"), [
+    ("AuthenticAMD", "25", "fpu avx2 avx512f avx512bw", "avx2"),   # Zen 4
+    ("AuthenticAMD", "26", "fpu avx2 avx512f avx512bw", "avx512"),  # Zen 5
+    ("GenuineIntel", "6", "fpu avx2 avx512f avx512bw", "avx512"),
+])
+def test_the_automatic_order_puts_avx2_first_on_zen4_only(
+        monkeypatch: pytest.MonkeyPatch, vendor: str, family: str, flags: str,
+        first: str) -> None:
+    info = {"vendor_id": vendor, "cpu family": family, "flags": flags}
+    monkeypatch.setattr(loader, "cpuinfo", lambda *fields: info.get(fields[0]))
+    order = loader.auto_order("avx512")
+    assert order[0] == first and sorted(order) == sorted(loader.ISAS)
+    assert loader.auto_order("avx2") == list(loader.ISAS)  # a CPU without AVX-512: as before
+
+
+@pytest.mark.skipif(INSTALLED is None, reason="no installed builds (a source tree)")
+def test_a_zen4_core_loads_the_avx2_build_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                        fresh: None) -> None:
+    if not {"avx2", "avx512"} <= set(_supported_builds()):
+        pytest.skip("needs the avx2 and avx512 builds, and a CPU that runs both")
+    monkeypatch.setattr(loader, "_zen4", lambda: True)
+    monkeypatch.setattr(loader, "_cpu_level", lambda features: "avx512")
+    monkeypatch.delenv("EXITLM_NATIVE", raising=False)
+    path = native.kernel_path()
+    assert path.isa == "avx2" and path.reason == loader.AVX512_SLOWER
+    assert "Zen 4" in path.describe()
+    native.forget()
+    monkeypatch.setenv("EXITLM_NATIVE", "avx512")  # asked for by name: that build
+    assert native.kernel_path().isa == "avx512"
 
 
 def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:
