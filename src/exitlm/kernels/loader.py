@@ -197,7 +197,7 @@ def auto_order(cpu: str) -> list[str]:
     the avx512 one. Measured there (EPYC family 25 model 17, one thread,
     docs/measurements/zen4_2026-12-02.md): SmolLM2 decoded 1.15-1.43x faster in every
     precision with the avx2 build (llama.cpp ratio fp16 0.78x -> 1.02x, int8 0.72x -> 1.04x)
-    and layerskip-code's self-speculation at 337 against 322 tokens/s; only products of 4-8
+    and layerskip-code's self-speculation at 337 against 322 tokens/s; only products of several
     rows (batches) are faster in the avx512 build. Both builds give the same bits."""
     order = list(ISAS)
     if cpu == "avx512" and _zen4():
@@ -326,8 +326,6 @@ def _load_installed(folder: Path, record: dict[str, Any],
         cpu = _cpu_level(int(base.exitlm_cpu_features()))
         note = ""
         wanted = [mode] if mode in ISAS else auto_order(cpu)
-        if mode not in ISAS and cpu == "avx512" and wanted[0] != "avx512":
-            note = AVX512_SLOWER
         if mode in ISAS and (mode not in variants
                              or ISAS.index(mode) < ISAS.index(cpu)):
             note = (f"EXITLM_NATIVE={mode}: not "
@@ -338,6 +336,8 @@ def _load_installed(folder: Path, record: dict[str, Any],
             if isa in variants and ISAS.index(isa) >= ISAS.index(cpu):
                 lib = base if isa == "baseline" else _open(library_file(isa, folder))
                 path = library_file(isa, folder)
+                if isa == "avx2" and cpu == "avx512" and mode not in ISAS:
+                    note = AVX512_SLOWER  # auto_order's choice on a Zen 4 core
                 return lib, KernelPath("native", isa, "installed", str(path), cpu, note)
     except (OSError, abi.NativeABIError) as exc:
         reason = f"the installed native library cannot be used: {exc}"
