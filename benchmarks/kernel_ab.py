@@ -35,8 +35,10 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -187,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="shapes of the rows pass: names or NxK (K a multiple of 32 for the "
                          "grouped kinds), e.g. layerskip-code's 768x256,256x256,1376x256,256x688")
+    ap.add_argument("--narrow-one-row", default="",
+                    help="comma-separated name=0|1: whether that AVX-512 build runs its one-row "
+                         "products on its 256-bit tiles (exitlm_set_narrow_one_row; default: "
+                         "its choice for this CPU). A path named twice is loaded from a copy, "
+                         "so each name keeps its own setting")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-rows", action="store_true")
     args = ap.parse_args(argv)
@@ -208,14 +215,33 @@ def main(argv: list[str] | None = None) -> int:
         odd = [s for s in shapes if shape_of(s)[1] % 32]  # type: ignore[index]
         if odd:
             ap.error(f"--shapes: {odd}: the grouped kinds need K a multiple of 32")
+    narrow = [p.split("=", 1) for p in args.narrow_one_row.split(",") if p]
+    names = {name for name, _ in pairs}
+    if any(len(p) != 2 or p[0] not in names or p[1] not in ("0", "1") for p in narrow):
+        ap.error(f"--narrow-one-row: expected name=0|1 for names in --libs {sorted(names)}")
     libs = {}
+    seen: set[str] = set()
+    copies = tempfile.TemporaryDirectory(prefix="kernel_ab_")
     for name, path in pairs:
         if not os.path.isfile(path):
             ap.error(f"--libs: {path}: no such file")
-        libs[name] = ctypes.CDLL(os.path.abspath(path))
+        real = os.path.realpath(path)
+        if real in seen:  # dlopen would hand back the same library, globals and all
+            real = shutil.copy(real, os.path.join(copies.name, f"{name}.so"))
+        seen.add(os.path.realpath(path))
+        libs[name] = ctypes.CDLL(real)
+    settings = {}
+    for name, on in narrow:
+        fn = getattr(libs[name], "exitlm_set_narrow_one_row", None)
+        if fn is None or fn(int(on)) < 0:
+            ap.error(f"--narrow-one-row: {name}: that build has no 512-bit tiles to narrow")
+    for name, lib in libs.items():
+        fn = getattr(lib, "exitlm_set_narrow_one_row", None)
+        settings[name] = None if fn is None or fn(-1) < 0 else bool(fn(-1))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {
-        "libs": dict(pairs), "passes": args.passes, "threads": 1, **machine(),
+        "libs": dict(pairs), "narrow_one_row": settings, "passes": args.passes, "threads": 1,
+        **machine(),
         "decode": {}, "rows": {},
     }
     for kind in kinds:

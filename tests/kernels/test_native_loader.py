@@ -57,8 +57,10 @@ def _product(lib, kind: str, x: torch.Tensor, args: tuple[torch.Tensor, ...],
     m, k = x.shape
     n = args[0].shape[0]
     y = torch.empty(m, n)
-    getattr(lib, f"exitlm_gemm_{kind}")(x.data_ptr(), *(a.data_ptr() for a in args),
-                                        y.data_ptr(), m, n, k, threads)
+    ptrs = [a.data_ptr() for a in args]
+    if kind.startswith("q4_0"):  # Q4_0: no mins array (the kernels use -8 * scale)
+        kind, ptrs = kind.replace("_0", ""), [*ptrs[:2], None]
+    getattr(lib, f"exitlm_gemm_{kind}")(x.data_ptr(), *ptrs, y.data_ptr(), m, n, k, threads)
     return y
 
 
@@ -68,14 +70,25 @@ def _supported_builds() -> list[str]:
 
 @pytest.mark.skipif(INSTALLED is None, reason="a source tree that was never installed: no "
                     "installed builds to compare (pip install -e . builds them)")
-def test_every_installed_build_the_cpu_runs_gives_the_same_bits() -> None:
+def test_every_installed_build_the_cpu_runs_gives_the_same_bits(tmp_path: Path) -> None:
     """Products of every format and row count, and a whole Llama block over 11 positions,
-    are bit-identical across the baseline, avx2 and avx512 builds (whichever this CPU runs)."""
+    are bit-identical across the baseline, avx2 and avx512 builds (whichever this CPU runs),
+    the avx512 build's one-row products on its 512-bit tiles and on its 256-bit ones alike
+    (``exitlm_set_narrow_one_row``: the setting this CPU got, and a copy of the library with
+    the other one)."""
     builds = {isa: loader.load_variant(isa) for isa in _supported_builds()}
     assert "baseline" in builds, "the baseline build always runs"
+    if "avx512" in builds:
+        own = builds["avx512"].exitlm_set_narrow_one_row(-1)
+        assert own in (0, 1)
+        # a copy: dlopen of the same file would share the setting
+        path = shutil.copy(builds["avx512"]._name, tmp_path / "other.so")
+        other = loader._open(Path(path))
+        assert other.exitlm_set_narrow_one_row(1 - own) == own
+        builds["avx512 " + ("wide" if own else "narrow")] = other
     gen = torch.Generator().manual_seed(11)
-    for (n, k), kind in itertools.product(((37, 160), (70, 2080)),
-                                          ("f32", "f16", "q8", "q4", "q8a8", "q4a8")):
+    for (n, k), kind in itertools.product(((37, 160), (70, 2080)), (
+            "f32", "f16", "q8", "q4", "q8a8", "q4a8", "q4_0", "q4_0a8")):
         args = _weights(kind, n, k, gen)  # 2080: 65 groups, past the int8 tiles' block of 64
         for m in (1, 3, 5, 8, 13):  # 5, 13: uneven passes of the dense tiles (run_range)
             x = torch.randn(m, k, generator=gen)
@@ -183,39 +196,31 @@ def test_exitlm_native_names_a_build(monkeypatch: pytest.MonkeyPatch, fresh: Non
     monkeypatch.setenv("EXITLM_NATIVE", "fastest")
     with pytest.warns(ExitlmWarning, match="EXITLM_NATIVE='fastest'"):
         assert native.available()
-    cpu = native.kernel_path().cpu
-    assert native.kernel_path().isa == next(i for i in loader.auto_order(cpu)
-                                            if i in _supported_builds())
-
-
-@pytest.mark.parametrize(("vendor", "family", "first"), [
-    ("AuthenticAMD", "25", "avx2"),    # Zen 4 (with AVX-512)
-    ("AuthenticAMD", "26", "avx512"),  # Zen 5
-    ("GenuineIntel", "6", "avx512"),
-])
-def test_the_automatic_order_puts_avx2_first_on_zen4_only(
-        monkeypatch: pytest.MonkeyPatch, vendor: str, family: str, first: str) -> None:
-    info = {"vendor_id": vendor, "cpu family": family}
-    monkeypatch.setattr(loader, "cpuinfo", lambda *fields: info.get(fields[0]))
-    order = loader.auto_order("avx512")
-    assert order[0] == first and sorted(order) == sorted(loader.ISAS)
-    assert loader.auto_order("avx2") == list(loader.ISAS)  # a CPU without AVX-512: as before
+    assert native.kernel_path().isa == _supported_builds()[0]
 
 
 @pytest.mark.skipif(INSTALLED is None, reason="no installed builds (a source tree)")
-def test_a_zen4_core_loads_the_avx2_build_and_says_why(monkeypatch: pytest.MonkeyPatch,
-                                                        fresh: None) -> None:
-    if not {"avx2", "avx512"} <= set(_supported_builds()):
-        pytest.skip("needs the avx2 and avx512 builds, and a CPU that runs both")
-    monkeypatch.setattr(loader, "_zen4", lambda: True)
-    monkeypatch.setattr(loader, "_cpu_level", lambda features: "avx512")
-    monkeypatch.delenv("EXITLM_NATIVE", raising=False)
+def test_the_avx512_build_narrows_one_row_products_on_zen4_only(
+        monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:
+    """The avx512 build runs its one-row products on its 256-bit tiles on an AMD family-25
+    core (Zen 4, as /proc/cpuinfo names it) and on its 512-bit ones elsewhere, says so in the
+    kernel path, and can be switched (the bits are the same either way:
+    test_every_installed_build_the_cpu_runs_gives_the_same_bits)."""
+    if "avx512" not in _supported_builds():
+        pytest.skip("needs the avx512 build and a CPU that runs it")
+    monkeypatch.setenv("EXITLM_NATIVE", "avx512")
+    zen4 = (loader.cpuinfo("vendor_id"), loader.cpuinfo("cpu family")) == ("AuthenticAMD", "25")
+    assert native.narrow_one_row() is zen4
     path = native.kernel_path()
-    assert path.isa == "avx2" and path.reason == loader.AVX512_SLOWER
-    assert "Zen 4" in path.describe()
+    assert path.isa == "avx512"
+    assert (path.reason == loader.NARROW_ONE_ROW) is zen4
+    assert ("Zen 4" in path.describe()) is zen4
+    assert native.set_narrow_one_row(not zen4) is zen4
+    assert native.narrow_one_row() is (not zen4)
+    assert native.set_narrow_one_row(zen4) is (not zen4)
     native.forget()
-    monkeypatch.setenv("EXITLM_NATIVE", "avx512")  # asked for by name: that build
-    assert native.kernel_path().isa == "avx512"
+    monkeypatch.setenv("EXITLM_NATIVE", "avx2")  # no 512-bit tiles: nothing to switch
+    assert native.narrow_one_row() is None and native.set_narrow_one_row(True) is None
 
 
 def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:

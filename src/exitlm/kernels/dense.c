@@ -399,6 +399,12 @@ static void dense_passes(const job_t *j, int64_t n0, int64_t n1, int64_t ldx) {
 #endif
 
 void run_range(const job_t *j, int64_t n0, int64_t n1) {
+#ifdef EXITLM_ZMM
+    if (j->M == 1 && narrow_one_row) { /* the 256-bit tiles (dense256.c, lanes256.c) */
+        narrow_run_range(j, n0, n1);
+        return;
+    }
+#endif
     const int64_t K = j->K, M = j->M, N = j->N, G = K / 32;
     const int kind = j->kind, r = tile_rows(M);
     if (kind == K_Q4 || j->xq != NULL) {

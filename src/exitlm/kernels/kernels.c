@@ -220,16 +220,38 @@ int exitlm_cpu_features(void) {
     return f;
 }
 
+/* Whether one-row products (M == 1) of an AVX-512 build run its 256-bit tiles (dense256.c,
+ * lanes256.c) rather than the 512-bit ones: on (1), off (0), or unchanged (-1); returns the
+ * previous setting, or -1 in builds without 512-bit tiles.  Chosen at load from the CPU
+ * (prefetch.c); both give the same bits. */
+int exitlm_set_narrow_one_row(int on) {
+#ifdef EXITLM_ZMM
+    const int before = narrow_one_row;
+    if (on >= 0) narrow_one_row = on != 0;
+    return before;
+#else
+    (void)on;
+    return -1;
+#endif
+}
+
 /* Tuning hook (benchmarks): set the tile for kind (0 f32, 1 f16, 2 q8, 3 q4, 4 q8 and 5 q4 with
  * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4).  f32, f16, q8: nb in {1, 2, 4} W
  * rows x mb <= 8 x rows, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds
  * (rows 1, 2; and row 0 of the dense kinds), which take any mb <= 8.  q4 and int8 activations:
- * nb = 1 (a tile is A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row). */
+ * nb = 1 (a tile is A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row).  Row 0 of an
+ * AVX-512 build running its one-row jobs on the 256-bit tiles (narrow_one_row) sets those. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
         mb < 1 || mb > MBMAX)
         return -1;
+#ifdef EXITLM_ZMM
+    if (rows == 0 && narrow_one_row) { /* one-row jobs run the 256-bit tiles (narrow_one_row) */
+        if (kind >= K_Q4) return nb != 1 || mb != 1 ? -1 : narrow_lanes_set_tile(kind, rows, mb);
+        return narrow_dense_set_tile(kind, rows, nb, mb);
+    }
+#endif
     if (kind >= K_Q4) {
         if (nb != 1 || (rows == 0 && mb != 1)) return -1;
         return lanes_set_tile(kind, rows, mb);
@@ -308,7 +330,7 @@ static int act8_init(act8_t *a, job_t *j) {
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
     int xu = 0; /* the q8 tiles of AVX-512 builds take x + 128 as their unsigned operand */
 #ifdef EXITLM_ZMM
-    xu = j->kind == K_Q8;
+    xu = j->kind == K_Q8 && !(M == 1 && narrow_one_row); /* the 256-bit tiles take xq */
 #endif
     a->aux = xu ? malloc(nq) : NULL;
     if (a->xq == NULL || a->xd == NULL || (xu && a->aux == NULL)) {

@@ -6,8 +6,8 @@ library per instruction set: ``baseline`` (any x86-64, or any CPU of another arc
 ``avx2`` (AVX2 + FMA + F16C) and ``avx512`` (AVX-512 F/BW/VL/DQ/VNNI). Nothing is compiled
 when exitlm runs. At first use the loader opens the baseline build, asks it what the CPU can
 run (``exitlm_cpu_features``: cpuid through the compiler's ``__builtin_cpu_supports``), and
-loads the best build the CPU supports (on an AMD Zen 4 core, the avx2 build:
-:func:`auto_order`). Every build computes the same bits: the products
+loads the best build the CPU supports (the avx512 build on an AMD Zen 4 core runs its one-row
+products on 256-bit tiles: :data:`NARROW_ONE_ROW`). Every build computes the same bits: the products
 follow one fixed summation order whatever the instruction set (``kernels.c``), and the C
 code is compiled without ``-ffast-math`` and with ``-ffp-contract=off``.
 
@@ -54,9 +54,9 @@ from exitlm.paths import atomic_file, cache_root
 __all__ = [
     "DEV_CFLAGS",
     "ISAS",
+    "NARROW_ONE_ROW",
     "SOURCES",
     "KernelPath",
-    "auto_order",
     "build_dev",
     "cpuinfo",
     "kernel_path",
@@ -69,10 +69,10 @@ __all__ = [
 
 HERE = Path(__file__).resolve().parent
 SOURCES: tuple[Path, ...] = tuple(HERE / f for f in (
-    "kernels.c", "dense.c", "lanes.c", "scalar.c", "pool.c", "prefetch.c", "block.c",
-    "reduce.c", "channel.c"))
+    "kernels.c", "dense.c", "lanes.c", "dense256.c", "lanes256.c", "scalar.c", "pool.c",
+    "prefetch.c", "block.c", "reduce.c", "channel.c"))
 """The C sources of the library."""
-HEADERS: tuple[Path, ...] = (abi.HEADER, HERE / "half.h", HERE / "gemm.h")
+HEADERS: tuple[Path, ...] = (abi.HEADER, HERE / "half.h", HERE / "gemm.h", HERE / "narrow.h")
 """The headers they include: the exports (``exitlm_native.h``) and internal helpers."""
 
 ISAS: tuple[str, ...] = ("avx512", "avx2", "baseline")
@@ -94,7 +94,8 @@ class KernelPath:
     build's instruction set (``baseline``, ``avx2``, ``avx512`` or ``native`` for a developer
     build); ``source``: ``"installed"`` or ``"developer build"``; ``library``: its file;
     ``cpu``: what the CPU supports (``avx512``, ``avx2`` or ``baseline``); ``reason``: why the
-    torch fallback runs (or why a lesser build was chosen), else ''."""
+    torch fallback runs (or why a lesser build was chosen, or how the build runs on this CPU:
+    :data:`NARROW_ONE_ROW`), else ''."""
 
     backend: str
     isa: str | None
@@ -171,39 +172,18 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
+NARROW_ONE_ROW = ("one-row products on its 256-bit tiles: this AMD Zen 4 core runs AVX-512 on "
+                  "256-bit halves")
+"""``KernelPath.reason`` of an avx512 build that runs its one-row products (``M == 1``:
+decoding's steps) on its 256-bit tiles, as the library chooses at load on AMD family 25
+(``narrow_one_row`` in ``prefetch.c``; :func:`exitlm.kernels.native.narrow_one_row`)."""
+
+
 def _cpu_level(features: int) -> str:
     for isa in ISAS:
         if features & _NEEDS[isa] == _NEEDS[isa]:
             return isa
     return "baseline"
-
-
-AVX512_SLOWER = ("avx2 build chosen: this AMD Zen 4 core runs AVX-512 on 256-bit halves and its "
-                 "one-row products took up to 1.7x the avx2 build's time "
-                 "(EXITLM_NATIVE=avx512 takes that build)")
-"""Why :func:`auto_order` puts the avx2 build first on a Zen 4 core (``KernelPath.reason``)."""
-
-
-def _zen4() -> bool:
-    """Whether this CPU, one that supports AVX-512 (:func:`auto_order` asks only then), is an
-    AMD Zen 4 core: ``AuthenticAMD`` family 25 (Zen 3, the other family-25 core, has no
-    AVX-512). Its 512-bit operations issue as two 256-bit halves."""
-    return cpuinfo("vendor_id") == "AuthenticAMD" and cpuinfo("cpu family") == "25"
-
-
-def auto_order(cpu: str) -> list[str]:
-    """The installed builds in the order the automatic choice tries them on a CPU that supports
-    ``cpu``: best first (:data:`ISAS`), except that a Zen 4 core takes the avx2 build before
-    the avx512 one. Measured there (EPYC family 25 model 17, one thread,
-    docs/measurements/zen4_2026-12-02.md): SmolLM2 decoded 1.15-1.43x faster in every
-    precision with the avx2 build (llama.cpp ratio fp16 0.78x -> 1.02x, int8 0.72x -> 1.04x)
-    and layerskip-code's self-speculation at 337 against 322 tokens/s; only products of several
-    rows (batches) are faster in the avx512 build. Both builds give the same bits."""
-    order = list(ISAS)
-    if cpu == "avx512" and _zen4():
-        order.remove("avx2")
-        order.insert(0, "avx2")
-    return order
 
 
 def load_variant(isa: str) -> ctypes.CDLL | None:
@@ -325,7 +305,7 @@ def _load_installed(folder: Path, record: dict[str, Any],
         base = _open(library_file("baseline", folder))
         cpu = _cpu_level(int(base.exitlm_cpu_features()))
         note = ""
-        wanted = [mode] if mode in ISAS else auto_order(cpu)
+        wanted = [mode] if mode in ISAS else list(ISAS)
         if mode in ISAS and (mode not in variants
                              or ISAS.index(mode) < ISAS.index(cpu)):
             note = (f"EXITLM_NATIVE={mode}: not "
@@ -336,8 +316,8 @@ def _load_installed(folder: Path, record: dict[str, Any],
             if isa in variants and ISAS.index(isa) >= ISAS.index(cpu):
                 lib = base if isa == "baseline" else _open(library_file(isa, folder))
                 path = library_file(isa, folder)
-                if isa == "avx2" and cpu == "avx512" and mode not in ISAS:
-                    note = AVX512_SLOWER  # auto_order's choice on a Zen 4 core
+                if not note and lib.exitlm_set_narrow_one_row(-1) == 1:
+                    note = NARROW_ONE_ROW
                 return lib, KernelPath("native", isa, "installed", str(path), cpu, note)
     except (OSError, abi.NativeABIError) as exc:
         reason = f"the installed native library cannot be used: {exc}"

@@ -39,7 +39,9 @@ __all__ = [
     "kernel_path",
     "library",
     "library_path",
+    "narrow_one_row",
     "set_int8_activations",
+    "set_narrow_one_row",
     "unavailable_reason",
 ]
 
@@ -84,6 +86,29 @@ def set_int8_activations(on: bool) -> bool:
     # processes started from now on (PPD and pipeline workers, spawned) round alike
     os.environ["EXITLM_INT8_ACTIVATIONS"] = "1" if on else "0"
     return bool(lib.exitlm_set_int8_activations(int(bool(on))))
+
+
+def narrow_one_row() -> bool | None:
+    """Whether the loaded AVX-512 build runs its one-row products (``M == 1``) on its 256-bit
+    tiles rather than its 512-bit ones (``narrow_one_row`` in ``prefetch.c``): chosen at load
+    from the CPU - on for AMD family 25 (Zen 4), whose AVX-512 executes each 512-bit operation as
+    two 256-bit halves. None without the library or in a build without 512-bit tiles. Either
+    way every product has the same bits; only its speed changes."""
+    lib = _load()
+    if lib is None:
+        return None
+    on = lib.exitlm_set_narrow_one_row(-1)
+    return None if on < 0 else bool(on)
+
+
+def set_narrow_one_row(on: bool) -> bool | None:
+    """Switch :func:`narrow_one_row` for this process (benchmarks comparing the two tile
+    widths); returns the previous setting, or None where there is nothing to switch."""
+    lib = _load()
+    if lib is None:
+        return None
+    before = lib.exitlm_set_narrow_one_row(int(bool(on)))
+    return None if before < 0 else bool(before)
 
 
 def _load() -> ctypes.CDLL | None:
