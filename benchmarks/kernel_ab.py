@@ -189,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="shapes of the rows pass: names or NxK (K a multiple of 32 for the "
                          "grouped kinds), e.g. layerskip-code's 768x256,256x256,1376x256,256x688")
-    ap.add_argument("--narrow-one-row", default="",
-                    help="comma-separated name=0|1: whether that AVX-512 build runs its one-row "
-                         "products on its 256-bit tiles (exitlm_set_narrow_one_row; default: "
-                         "its choice for this CPU). A path named twice is loaded from a copy, "
-                         "so each name keeps its own setting")
+    ap.add_argument("--narrow-rows", default="",
+                    help="comma-separated name=N: that AVX-512 build runs its products of up to "
+                         "N rows on its 256-bit tiles (0: none; exitlm_set_narrow_rows; "
+                         "default: its choice for this CPU). A path named twice is loaded from "
+                         "a copy, so each name keeps its own setting")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-rows", action="store_true")
     args = ap.parse_args(argv)
@@ -215,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         odd = [s for s in shapes if shape_of(s)[1] % 32]  # type: ignore[index]
         if odd:
             ap.error(f"--shapes: {odd}: the grouped kinds need K a multiple of 32")
-    narrow = [p.split("=", 1) for p in args.narrow_one_row.split(",") if p]
+    narrow = [p.split("=", 1) for p in args.narrow_rows.split(",") if p]
     names = {name for name, _ in pairs}
-    if any(len(p) != 2 or p[0] not in names or p[1] not in ("0", "1") for p in narrow):
-        ap.error(f"--narrow-one-row: expected name=0|1 for names in --libs {sorted(names)}")
+    if any(len(p) != 2 or p[0] not in names or not p[1].isdigit() or int(p[1]) > 2**20
+           for p in narrow):
+        ap.error(f"--narrow-rows: expected name=N (N rows, 0 or more) for names in --libs "
+                 f"{sorted(names)}")
     libs = {}
     seen: set[str] = set()
     copies = tempfile.TemporaryDirectory(prefix="kernel_ab_")
@@ -231,16 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         seen.add(os.path.realpath(path))
         libs[name] = ctypes.CDLL(real)
     settings = {}
-    for name, on in narrow:
-        fn = getattr(libs[name], "exitlm_set_narrow_one_row", None)
-        if fn is None or fn(int(on)) < 0:
-            ap.error(f"--narrow-one-row: {name}: that build has no 512-bit tiles to narrow")
+    for name, rows_n in narrow:
+        fn = getattr(libs[name], "exitlm_set_narrow_rows", None)
+        if fn is None or fn(int(rows_n)) < 0:
+            ap.error(f"--narrow-rows: {name}: that build has no 512-bit tiles to narrow")
     for name, lib in libs.items():
-        fn = getattr(lib, "exitlm_set_narrow_one_row", None)
-        settings[name] = None if fn is None or fn(-1) < 0 else bool(fn(-1))
+        fn = getattr(lib, "exitlm_set_narrow_rows", None)
+        settings[name] = None if fn is None or fn(-1) < 0 else int(fn(-1))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {
-        "libs": dict(pairs), "narrow_one_row": settings, "passes": args.passes, "threads": 1,
+        "libs": dict(pairs), "narrow_rows": settings, "passes": args.passes, "threads": 1,
         **machine(),
         "decode": {}, "rows": {},
     }

@@ -38,10 +38,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="verification widths d + 1 (default 2,5,8)")
     p.add_argument("--prompt", type=int_at_least(1), default=64, help="positions before")
     p.add_argument("--repeats", type=int_at_least(1), default=15, help="passes")
-    return p.parse_args(argv)
+    p.add_argument("--narrow-rows", type=int_list, default=None,
+                   help="comma-separated settings of the avx512 build's narrow_rows (products "
+                        "of up to N rows on its 256-bit tiles), each timed in every pass, e.g. "
+                        "1,2 (default: the library's choice only)")
+    args = p.parse_args(argv)
+    if args.narrow_rows is not None and min(args.narrow_rows) < 0:
+        p.error("--narrow-rows: expected row counts of 0 or more, e.g. 1,2")
+    return args
 
 
-def _precision(name: str, dtype: str, widths: list[int], prompt: int, repeats: int) -> dict:
+def _precision(name: str, dtype: str, widths: list[int], prompt: int, repeats: int,
+               narrow: list[int] | None) -> dict:
     import torch
 
     from exitlm.io.loader import load_model
@@ -63,31 +71,52 @@ def _precision(name: str, dtype: str, widths: list[int], prompt: int, repeats: i
             p = torch.arange(prompt, prompt + m).unsqueeze(0)
             h = runner.embed(tokens[:, prompt : prompt + m], p)
             cells[m] = (h, p, runner.layers(h, 0, n, p, cache))
-        times: dict[tuple[str, int], list[float]] = {}
+        own = native.narrow_rows()
+        if narrow is not None and own is None:
+            raise SystemExit("verify_rows.py: --narrow-rows: the loaded kernels have no 512-bit "
+                             f"tiles to narrow ({native.kernel_path().describe()})")
+        settings = narrow or [own]
+        times: dict[tuple[int | None, str, int], list[float]] = {}
         for rep in range(repeats + 1):  # the first pass warms up
-            for m, (h, p, out) in cells.items():
-                t0 = time.perf_counter()
-                runner.layers(h, 0, n, p, cache)
-                t1 = time.perf_counter()
-                runner.logits(out, n)
-                t2 = time.perf_counter()
-                if rep:
-                    times.setdefault(("layers", m), []).append(t1 - t0)
-                    times.setdefault(("head", m), []).append(t2 - t1)
+            for setting in settings:
+                if setting is not None:
+                    native.set_narrow_rows(setting)
+                for m, (h, p, out) in cells.items():
+                    t0 = time.perf_counter()
+                    runner.layers(h, 0, n, p, cache)
+                    t1 = time.perf_counter()
+                    runner.logits(out, n)
+                    t2 = time.perf_counter()
+                    if rep:
+                        times.setdefault((setting, "layers", m), []).append(t1 - t0)
+                        times.setdefault((setting, "head", m), []).append(t2 - t1)
+        if own is not None:
+            native.set_narrow_rows(own)
     res: dict = {"runner": runner.kind, "kernels": native.kernel_path().describe(),
                  "num_layers": n}
+    if narrow is None:
+        res.update(_costs(times, own, widths, dtype))
+    else:
+        res["narrow_rows"] = {str(s): _costs(times, s, widths, f"{dtype} narrow_rows={s}")
+                              for s in settings}
+    return res
+
+
+def _costs(times: dict, setting: int | None, widths: list[int], label: str) -> dict:
+    """Per part (layers, head): 1-position milliseconds and each width's cost over them."""
+    res: dict = {}
     for part in ("layers", "head"):
-        one = times[(part, 1)]
+        one = times[(setting, part, 1)]
         row = {"ms_1": round(statistics.median(one) * 1e3, 3),
                "best_ms_1": round(min(one) * 1e3, 3)}
         for m in widths:
-            ts = times[(part, m)]
+            ts = times[(setting, part, m)]
             row[f"P={m}"] = {
                 "ms": round(statistics.median(ts) * 1e3, 3),
                 "cost": round(statistics.median(t / t1 for t, t1 in zip(ts, one, strict=True)), 2),
                 "best_cost": round(min(ts) / min(one), 2)}
         res[part] = row
-    note(f"{dtype}: layers 1 position {res['layers']['ms_1']} ms, "
+    note(f"{label}: layers 1 position {res['layers']['ms_1']} ms, "
          + "  ".join(f"{k} {v['cost']}x ({v['best_cost']}x)" for k, v in res["layers"].items()
                      if k.startswith("P="))
          + f" | head {res['head']['ms_1']} ms, "
@@ -101,7 +130,8 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     out = {"model": args.model, "prompt": args.prompt, "repeats": args.repeats, "threads": 1,
-           "precisions": {d: _precision(args.model, d, args.positions, args.prompt, args.repeats)
+           "precisions": {d: _precision(args.model, d, args.positions, args.prompt, args.repeats,
+                                        args.narrow_rows)
                           for d in args.precisions.split(",")}}
     print(json.dumps(out, indent=1))
     return 0

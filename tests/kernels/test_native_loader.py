@@ -73,24 +73,25 @@ def _supported_builds() -> list[str]:
 def test_every_installed_build_the_cpu_runs_gives_the_same_bits(tmp_path: Path) -> None:
     """Products of every format and row count, and a whole Llama block over 11 positions,
     are bit-identical across the baseline, avx2 and avx512 builds (whichever this CPU runs),
-    the avx512 build's one-row products on its 512-bit tiles and on its 256-bit ones alike
-    (``exitlm_set_narrow_one_row``: the setting this CPU got, and a copy of the library with
-    the other one)."""
+    the avx512 build's products on its 512-bit tiles and on its 256-bit ones alike
+    (``exitlm_set_narrow_rows``: the setting this CPU got, and copies of the library that run
+    every row count on the 256-bit tiles and none)."""
     builds = {isa: loader.load_variant(isa) for isa in _supported_builds()}
     assert "baseline" in builds, "the baseline build always runs"
     if "avx512" in builds:
-        own = builds["avx512"].exitlm_set_narrow_one_row(-1)
-        assert own in (0, 1)
-        # a copy: dlopen of the same file would share the setting
-        path = shutil.copy(builds["avx512"]._name, tmp_path / "other.so")
-        other = loader._open(Path(path))
-        assert other.exitlm_set_narrow_one_row(1 - own) == own
-        builds["avx512 " + ("wide" if own else "narrow")] = other
+        own = builds["avx512"].exitlm_set_narrow_rows(-1)
+        assert own >= 0
+        for name, rows in (("narrow", 64), ("wide", 0)):
+            # a copy: dlopen of the same file would share the setting
+            path = shutil.copy(builds["avx512"]._name, tmp_path / f"{name}.so")
+            other = loader._open(Path(path))
+            assert other.exitlm_set_narrow_rows(rows) == own
+            builds[f"avx512 {name}"] = other
     gen = torch.Generator().manual_seed(11)
     for (n, k), kind in itertools.product(((37, 160), (70, 2080)), (
             "f32", "f16", "q8", "q4", "q8a8", "q4a8", "q4_0", "q4_0a8")):
         args = _weights(kind, n, k, gen)  # 2080: 65 groups, past the int8 tiles' block of 64
-        for m in (1, 3, 5, 8, 13):  # 5, 13: uneven passes of the dense tiles (run_range)
+        for m in (1, 2, 3, 5, 8, 13):  # 5, 13: uneven passes of the dense tiles (run_range)
             x = torch.randn(m, k, generator=gen)
             ref = _product(builds["baseline"], kind, x, args, 1)
             for isa, lib in builds.items():
@@ -200,27 +201,33 @@ def test_exitlm_native_names_a_build(monkeypatch: pytest.MonkeyPatch, fresh: Non
 
 
 @pytest.mark.skipif(INSTALLED is None, reason="no installed builds (a source tree)")
-def test_the_avx512_build_narrows_one_row_products_on_zen4_only(
+def test_the_avx512_build_narrows_few_row_products_on_zen4_only(
         monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:
-    """The avx512 build runs its one-row products on its 256-bit tiles on an AMD family-25
-    core (Zen 4, as /proc/cpuinfo names it) and on its 512-bit ones elsewhere, says so in the
-    kernel path, and can be switched (the bits are the same either way:
-    test_every_installed_build_the_cpu_runs_gives_the_same_bits)."""
+    """The avx512 build runs its products of one and two rows on its 256-bit tiles on an AMD
+    family-25 core (Zen 4, as /proc/cpuinfo names it) and every product on its 512-bit ones
+    elsewhere, says so in the kernel path, and can be switched (the bits are the same either
+    way: test_every_installed_build_the_cpu_runs_gives_the_same_bits)."""
     if "avx512" not in _supported_builds():
         pytest.skip("needs the avx512 build and a CPU that runs it")
     monkeypatch.setenv("EXITLM_NATIVE", "avx512")
     zen4 = (loader.cpuinfo("vendor_id"), loader.cpuinfo("cpu family")) == ("AuthenticAMD", "25")
-    assert native.narrow_one_row() is zen4
+    own = 2 if zen4 else 0
+    assert native.narrow_rows() == own
     path = native.kernel_path()
     assert path.isa == "avx512"
-    assert (path.reason == loader.NARROW_ONE_ROW) is zen4
+    assert path.reason == (loader.narrow_note(2) if zen4 else "")
     assert ("Zen 4" in path.describe()) is zen4
-    assert native.set_narrow_one_row(not zen4) is zen4
-    assert native.narrow_one_row() is (not zen4)
-    assert native.set_narrow_one_row(zen4) is (not zen4)
+    assert "products of 1-2 rows" in loader.narrow_note(2)
+    assert "one-row products" in loader.narrow_note(1)
+    assert native.set_narrow_rows(5) == own
+    assert native.narrow_rows() == 5
+    assert native.set_narrow_rows(own) == 5
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="narrow rows"):
+            native.set_narrow_rows(bad)  # type: ignore[arg-type]
     native.forget()
     monkeypatch.setenv("EXITLM_NATIVE", "avx2")  # no 512-bit tiles: nothing to switch
-    assert native.narrow_one_row() is None and native.set_narrow_one_row(True) is None
+    assert native.narrow_rows() is None and native.set_narrow_rows(1) is None
 
 
 def test_disabled_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:

@@ -31,7 +31,7 @@ __all__ = [
 HEADER = Path(__file__).with_name("exitlm_native.h")
 """The C header this module mirrors (shipped with the package)."""
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 """``EXITLM_ABI_VERSION`` of the header: a library reporting another value is refused."""
 
 CPU_AVX2 = 1
@@ -106,7 +106,7 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "exitlm_pool_workers": (_INT, ()),
     "exitlm_set_tile": (_INT, (_INT, _INT, _INT, _INT)),
     "exitlm_set_spin": (None, (_INT,)),
-    "exitlm_set_narrow_one_row": (_INT, (_INT,)),
+    "exitlm_set_narrow_rows": (_INT, (_INT,)),
     # blocks (block.c)
     "exitlm_set_int8_activations": (_INT, (_INT,)),
     "exitlm_int8_activations": (_INT, ()),

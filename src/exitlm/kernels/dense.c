@@ -303,13 +303,18 @@ static int tile_cfg[3][3][2] = {
     /* q8  */ {{4, 1}, {1, 8}, {1, 8}},
 };
 
-#ifndef EXITLM_ZMM
 /* A Zen 1 core (128-bit datapath: 256-bit operations split in two, one 256-bit load a cycle)
  * keeps the configuration measured best on it: two weight rows x three x rows for 5+ rows, no
  * software prefetch in the dense tiles (the passes of one weight row and their prefetch above
- * were measured on a Zen 5 core only). */
+ * were measured on a Zen 5 core only).  A Zen 4 core multiplies one x row with q8 weights
+ * (float32 activations: the int8 models' LM head) one weight row at a time: measured there
+ * (EPYC family 25 model 17, one thread, weights streaming from memory; avx2 build and both
+ * copies of the avx512 build alike), four interleaved rows took 1.6-1.8x the time of one
+ * (SmolLM2's 49152 x 576 head 2972 against 1656 us, gate_up 211 against 130;
+ * docs/measurements/zen4_narrow_2026-12-03.md). */
 __attribute__((constructor)) static void tiles_init(void) {
     __builtin_cpu_init();
+#ifndef EXITLM_ZMM
     if (__builtin_cpu_is("znver1")) {
         dense_pf_rows = 0;
         for (int kind = K_F32; kind <= K_F16; kind++) {
@@ -317,8 +322,9 @@ __attribute__((constructor)) static void tiles_init(void) {
             tile_cfg[kind][2][1] = 3;
         }
     }
-}
 #endif
+    if (cpu_zen4()) tile_cfg[K_Q8][0][0] = 1;
+}
 
 #ifdef EXITLM_ZMM
 /* The 512-bit tiles: nb W rows in {1, 2, 4} x mb <= 8 x rows (q8: x rows in pairs, mb rounded
@@ -400,7 +406,7 @@ static void dense_passes(const job_t *j, int64_t n0, int64_t n1, int64_t ldx) {
 
 void run_range(const job_t *j, int64_t n0, int64_t n1) {
 #ifdef EXITLM_ZMM
-    if (j->M == 1 && narrow_one_row) { /* the 256-bit tiles (dense256.c, lanes256.c) */
+    if (j->M <= narrow_rows) { /* the 256-bit tiles (dense256.c, lanes256.c) */
         narrow_run_range(j, n0, n1);
         return;
     }

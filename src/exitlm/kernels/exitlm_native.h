@@ -20,7 +20,7 @@
 
 #include <stdint.h>
 
-#define EXITLM_ABI_VERSION 4
+#define EXITLM_ABI_VERSION 5
 
 /* ------------------------------------------------------------------ shared structs */
 
@@ -112,7 +112,7 @@ void exitlm_round_to_half(float *x, int64_t n);
 int exitlm_pool_workers(void);
 int exitlm_set_tile(int kind, int rows, int nb, int mb);
 void exitlm_set_spin(int iters);
-int exitlm_set_narrow_one_row(int on);
+int exitlm_set_narrow_rows(int rows);
 
 /* ------------------------------------------------------------------ blocks (block.c) */
 

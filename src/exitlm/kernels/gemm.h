@@ -146,15 +146,17 @@ INTERNAL int dense_set_tile(int kind, int rows, int nb, int mb);
 #ifdef EXITLM_ZMM
 /* The 256-bit tiles of an AVX-512 build (dense256.c, lanes256.c: dense.c and lanes.c compiled
  * again without EXITLM_ZMM, narrow.h), their tuning hooks and prefetch distances.
- * narrow_one_row: whether one-row jobs (M == 1) run them instead of the 512-bit tiles
- * (prefetch.c sets it at load from the CPU; exitlm_set_narrow_one_row). */
+ * narrow_rows: jobs of M <= narrow_rows x rows run them instead of the 512-bit tiles
+ * (prefetch.c sets it at load from the CPU; exitlm_set_narrow_rows). */
 INTERNAL void narrow_run_range(const job_t *j, int64_t n0, int64_t n1);
 INTERNAL void narrow_lanes_range(const job_t *j, int64_t n0, int64_t n1);
 INTERNAL int narrow_lanes_set_tile(int kind, int rows, int mb);
 INTERNAL int narrow_dense_set_tile(int kind, int rows, int nb, int mb);
 INTERNAL extern int64_t narrow_pf_q, narrow_pf_q4_tiles;
-INTERNAL extern int narrow_one_row;
+INTERNAL extern int narrow_rows;
 #endif
+/* Whether the CPU is an AMD Zen 4 core (family 25 with AVX-512; prefetch.c). */
+INTERNAL int cpu_zen4(void);
 #endif
 
 /* Output rows n0 .. n1 of j, every x row (dense.c on AVX2 builds, scalar.c elsewhere). */

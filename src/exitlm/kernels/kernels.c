@@ -220,17 +220,17 @@ int exitlm_cpu_features(void) {
     return f;
 }
 
-/* Whether one-row products (M == 1) of an AVX-512 build run its 256-bit tiles (dense256.c,
- * lanes256.c) rather than the 512-bit ones: on (1), off (0), or unchanged (-1); returns the
- * previous setting, or -1 in builds without 512-bit tiles.  Chosen at load from the CPU
- * (prefetch.c); both give the same bits. */
-int exitlm_set_narrow_one_row(int on) {
+/* The most x rows (M) whose products an AVX-512 build runs on its 256-bit tiles (dense256.c,
+ * lanes256.c) rather than the 512-bit ones: rows >= 0 sets it (0: never), -1 leaves it; returns
+ * the previous value, or -1 in builds without 512-bit tiles.  Chosen at load from the CPU
+ * (prefetch.c); both tile widths give the same bits. */
+int exitlm_set_narrow_rows(int rows) {
 #ifdef EXITLM_ZMM
-    const int before = narrow_one_row;
-    if (on >= 0) narrow_one_row = on != 0;
+    const int before = narrow_rows;
+    if (rows >= 0) narrow_rows = rows;
     return before;
 #else
-    (void)on;
+    (void)rows;
     return -1;
 #endif
 }
@@ -239,16 +239,18 @@ int exitlm_set_narrow_one_row(int on) {
  * int8 activations) and rows (0: M == 1, 1: M 2-4, 2: M > 4).  f32, f16, q8: nb in {1, 2, 4} W
  * rows x mb <= 8 x rows, and mb <= 3 when nb > 1, except for the 512-bit tiles of AVX-512 builds
  * (rows 1, 2; and row 0 of the dense kinds), which take any mb <= 8.  q4 and int8 activations:
- * nb = 1 (a tile is A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row).  Row 0 of an
- * AVX-512 build running its one-row jobs on the 256-bit tiles (narrow_one_row) sets those. */
+ * nb = 1 (a tile is A8_LANES W rows), mb <= 8 for rows 1, 2 (row 0 is one x row).  In an
+ * AVX-512 build a class whose fewest rows (1, 2, 5) run on the 256-bit tiles (narrow_rows) sets
+ * those. */
 int exitlm_set_tile(int kind, int rows, int nb, int mb) {
 #ifdef __AVX2__
     if (kind < 0 || kind > 5 || rows < 0 || rows > 2 || (nb != 1 && nb != 2 && nb != 4) ||
         mb < 1 || mb > MBMAX)
         return -1;
 #ifdef EXITLM_ZMM
-    if (rows == 0 && narrow_one_row) { /* one-row jobs run the 256-bit tiles (narrow_one_row) */
-        if (kind >= K_Q4) return nb != 1 || mb != 1 ? -1 : narrow_lanes_set_tile(kind, rows, mb);
+    if ((rows == 0 ? 1 : rows == 1 ? 2 : 5) <= narrow_rows) { /* the 256-bit tiles run them */
+        if (kind >= K_Q4)
+            return nb != 1 || (rows == 0 && mb != 1) ? -1 : narrow_lanes_set_tile(kind, rows, mb);
         return narrow_dense_set_tile(kind, rows, nb, mb);
     }
 #endif
@@ -330,7 +332,7 @@ static int act8_init(act8_t *a, job_t *j) {
     a->xd = nd <= STACK_FLOATS ? a->stack_d : (float *)malloc(nd * sizeof(float));
     int xu = 0; /* the q8 tiles of AVX-512 builds take x + 128 as their unsigned operand */
 #ifdef EXITLM_ZMM
-    xu = j->kind == K_Q8 && !(M == 1 && narrow_one_row); /* the 256-bit tiles take xq */
+    xu = j->kind == K_Q8 && M > narrow_rows; /* the 256-bit tiles take xq */
 #endif
     a->aux = xu ? malloc(nq) : NULL;
     if (a->xq == NULL || a->xd == NULL || (xu && a->aux == NULL)) {
@@ -371,7 +373,7 @@ static float *float_pairs(job_t *j) {
 static int run_grouped(job_t *j, int nthreads, int act8) {
     if (!act8) {
 #ifdef EXITLM_ZMM
-        float *pairs = j->kind == K_Q8 && j->M > 1 ? float_pairs(j) : NULL;
+        float *pairs = j->kind == K_Q8 && j->M > 1 && j->M > narrow_rows ? float_pairs(j) : NULL;
         run_job(j, nthreads);
         free(pairs);
 #else

@@ -6,10 +6,10 @@ library per instruction set: ``baseline`` (any x86-64, or any CPU of another arc
 ``avx2`` (AVX2 + FMA + F16C) and ``avx512`` (AVX-512 F/BW/VL/DQ/VNNI). Nothing is compiled
 when exitlm runs. At first use the loader opens the baseline build, asks it what the CPU can
 run (``exitlm_cpu_features``: cpuid through the compiler's ``__builtin_cpu_supports``), and
-loads the best build the CPU supports (the avx512 build on an AMD Zen 4 core runs its one-row
-products on 256-bit tiles: :data:`NARROW_ONE_ROW`). Every build computes the same bits: the products
-follow one fixed summation order whatever the instruction set (``kernels.c``), and the C
-code is compiled without ``-ffast-math`` and with ``-ffp-contract=off``.
+loads the best build the CPU supports (the avx512 build on an AMD Zen 4 core runs its products
+of one and two rows on 256-bit tiles: :func:`narrow_note`). Every build computes the same
+bits: the products follow one fixed summation order whatever the instruction set
+(``kernels.c``), and the C code is compiled without ``-ffast-math`` and with ``-ffp-contract=off``.
 
 ``EXITLM_NATIVE`` chooses:
 
@@ -54,7 +54,6 @@ from exitlm.paths import atomic_file, cache_root
 __all__ = [
     "DEV_CFLAGS",
     "ISAS",
-    "NARROW_ONE_ROW",
     "SOURCES",
     "KernelPath",
     "build_dev",
@@ -63,6 +62,7 @@ __all__ = [
     "library",
     "library_file",
     "load_variant",
+    "narrow_note",
     "reset",
     "source_digest",
 ]
@@ -95,7 +95,7 @@ class KernelPath:
     build); ``source``: ``"installed"`` or ``"developer build"``; ``library``: its file;
     ``cpu``: what the CPU supports (``avx512``, ``avx2`` or ``baseline``); ``reason``: why the
     torch fallback runs (or why a lesser build was chosen, or how the build runs on this CPU:
-    :data:`NARROW_ONE_ROW`), else ''."""
+    :func:`narrow_note`), else ''."""
 
     backend: str
     isa: str | None
@@ -172,11 +172,13 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-NARROW_ONE_ROW = ("one-row products on its 256-bit tiles: this AMD Zen 4 core runs AVX-512 on "
-                  "256-bit halves")
-"""``KernelPath.reason`` of an avx512 build that runs its one-row products (``M == 1``:
-decoding's steps) on its 256-bit tiles, as the library chooses at load on AMD family 25
-(``narrow_one_row`` in ``prefetch.c``; :func:`exitlm.kernels.native.narrow_one_row`)."""
+def narrow_note(rows: int) -> str:
+    """``KernelPath.reason`` of an avx512 build that runs its products of up to ``rows`` x rows
+    (decoding's steps, short verifications and batches) on its 256-bit tiles, as the library
+    chooses at load on AMD family 25 (``narrow_rows`` in ``prefetch.c``;
+    :func:`exitlm.kernels.native.narrow_rows`)."""
+    which = "one-row products" if rows == 1 else f"products of 1-{rows} rows"
+    return f"{which} on its 256-bit tiles: this AMD Zen 4 core runs AVX-512 on 256-bit halves"
 
 
 def _cpu_level(features: int) -> str:
@@ -316,8 +318,9 @@ def _load_installed(folder: Path, record: dict[str, Any],
             if isa in variants and ISAS.index(isa) >= ISAS.index(cpu):
                 lib = base if isa == "baseline" else _open(library_file(isa, folder))
                 path = library_file(isa, folder)
-                if not note and lib.exitlm_set_narrow_one_row(-1) == 1:
-                    note = NARROW_ONE_ROW
+                narrow = lib.exitlm_set_narrow_rows(-1)
+                if not note and narrow > 0:
+                    note = narrow_note(narrow)
                 return lib, KernelPath("native", isa, "installed", str(path), cpu, note)
     except (OSError, abi.NativeABIError) as exc:
         reason = f"the installed native library cannot be used: {exc}"

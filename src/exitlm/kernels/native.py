@@ -39,9 +39,9 @@ __all__ = [
     "kernel_path",
     "library",
     "library_path",
-    "narrow_one_row",
+    "narrow_rows",
     "set_int8_activations",
-    "set_narrow_one_row",
+    "set_narrow_rows",
     "unavailable_reason",
 ]
 
@@ -88,27 +88,30 @@ def set_int8_activations(on: bool) -> bool:
     return bool(lib.exitlm_set_int8_activations(int(bool(on))))
 
 
-def narrow_one_row() -> bool | None:
-    """Whether the loaded AVX-512 build runs its one-row products (``M == 1``) on its 256-bit
-    tiles rather than its 512-bit ones (``narrow_one_row`` in ``prefetch.c``): chosen at load
-    from the CPU - on for AMD family 25 (Zen 4), whose AVX-512 executes each 512-bit operation as
-    two 256-bit halves. None without the library or in a build without 512-bit tiles. Either
+def narrow_rows() -> int | None:
+    """The most x rows whose products the loaded AVX-512 build runs on its 256-bit tiles rather
+    than its 512-bit ones (``narrow_rows`` in ``prefetch.c``; 0: none): chosen at load from the
+    CPU - 2 on AMD family 25 (Zen 4), whose AVX-512 executes each 512-bit operation as two
+    256-bit halves, so decoding's one-row steps and two-row verifications or batches take the
+    narrow tiles there. None without the library or in a build without 512-bit tiles. Either
     way every product has the same bits; only its speed changes."""
     lib = _load()
     if lib is None:
         return None
-    on = lib.exitlm_set_narrow_one_row(-1)
-    return None if on < 0 else bool(on)
+    rows = lib.exitlm_set_narrow_rows(-1)
+    return None if rows < 0 else int(rows)
 
 
-def set_narrow_one_row(on: bool) -> bool | None:
-    """Switch :func:`narrow_one_row` for this process (benchmarks comparing the two tile
-    widths); returns the previous setting, or None where there is nothing to switch."""
+def set_narrow_rows(rows: int) -> int | None:
+    """Set :func:`narrow_rows` for this process (benchmarks comparing the two tile widths);
+    returns the previous value, or None where there is nothing to set."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 2**20:
+        raise ValueError(f"narrow rows: expected a whole number of rows from 0, got {rows!r}")
     lib = _load()
     if lib is None:
         return None
-    before = lib.exitlm_set_narrow_one_row(int(bool(on)))
-    return None if before < 0 else bool(before)
+    before = lib.exitlm_set_narrow_rows(rows)
+    return None if before < 0 else int(before)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1,7 +1,7 @@
 /* Software prefetch settings of the product tiles, chosen once at load from the CPU's vendor
  * (the distances' defaults and what they were measured against: gemm.h). */
 #include "gemm.h"
-#ifdef EXITLM_ZMM
+#ifdef __AVX2__
 #include <cpuid.h>
 #endif
 
@@ -30,28 +30,36 @@ int dense_pf_rows = 1;
 #ifdef EXITLM_ZMM
 /* The 256-bit tiles of this build (narrow.h) prefetch as the avx2 build does on AMD CPUs. */
 int64_t narrow_pf_q = PF_Q_BYTES, narrow_pf_q4_tiles = 1;
-/* Whether one-row products run the 256-bit tiles: on AMD family 25 (0x19) - Zen 4, the only
- * core of that family with AVX-512 - whose AVX-512 executes each 512-bit operation as two
- * 256-bit halves.  Measured there (EPYC family 25 model 17, one thread, weights streaming from
- * memory; docs/measurements/zen4_2026-12-02.md): the 512-bit one-row tiles took up to 1.7x the
- * 256-bit ones' time (int8 / int4 lanes tiles faster at two rows than at one), while for two
- * rows and more the 512-bit tiles were as fast or faster (8 rows of int8 1.2x one row against
- * 2.2-3.3x). */
-int narrow_one_row = 0;
+/* Products of up to narrow_rows x rows run the 256-bit tiles (0: none): NARROW_ROWS_ZEN4 on
+ * AMD family 25 (0x19) - Zen 4, the only core of that family with AVX-512 - whose AVX-512
+ * executes each 512-bit operation as two 256-bit halves.  Measured there (EPYC family 25 model
+ * 17, one thread, weights streaming from memory; docs/measurements/zen4_2026-12-02.md and
+ * zen4_narrow_2026-12-03.md): the 512-bit tiles took up to 1.7x the 256-bit ones' time for one
+ * row and 1.15-1.35x for two rows of fp16 and int8 (int4, q8 and fp32 within noise), were as
+ * fast at three (NARROW_ROWS_ZEN4 below) and faster from four rows on (8 rows of int8 1.2x one
+ * row's 512-bit time against 2.2-3.3x). */
+#ifndef NARROW_ROWS_ZEN4
+#define NARROW_ROWS_ZEN4 2
+#endif
+int narrow_rows = 0;
+#endif
 
-/* AMD family 25 (cpuid leaf 1: base family 0xF plus extended family 0x0A). */
-static int amd_family_25(void) {
+/* AMD family 25 (cpuid leaf 1: base family 0xF plus extended family 0x0A) with AVX-512: Zen 4
+ * (Zen 3, the family's other core, has none). */
+int cpu_zen4(void) {
     unsigned a, b, c, d;
-    if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_is("amd") || !__builtin_cpu_supports("avx512f") ||
+        !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
     const unsigned base = (a >> 8) & 0xF, ext = (a >> 20) & 0xFF;
     return (base == 0xF ? base + ext : base) == 25;
 }
-#endif
 
 __attribute__((constructor)) static void prefetch_init(void) {
     __builtin_cpu_init();
 #ifdef EXITLM_ZMM
-    narrow_one_row = amd_family_25();
+    narrow_rows = cpu_zen4() ? NARROW_ROWS_ZEN4 : 0;
 #endif
     dense_pf = __builtin_cpu_is("intel");
     if (!dense_pf) {
