@@ -2,7 +2,8 @@
 activations, on rows built to differ in the last bits or to tie, for float32 and float16
 heads and (QuantizedScreen) int8 heads and int4 heads with and without a mins array; they give
 up on non-finite activations; the native runner's greedy steps through them give plain
-decoding's tokens (float32 and int4 models), and they follow a weight changed in place."""
+decoding's tokens (float32, float16 and int4 models), and they follow a weight changed in
+place; the native per-step arithmetic (rounding, bounds, candidates) is the NumPy reference's."""
 
 from __future__ import annotations
 
@@ -94,6 +95,77 @@ def test_the_screen_keeps_rows_the_int8_activations_reorder() -> None:
     assert sc.argmax(x, w) == [62]
 
 
+def _numpy_round_and_terms(x: torch.Tensor) -> tuple | None:
+    xh = screen._round_like_kernels(x)
+    return None if xh is None else (xh, *screen._terms(x, xh))
+
+
+def test_the_native_rounding_and_bounds_are_numpys() -> None:
+    """``exitlm_screen_round`` (one call per step) rounds x's rows as the NumPy reference
+    does, bit for bit, with its bounds' float64 terms equal up to summation order; it gives up
+    on the same rows (NaN, infinities, a group scale below 1e-30), and on K not a multiple
+    of 32."""
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(3, 576, generator=gen) * s for s in (1e-3, 1.0, 40.0)]
+    edge = torch.randn(1, 96, generator=gen)
+    edge[0, 32:64] = 0.0  # a zero group: scale 0, rounds to zeros
+    edge[0, 5] = 127.5 * edge[0, :32].abs().max() / 127  # a value on a tie of the rounding
+    rows.append(edge)
+    for x in rows:
+        got, ref = screen._round_and_terms(x), _numpy_round_and_terms(x)
+        assert got is not None and ref is not None
+        assert np.array_equal(got[0], ref[0])
+        for a, b in zip(got[1:], ref[1:], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)
+    for bad in (float("nan"), float("inf"), 1e-33):
+        x = torch.randn(2, 64, generator=gen)
+        x[1, 32:64] = 0.0
+        x[1, 33] = bad  # one group's scale NaN, infinite or tiny
+        assert screen._round_and_terms(x) is None and _numpy_round_and_terms(x) is None
+    lib = native.library()
+    x = torch.randn(1, 40).numpy()
+    out = np.empty((1, 40), np.float32)
+    terms = np.empty((1, 3), np.float64)
+    assert lib.exitlm_screen_round(x.ctypes.data, 1, 40, out.ctypes.data, terms.ctypes.data) == -1
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("with_rounding", [False, True])
+def test_the_native_candidates_are_numpys(half: bool, with_rounding: bool) -> None:
+    """``exitlm_screen_candidates`` (one pass over the head's rows) picks exactly the NumPy
+    reference's candidates - the same float32 operations - for slacks of every size, stops at
+    ``cap + 1`` of them, and gives up on a non-finite logit (and a float16 floor past 60000)."""
+    rng = np.random.default_rng(3)
+    n = 5000
+    a = rng.standard_normal(n).astype(np.float32) * 4
+    a[rng.integers(0, n, 40)] = a.max()  # ties at the top
+    norms = rng.random(n).astype(np.float32) + 0.5
+    rounding = (rng.random(n).astype(np.float32) * 0.01) if with_rounding else None
+    seen = set()
+    for e1, l1, extra in ((1e-4, 3.0, 1e-5), (0.05, 30.0, 1e-3), (0.5, 100.0, 0.01),
+                          (3.0, 300.0, 0.1), (10.0, 1000.0, 0.1), (0.0, 0.0, 0.0)):
+        ref = screen.candidates_numpy(a, norms, rounding, e1, l1, extra, half)
+        assert ref is not None
+        got = screen.candidates(a, norms, rounding, e1, l1, extra, half, n)
+        assert got is not None and np.array_equal(got, ref)
+        seen.add(len(ref))
+        cap = max(1, len(ref) // 2)
+        capped = screen.candidates(a, norms, rounding, e1, l1, extra, half, cap)
+        assert capped is not None
+        if len(ref) > cap:
+            assert np.array_equal(capped, ref[: cap + 1])
+    assert min(seen) <= 41 and max(seen) > 100  # slacks from the ties at the top to many
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[17] = bad
+        assert screen.candidates(b, norms, rounding, 1e-3, 1.0, 0.0, half, n) is None
+        assert screen.candidates_numpy(b, norms, rounding, 1e-3, 1.0, 0.0, half) is None
+    if half:
+        big = a + np.float32(70000.0)
+        assert screen.candidates(big, norms, rounding, 1e-3, 1.0, 0.0, True, n) is None
+        assert screen.candidates_numpy(big, norms, rounding, 1e-3, 1.0, 0.0, True) is None
+
+
 def test_the_screen_gives_up_where_it_cannot_bound() -> None:
     w = _head(3)
     sc = GreedyScreen(w)
@@ -123,9 +195,14 @@ def screened(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-def test_greedy_decoding_through_the_screen_is_plain_decoding(screened: list[bool]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_decoding_through_the_screen_is_plain_decoding(
+        screened: list[bool], dtype: torch.dtype) -> None:
+    """float32 and float16 models' greedy steps take the screen (screens_head), with plain
+    decoding's tokens; a weight changed in place gets a new screen."""
     calls = screened
-    model = sharp_byte_model(num_layers=3, max_seq_len=96)
+    model = sharp_byte_model(num_layers=3, max_seq_len=96).to(dtype)
+    assert screen.screens_head(model.output_embedding())
     prompts = [[3, 7, 11, 5], [9, 1], [200, 100, 50, 25, 12]]
     kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
     runner = prepare(model)
@@ -274,16 +351,12 @@ def test_greedy_decoding_through_the_quantized_screen_is_plain_decoding(
         screened: list[bool]) -> None:
     """An int4 model's greedy steps (its tied head int4) take the quantized screen, with plain
     decoding's tokens, in plain decoding and in self-speculation; a changed weight gets a new
-    screen. int8 and float16 models' do not (screens_head)."""
+    screen. int8 models' do not (screens_head)."""
     calls = screened
     int8 = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int8")
     kw = {"max_new_tokens": screen.BUILD_TOKENS + 8, "ignore_eos": True}
     generate(prepare(int8), None, [3, 7, 11, 5], **kw)
     assert not calls and not screen.screens_head(int8.output_embedding())
-    half = sharp_byte_model(num_layers=3, max_seq_len=96).half()
-    generate(prepare(half), None, [3, 7, 11, 5], **kw)
-    assert id(half.output_embedding()) not in native_runner._SCREENS  # nor a float16 head
-    assert not screen.screens_head(half.output_embedding())
     model = quantize_model(sharp_byte_model(num_layers=3, max_seq_len=96), "int4")
     assert model.output_embedding().kind == "int4"
     runner = prepare(model)

@@ -31,7 +31,7 @@ __all__ = [
 HEADER = Path(__file__).with_name("exitlm_native.h")
 """The C header this module mirrors (shipped with the package)."""
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 """``EXITLM_ABI_VERSION`` of the header: a library reporting another value is refused."""
 
 CPU_AVX2 = 1
@@ -107,6 +107,9 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "exitlm_set_tile": (_INT, (_INT, _INT, _INT, _INT)),
     "exitlm_set_spin": (None, (_INT,)),
     "exitlm_set_narrow_rows": (_INT, (_INT,)),
+    # greedy screens (kernels.c)
+    "exitlm_screen_round": (_INT, (_P, _I64, _I64, _P, _P)),
+    "exitlm_screen_candidates": (_I64, (_P, _P, _P, _I64, _F64, _F64, _F64, _INT, _I64, _P)),
     # blocks (block.c)
     "exitlm_set_int8_activations": (_INT, (_INT,)),
     "exitlm_int8_activations": (_INT, ()),

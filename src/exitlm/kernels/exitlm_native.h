@@ -20,7 +20,7 @@
 
 #include <stdint.h>
 
-#define EXITLM_ABI_VERSION 5
+#define EXITLM_ABI_VERSION 6
 
 /* ------------------------------------------------------------------ shared structs */
 
@@ -113,6 +113,13 @@ int exitlm_pool_workers(void);
 int exitlm_set_tile(int kind, int rows, int nb, int mb);
 void exitlm_set_spin(int iters);
 int exitlm_set_narrow_rows(int rows);
+
+/* ------------------------------------------------------------------ greedy screens (kernels.c) */
+
+int exitlm_screen_round(const float *x, int64_t M, int64_t K, float *xh, double *terms);
+int64_t exitlm_screen_candidates(const float *a, const float *norms, const float *rounding,
+                                 int64_t n, double e1, double l1, double extra, int half,
+                                 int64_t cap, int64_t *out);
 
 /* ------------------------------------------------------------------ blocks (block.c) */
 

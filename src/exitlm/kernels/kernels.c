@@ -431,3 +431,87 @@ int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, cons
                      float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
     return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 1);
 }
+
+/* ------------------------------------------------------------------ greedy screens
+ *
+ * The per-step arithmetic of exitlm/kernels/screen.py's screens (GreedyScreen, QuantizedScreen:
+ * the argmax of a head's logits from its cheaper int8-activation product and an error bound),
+ * done here in one pass each instead of a dozen NumPy calls over the head's rows (~0.3 ms of a
+ * SmolLM2 step).  Every float32 operation is the one NumPy performs (NumPy 2 casts a Python
+ * float to float32 before an operation with a float32 array), so the candidates are those of
+ * screen.py's NumPy reference (tests/kernels/test_screen.py compares them). */
+
+/* x's M rows (K a multiple of 32) rounded as the int8-activation products round them
+ * (quantize_x): xh = xq * d per group, float32; and per row three bounds in double, a little
+ * above: terms[3m] = ||x||_1, terms[3m + 1] = ||xh - x||_2 + 4u ||xh||_2, terms[3m + 2] =
+ * ||x||_2 + ||xh||_2 (screen.py _terms).  Returns 0, or -1 (nothing usable) when K is not a
+ * multiple of 32 or a group's scale d is neither 0 nor within [1e-30, 3e38] (NaN, infinities,
+ * tiny groups: float32 rounding is not relative there). */
+int exitlm_screen_round(const float *x, int64_t M, int64_t K, float *xh, double *terms) {
+    if (K <= 0 || K % 32 != 0 || M < 0) return -1;
+    const double u = 0x1p-24;
+    int8_t q[32];
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        float *hr = xh + m * K;
+        double l1 = 0.0, x2 = 0.0, h2 = 0.0, e2 = 0.0;
+        for (int64_t g = 0; g < K / 32; g++) {
+            float d;
+            quantize_x(xr + 32 * g, 32, q, &d);
+            if (!(d == 0.0f || (d >= 1e-30f && d <= 3.0e38f))) return -1;
+            for (int e = 0; e < 32; e++) {
+                const float h = (float)q[e] * d;
+                const double xv = xr[32 * g + e], hv = h;
+                hr[32 * g + e] = h;
+                l1 += fabs(xv);
+                x2 += xv * xv;
+                h2 += hv * hv;
+                e2 += (hv - xv) * (hv - xv);
+            }
+        }
+        const double hn = sqrt(h2);
+        terms[3 * m] = l1 * 1.0002;
+        terms[3 * m + 1] = (sqrt(e2) + 4.0 * u * hn) * 1.0002;
+        terms[3 * m + 2] = (sqrt(x2) + hn) * 1.0001;
+    }
+    return 0;
+}
+
+/* The candidates of one row's approximate logits a (n of them; screen.py _choose): with the
+ * slack u_v = rounding_v * l1 + norms_v * e1 (float32; rounding NULL: norms_v * e1), the rows
+ * v with a_v + u_v >= floor = max(a_v - u_v) - 2 (extra + 4u max |a_v|) (a float16 head's
+ * floor two float16 ulps lower), written to out (room for cap + 1) in order.  Returns their
+ * count - cap + 1, the first cap + 1 of them written, as soon as there are more than cap - or
+ * -1 when a logit is not finite (or a float16 floor lies beyond 60000). */
+int64_t exitlm_screen_candidates(const float *a, const float *norms, const float *rounding,
+                                 int64_t n, double e1, double l1, double extra, int half,
+                                 int64_t cap, int64_t *out) {
+    const double u = 0x1p-24;
+    const float fe1 = (float)e1, fl1 = (float)l1;
+    float top = 0.0f, low = -INFINITY;
+    int finite = 1;
+    for (int64_t v = 0; v < n; v++) {
+        const float av = a[v];
+        const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
+        const float mag = fabsf(av), lo = av - s;
+        finite &= mag <= FLT_MAX;
+        if (mag > top) top = mag;
+        if (lo > low) low = lo;
+    }
+    if (!finite || n == 0) return -1;
+    double floor_d = (double)low - 2.0 * (extra + 4.0 * u * (double)top);
+    if (half) {
+        if (fabs(floor_d) > 60000.0) return -1;
+        floor_d -= 0x1p-9 * fabs(floor_d) + 0x1p-24;
+    }
+    const float floor_f = (float)floor_d;
+    int64_t count = 0;
+    for (int64_t v = 0; v < n; v++) {
+        const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
+        if (a[v] + s >= floor_f) {
+            out[count++] = v;
+            if (count > cap) return count;
+        }
+    }
+    return count;
+}

@@ -30,12 +30,17 @@ On SmolLM2's head a median of ~24 rows are candidates per step (p90 ~110; a few 
 thousands, up to :func:`_cap`, then the full head). With float32 activations the int8 copy's
 bound lacks the activations' term (1-6 candidates) but its product is slower: the step 1.28
 against 1.13 ms with the avx512 build, 1.83 against 1.19 with the avx2 one (Zen 5,
-``benchmarks/greedy_heads.py``). Greedy steps screen float32 heads; float16 heads save too
-little (:func:`screens_head`). A step whose activations are not finite (or tiny), or with too
+``benchmarks/greedy_heads.py``). Greedy steps screen float32 and float16 heads
+(:func:`screens_head`). A step whose activations are not finite (or tiny), or with too
 many candidates, returns None: the caller takes the full head.
 
 Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
 product. Greedy steps take it for int4 heads, where that product is much the faster one.
+
+A step's arithmetic around the product - rounding the activations, the bound's terms, the
+candidates - is one native call each (``exitlm_screen_round``, ``exitlm_screen_candidates``:
+the same float32 operations as the NumPy reference here, :func:`candidates_numpy`; ~0.1-0.2 ms
+a step less than a dozen NumPy calls over the head's rows).
 """
 
 from __future__ import annotations
@@ -103,27 +108,22 @@ class GreedyScreen:
         """The full head's argmax for each row of ``x`` ``(M, K)`` float32 (what the head's
         native product would get: ``weight`` float32 / float16, the weight this screen was made
         from), or None when a row cannot be screened (module docstring)."""
-        xh = _round_like_kernels(x)
-        if xh is None:
+        rounded = _round_and_terms(x)
+        if rounded is None:
             return None
+        xh, l1, e1, e2 = rounded
         a = native.gemm_q8(torch.from_numpy(xh), self.q, self.scales, threads,
                            int8_activations=True).numpy()
-        l1, e1, e2 = _terms(x, xh)
-        rounding, norms = self.rounding.numpy(), self.norms.numpy()
         kernel = native.gemm_f16 if self.half else native.gemm_f32
-
-        def slack(i: int) -> np.ndarray:  # (S_v / 2) ||x||_1 + ||q s|| (||x^ - x|| + 4u ||x^||)
-            u = rounding * float(l1[i])
-            u += norms * float(e1[i])
-            return u
 
         def exact(i: int, cand: np.ndarray) -> np.ndarray:
             out = kernel(x[i : i + 1], weight[torch.from_numpy(cand)], 1)[0]
             return (out.half() if self.half else out).numpy()
 
         self.candidates = []
-        return _choose(a, slack, e2 * self.widest, _cap(self.n), exact, self.half,
-                       self.candidates)
+        # slack (S_v / 2) ||x||_1 + ||q s|| (||x^ - x|| + 4u ||x^||)
+        return _choose(a, self.norms.numpy(), self.rounding.numpy(), e1, l1, e2 * self.widest,
+                       _cap(self.n), exact, self.half, self.candidates)
 
 
 def _cap(n: int) -> int:
@@ -141,32 +141,86 @@ def _terms(x: torch.Tensor, xh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return l1, e1, (np.linalg.norm(xd, axis=1) + hn) * 1.0001
 
 
-def _choose(a: np.ndarray, slack: Callable[[int], np.ndarray], extra: np.ndarray, cap: int,
+def _choose(a: np.ndarray, norms: np.ndarray, rounding: np.ndarray | None, e1: np.ndarray,
+            l1: np.ndarray, extra: np.ndarray, cap: int,
             exact: Callable[[int, np.ndarray], np.ndarray], half: bool, counts: list[int]
             ) -> list[int] | None:
-    """The argmax of each row ``i`` of the exact logits from the approximate ones ``a``: the
-    rows ``v`` whose ``a_v + slack(i)_v`` reaches the largest ``a_v - slack(i)_v`` within
-    ``2 (extra_i + 4u max |a|)`` (float16 logits: two float16 ulps more) are the candidates,
+    """The argmax of each row ``i`` of the exact logits from the approximate ones ``a``
+    (:func:`candidates`: the rows whose interval reaches the largest lower bound),
     ``exact(i, candidates)`` their exact logits (first index on ties); None when a row has no
-    finite logits or more than ``cap`` candidates. ``counts`` gets each row's candidates."""
+    finite logits, none or more than ``cap`` candidates. ``counts`` gets each row's number of
+    candidates (``cap + 1`` for more)."""
     tokens = []
     for i in range(a.shape[0]):
-        ai = a[i]
-        top = float(np.abs(ai).max())
-        if not math.isfinite(top):
+        cand = candidates(a[i], norms, rounding, float(e1[i]), float(l1[i]), float(extra[i]),
+                          half, cap)
+        if cand is None:
             return None
-        u = slack(i)
-        floor = float((ai - u).max()) - 2 * (float(extra[i]) + 4 * _U * top)
-        if half:
-            if abs(floor) > _HALF_MAX:
-                return None
-            floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
-        cand = np.flatnonzero(ai + u >= floor)
         counts.append(len(cand))
         if not 0 < len(cand) <= cap:
             return None
         tokens.append(int(cand[int(np.argmax(exact(i, cand)))]))
     return tokens
+
+
+def candidates(a: np.ndarray, norms: np.ndarray, rounding: np.ndarray | None, e1: float,
+               l1: float, extra: float, half: bool, cap: int) -> np.ndarray | None:
+    """The rows ``v`` of one row's approximate logits ``a`` (float32) that can hold the exact
+    maximum: with the slack ``u_v = rounding_v l1 + norms_v e1`` (``norms_v e1`` without
+    ``rounding``; float32 arrays), those whose ``a_v + u_v`` reaches the largest ``a_v - u_v``
+    within ``2 (extra + 4u max |a|)`` (float16 logits: two float16 ulps more), in order -
+    ``cap + 1`` of them when there are more than ``cap``; None when a logit is not finite (or a
+    float16 floor lies beyond what float16 holds). One pass of the native library
+    (``exitlm_screen_candidates``) over the rows, else :func:`candidates_numpy`, the same
+    float32 operations."""
+    lib = native.library()
+    if lib is None:
+        got = candidates_numpy(a, norms, rounding, e1, l1, extra, half)
+        return None if got is None else got[: cap + 1]
+    n = a.shape[0]
+    out = np.empty(cap + 1, np.int64)
+    count = lib.exitlm_screen_candidates(
+        a.ctypes.data, norms.ctypes.data, None if rounding is None else rounding.ctypes.data,
+        n, e1, l1, extra, int(half), cap, out.ctypes.data)
+    return None if count < 0 else out[:count]
+
+
+def candidates_numpy(a: np.ndarray, norms: np.ndarray, rounding: np.ndarray | None, e1: float,
+                     l1: float, extra: float, half: bool) -> np.ndarray | None:
+    """:func:`candidates` in NumPy (the reference; every candidate, no cap)."""
+    top = float(np.abs(a).max())
+    if not math.isfinite(top):
+        return None
+    u = norms * e1
+    if rounding is not None:
+        u = rounding * l1
+        u += norms * e1
+    floor = float((a - u).max()) - 2 * (extra + 4 * _U * top)
+    if half:
+        if abs(floor) > _HALF_MAX:
+            return None
+        floor -= 2.0 ** -9 * abs(floor) + 2.0 ** -24  # two float16 ulps
+    return np.flatnonzero(a + u >= floor)
+
+
+def _round_and_terms(x: torch.Tensor
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``x`` ``(M, K)`` float32 rounded as the kernels round activations
+    (:func:`_round_like_kernels`) and its bounds per row (:func:`_terms`): ``(x^, ||x||_1,
+    ||x^ - x||_2 + 4u ||x^||_2, ||x||_2 + ||x^||_2)``, each a little above; None where
+    :func:`_round_like_kernels` gives None. One native call (``exitlm_screen_round``, float64
+    sums in order) where the library is loaded."""
+    lib = native.library()
+    if lib is None:
+        xh = _round_like_kernels(x)
+        return None if xh is None else (xh, *_terms(x, xh))
+    xn = np.ascontiguousarray(x.numpy(), dtype=np.float32)
+    m, k = xn.shape
+    xh = np.empty((m, k), np.float32)
+    terms = np.empty((m, 3), np.float64)
+    if lib.exitlm_screen_round(xn.ctypes.data, m, k, xh.ctypes.data, terms.ctypes.data) != 0:
+        return None
+    return xh, terms[:, 0], terms[:, 1], terms[:, 2]
 
 
 def _round_like_kernels(x: torch.Tensor) -> np.ndarray | None:
@@ -247,22 +301,20 @@ class QuantizedScreen:
         """``argmax(qlinear(x, weight))`` for each row of ``x`` ``(M, K)`` float32 (first index
         on ties), or None when a row cannot be screened (values not finite, a tiny group scale,
         too many candidates)."""
-        xh = _round_like_kernels(x)
-        if xh is None:
+        rounded = _round_and_terms(x)
+        if rounded is None:
             return None
+        xh, l1, e1, e2 = rounded
         a = self._product(torch.from_numpy(xh), weight, None, threads, True).numpy()
-        _, e1, e2 = _terms(x, xh)
-        norms = self.norms.numpy()
-
-        def slack(i: int) -> np.ndarray:  # ||w_v|| (||x^ - x|| + 4u ||x^||)
-            return norms * float(e1[i])
 
         def exact(i: int, cand: np.ndarray) -> np.ndarray:
             return self._product(x[i : i + 1], weight, torch.from_numpy(cand), 1,
                                  False)[0].numpy()
 
         self.candidates = []
-        return _choose(a, slack, e2 * self.widest, _cap(self.n), exact, False, self.candidates)
+        # slack ||w_v|| (||x^ - x|| + 4u ||x^||)
+        return _choose(a, self.norms.numpy(), None, e1, l1, e2 * self.widest, _cap(self.n),
+                       exact, False, self.candidates)
 
 
 def _square_norms(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,15 +352,16 @@ def screen_for(weight: torch.Tensor | QuantizedWeight) -> GreedyScreen | Quantiz
 
 
 def screens_head(weight: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether greedy steps screen a head of ``weight``'s kind: float32 heads
+    """Whether greedy steps screen a head of ``weight``'s kind: float32 and float16 heads
     (:class:`GreedyScreen`) and int4 ones (:class:`QuantizedScreen`). Measured on SmolLM2's
-    head (Zen 5, ``benchmarks/greedy_heads.py``), the screens of the others save too little to
-    show in decoding: float16 1.07 against 1.30 ms a step (1.15 against 1.74 with the avx2
-    build), decoding 1.02-1.05x, within the noise of llama.cpp comparisons, for 28 MB more;
-    int8 0.97 against 1.04 ms (1.13 against 1.26), decoding 0.96-0.98x."""
+    head (``benchmarks/greedy_heads.py``): float16 1.07 against 1.30 ms a step on a Zen 5 core
+    (1.15 against 1.74 with the avx2 build; decoding 1.02-1.05x), 1.62 against 2.30 ms on a
+    Zen 4 core (docs/measurements/zen4_narrow_2026-12-03.md), for a 28 MB int8 copy; int8
+    heads save too little to show: 0.97 against 1.04 ms (1.13 against 1.26) on Zen 5, decoding
+    0.96-0.98x, and 1.91 against 1.79 ms on Zen 4."""
     if isinstance(weight, QuantizedWeight):
         return weight.kind == "int4"
-    return weight.dtype is torch.float32
+    return weight.dtype in (torch.float32, torch.float16)
 
 
 _SWITCH = {"on": True}
