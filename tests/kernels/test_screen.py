@@ -155,9 +155,9 @@ def test_the_native_candidates_are_numpys(half: bool, with_rounding: bool) -> No
         if len(ref) > cap:
             assert np.array_equal(capped, ref[: cap + 1])
     assert min(seen) <= 41 and max(seen) > 100  # slacks from the ties at the top to many
-    for bad in (np.nan, np.inf, -np.inf):
+    for bad, at in ((np.nan, 17), (np.inf, 18), (-np.inf, 19), (np.nan, n - 1)):
         b = a.copy()
-        b[17] = bad
+        b[at] = bad  # in the eight-row passes and in the tail
         assert screen.candidates(b, norms, rounding, 1e-3, 1.0, 0.0, half, n) is None
         assert screen.candidates_numpy(b, norms, rounding, 1e-3, 1.0, 0.0, half) is None
     if half:

@@ -490,7 +490,32 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
     const float fe1 = (float)e1, fl1 = (float)l1;
     float top = 0.0f, low = -INFINITY;
     int finite = 1;
-    for (int64_t v = 0; v < n; v++) {
+    int64_t v = 0;
+#ifdef __AVX2__
+    /* eight rows at a time: the same float32 products and sums (no FMA), maxima in any order */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 big = _mm256_set1_ps(FLT_MAX), ve1 = _mm256_set1_ps(fe1), vl1 = _mm256_set1_ps(fl1);
+    __m256 vtop = _mm256_setzero_ps(), vlow = _mm256_set1_ps(-INFINITY);
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (; v + 8 <= n; v += 8) {
+        const __m256 av = _mm256_loadu_ps(a + v);
+        __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(norms + v), ve1);
+        if (rounding != NULL) sv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rounding + v), vl1), sv);
+        const __m256 mag = _mm256_and_ps(av, absmask);
+        ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, big, _CMP_LE_OQ)); /* false for NaN, inf */
+        vtop = _mm256_max_ps(vtop, mag);
+        vlow = _mm256_max_ps(vlow, _mm256_sub_ps(av, sv));
+    }
+    float t8[8], l8[8];
+    _mm256_storeu_ps(t8, vtop);
+    _mm256_storeu_ps(l8, vlow);
+    finite = _mm256_movemask_ps(ok) == 0xFF;
+    for (int l = 0; l < 8; l++) {
+        if (t8[l] > top) top = t8[l];
+        if (l8[l] > low) low = l8[l];
+    }
+#endif
+    for (; v < n; v++) {
         const float av = a[v];
         const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
         const float mag = fabsf(av), lo = av - s;
@@ -506,7 +531,22 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
     }
     const float floor_f = (float)floor_d;
     int64_t count = 0;
-    for (int64_t v = 0; v < n; v++) {
+    v = 0;
+#ifdef __AVX2__
+    const __m256 vfloor = _mm256_set1_ps(floor_f);
+    for (; v + 8 <= n; v += 8) {
+        __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(norms + v), ve1);
+        if (rounding != NULL) sv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rounding + v), vl1), sv);
+        unsigned hit = (unsigned)_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + v), sv), vfloor, _CMP_GE_OQ));
+        while (hit) {
+            out[count++] = v + __builtin_ctz(hit);
+            if (count > cap) return count;
+            hit &= hit - 1;
+        }
+    }
+#endif
+    for (; v < n; v++) {
         const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
         if (a[v] + s >= floor_f) {
             out[count++] = v;
