@@ -382,7 +382,7 @@ class NativeRunner(Runner):
     def greedy(self, h: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
                cache: KVCache | None = None, ahead: int = 0) -> list[int]:
         """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of
-        its fp32 output embedding (an int8 copy and an error bound: the same tokens as the
+        its fp32 or fp16 output embedding (an int8 copy and an error bound: the same tokens as the
         argmax of :meth:`logits`, a quarter of the head's bytes read) or a
         :class:`~exitlm.kernels.screen.QuantizedScreen` of an int4 one (its integer product
         with int8 activations and an error bound); other heads, and rows the screens
