@@ -13,9 +13,8 @@ it and measures, in one process:
   argmax (``agree``: it is by construction, the script checks);
 * plain greedy decoding with screens on and off, alternating per prompt: tokens/s of the
   fastest and of the median runs, and whether the tokens are identical - for the heads greedy
-  steps screen (``greedy_screens``; ``exitlm.kernels.screen.screens_head``: float32 and int4
-  heads; the float16 and int8 heads' screens are timed all the same, which is why they are
-  not used).
+  steps screen (``greedy_screens``; ``exitlm.kernels.screen.screens_head``: float32, float16
+  and int4 heads; the int8 head's screen is timed all the same, which is why it is not used).
 
     python benchmarks/greedy_heads.py                            # fp32, fp16, int8, int4
     python benchmarks/greedy_heads.py --model SmolLM2.Q4_0.gguf --precisions int4
