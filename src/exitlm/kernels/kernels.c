@@ -483,6 +483,21 @@ int exitlm_screen_round(const float *x, int64_t M, int64_t K, float *xh, double 
  * floor two float16 ulps lower), written to out (room for cap + 1) in order.  Returns their
  * count - cap + 1, the first cap + 1 of them written, as soon as there are more than cap - or
  * -1 when a logit is not finite (or a float16 floor lies beyond 60000). */
+/* Row v's slack u_v of exitlm_screen_candidates (float32, no FMA: NumPy's operations). */
+AI float screen_slack(const float *norms, const float *rounding, int64_t v, float e1, float l1) {
+    return rounding != NULL ? rounding[v] * l1 + norms[v] * e1 : norms[v] * e1;
+}
+
+#ifdef __AVX2__
+/* Rows v .. v + 7's slacks, the same operations lane by lane. */
+AI __m256 screen_slack8(const float *norms, const float *rounding, int64_t v, __m256 e1,
+                        __m256 l1) {
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(norms + v), e1);
+    return rounding != NULL ? _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rounding + v), l1), s)
+                            : s;
+}
+#endif
+
 int64_t exitlm_screen_candidates(const float *a, const float *norms, const float *rounding,
                                  int64_t n, double e1, double l1, double extra, int half,
                                  int64_t cap, int64_t *out) {
@@ -492,15 +507,14 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
     int finite = 1;
     int64_t v = 0;
 #ifdef __AVX2__
-    /* eight rows at a time: the same float32 products and sums (no FMA), maxima in any order */
+    /* eight rows at a time: the same float32 products and sums, maxima in any order */
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 big = _mm256_set1_ps(FLT_MAX), ve1 = _mm256_set1_ps(fe1), vl1 = _mm256_set1_ps(fl1);
     __m256 vtop = _mm256_setzero_ps(), vlow = _mm256_set1_ps(-INFINITY);
     __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     for (; v + 8 <= n; v += 8) {
         const __m256 av = _mm256_loadu_ps(a + v);
-        __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(norms + v), ve1);
-        if (rounding != NULL) sv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rounding + v), vl1), sv);
+        const __m256 sv = screen_slack8(norms, rounding, v, ve1, vl1);
         const __m256 mag = _mm256_and_ps(av, absmask);
         ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, big, _CMP_LE_OQ)); /* false for NaN, inf */
         vtop = _mm256_max_ps(vtop, mag);
@@ -517,8 +531,7 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
 #endif
     for (; v < n; v++) {
         const float av = a[v];
-        const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
-        const float mag = fabsf(av), lo = av - s;
+        const float mag = fabsf(av), lo = av - screen_slack(norms, rounding, v, fe1, fl1);
         finite &= mag <= FLT_MAX;
         if (mag > top) top = mag;
         if (lo > low) low = lo;
@@ -535,8 +548,7 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
 #ifdef __AVX2__
     const __m256 vfloor = _mm256_set1_ps(floor_f);
     for (; v + 8 <= n; v += 8) {
-        __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(norms + v), ve1);
-        if (rounding != NULL) sv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rounding + v), vl1), sv);
+        const __m256 sv = screen_slack8(norms, rounding, v, ve1, vl1);
         unsigned hit = (unsigned)_mm256_movemask_ps(
             _mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + v), sv), vfloor, _CMP_GE_OQ));
         while (hit) {
@@ -547,8 +559,7 @@ int64_t exitlm_screen_candidates(const float *a, const float *norms, const float
     }
 #endif
     for (; v < n; v++) {
-        const float s = rounding != NULL ? rounding[v] * fl1 + norms[v] * fe1 : norms[v] * fe1;
-        if (a[v] + s >= floor_f) {
+        if (a[v] + screen_slack(norms, rounding, v, fe1, fl1) >= floor_f) {
             out[count++] = v;
             if (count > cap) return count;
         }

@@ -34,10 +34,11 @@ int64_t narrow_pf_q = PF_Q_BYTES, narrow_pf_q4_tiles = 1;
  * AMD family 25 (0x19) - Zen 4, the only core of that family with AVX-512 - whose AVX-512
  * executes each 512-bit operation as two 256-bit halves.  Measured there (EPYC family 25 model
  * 17, one thread, weights streaming from memory; docs/measurements/zen4_2026-12-02.md and
- * zen4_narrow_2026-12-03.md): the 512-bit tiles took up to 1.7x the 256-bit ones' time for one
- * row and 1.15-1.35x for two rows of fp16 and int8 (int4, q8 and fp32 within noise), were as
- * fast at three (NARROW_ROWS_ZEN4 below) and faster from four rows on (8 rows of int8 1.2x one
- * row's 512-bit time against 2.2-3.3x). */
+ * zen4_narrow_2026-12-03.md): the 256-bit tiles took 0.59-1.02x the 512-bit ones' time for
+ * one row and 0.65-0.98x for two rows of int8, int4 and fp32 (q8 with fp32 activations even at
+ * both, fp16 at two); at three rows fp32 and int8 still gained and int4 and fp16 lost, and from four rows
+ * on the 512-bit tiles were as fast or faster (8 rows of int8 1.2x one row's 512-bit time
+ * against 2.2-3.3x on the 256-bit ones). */
 #ifndef NARROW_ROWS_ZEN4
 #define NARROW_ROWS_ZEN4 2
 #endif

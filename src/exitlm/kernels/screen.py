@@ -170,7 +170,7 @@ def candidates(a: np.ndarray, norms: np.ndarray, rounding: np.ndarray | None, e1
     ``rounding``; float32 arrays), those whose ``a_v + u_v`` reaches the largest ``a_v - u_v``
     within ``2 (extra + 4u max |a|)`` (float16 logits: two float16 ulps more), in order -
     ``cap + 1`` of them when there are more than ``cap``; None when a logit is not finite (or a
-    float16 floor lies beyond what float16 holds). One pass of the native library
+    float16 floor lies beyond what float16 holds). Two passes of the native library
     (``exitlm_screen_candidates``) over the rows, else :func:`candidates_numpy`, the same
     float32 operations."""
     lib = native.library()
@@ -191,8 +191,9 @@ def candidates_numpy(a: np.ndarray, norms: np.ndarray, rounding: np.ndarray | No
     top = float(np.abs(a).max())
     if not math.isfinite(top):
         return None
-    u = norms * e1
-    if rounding is not None:
+    if rounding is None:
+        u = norms * e1
+    else:
         u = rounding * l1
         u += norms * e1
     floor = float((a - u).max()) - 2 * (extra + 4 * _U * top)
