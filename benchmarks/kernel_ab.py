@@ -25,6 +25,10 @@ would add to every multi-row cell.
     python benchmarks/kernel_ab.py --libs old=/tmp/old.so,new=/tmp/new.so --kinds f32,q4a8 \\
         [--passes 9] [--rows 1,2,4,8] [--no-decode] [--no-rows]
 
+``--packed NAME``: that build takes the q4 kinds' weights in the 16-row blocks of
+``exitlm_gemm_q4p`` (exitlm.kernels.native.pack_q4); ``--libs plain=X.so,packed=X.so --packed
+packed`` compares the two layouts in one build.
+
 Prints JSON on stdout (progress on stderr).
 """
 
@@ -76,25 +80,52 @@ def _weight(kind: str, n: int, k: int, rng: np.random.Generator
         return (rng.standard_normal((n, k), dtype=np.float32).astype(np.float16),)
     g = k // 32
     scales = rng.random((n, g), dtype=np.float32) * 0.01
+    if kind.startswith("q4"):  # float16 values, as GGUF's (pack_q4 keeps them in float16)
+        scales = scales.astype(np.float16).astype(np.float32)
     if kind in ("q8", "q8a8"):
         return rng.integers(-127, 128, (n, k), dtype=np.int8), scales
     q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     if kind.startswith("q4_0"):
         return q, scales, None
-    return q, scales, rng.random((n, g), dtype=np.float32) * 0.01
+    mins = (rng.random((n, g), dtype=np.float32) * 0.01).astype(np.float16).astype(np.float32)
+    return q, scales, mins
 
 
 def _nbytes(arrays: tuple[np.ndarray | None, ...]) -> int:
     return sum(a.nbytes for a in arrays if a is not None)
 
 
+def pack_q4(w: tuple[np.ndarray | None, ...]) -> tuple[np.ndarray | None, ...]:
+    """A q4 weight ``(q, scales, mins)`` in exitlm_gemm_q4p's 16-row blocks (the layout of
+    exitlm.kernels.native.pack_q4), with its row count last."""
+    q, scales, mins = w
+    n, kh = q.shape
+    blocks, g = -(-n // 16), kh // 16
+
+    def in_blocks(a: np.ndarray) -> np.ndarray:
+        a = np.concatenate([a, np.repeat(a[-1:], blocks * 16 - n, 0)])
+        return a.reshape(blocks, 16, a.shape[1])
+
+    qp = np.ascontiguousarray(in_blocks(q).reshape(blocks, 16, g, 4, 4).transpose(0, 2, 3, 1, 4))
+    floats = [a for a in (scales, mins) if a is not None]
+    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in floats):
+        floats = [a.astype(np.float16) for a in floats]  # (float16 scales, as pack_q4)
+    sp, *mp = (np.ascontiguousarray(in_blocks(a).transpose(0, 2, 1)) for a in floats)
+    return qp, sp, (mp[0] if mp else None), np.array(n)
+
+
 def _call(lib: ctypes.CDLL, kind: str, x: np.ndarray, w: tuple[np.ndarray | None, ...],
           y: np.ndarray) -> None:
     m, k = x.shape
     n = w[0].shape[0]
-    fn = getattr(lib, f"exitlm_gemm_{kind.replace('q4_0', 'q4')}")
+    name = kind.replace("q4_0", "q4")
+    half: tuple[ctypes.c_int, ...] = ()
+    if len(w) == 4:  # pack_q4's
+        n, half = int(w[3]), (ctypes.c_int(int(w[1].dtype == np.float16)),)
+        w, name = w[:3], name.replace("q4", "q4p")
+    fn = getattr(lib, f"exitlm_gemm_{name}")
     rc = fn(x.ctypes.data_as(_P), *(_P(None) if a is None else a.ctypes.data_as(_P) for a in w),
-            y.ctypes.data_as(_P), _I64(m), _I64(n), _I64(k), 1)
+            *half, y.ctypes.data_as(_P), _I64(m), _I64(n), _I64(k), 1)
     if rc != 0:
         raise RuntimeError(f"exitlm_gemm_{kind} returned {rc}")
 
@@ -103,12 +134,24 @@ def _orders(names: list[str], passes: int) -> list[list[str]]:
     return [names if p % 2 == 0 else names[::-1] for p in range(passes)]
 
 
+def _layouts(libs: dict[str, ctypes.CDLL], packed: set[str], kind: str,
+             weights: list[tuple[np.ndarray | None, ...]]
+             ) -> dict[str, list[tuple[np.ndarray | None, ...]]]:
+    """Each build's copy of ``weights``: pack_q4's for the builds in ``packed`` (q4 kinds)."""
+    if not kind.startswith("q4") or not packed & set(libs):
+        return {name: weights for name in libs}
+    blocked = [pack_q4(w) for w in weights]
+    return {name: blocked if name in packed else weights for name in libs}
+
+
 def decode_pass(libs: dict[str, ctypes.CDLL], kind: str, passes: int,
-                rng: np.random.Generator) -> dict[str, Any]:
+                rng: np.random.Generator, packed: frozenset[str] = frozenset()
+                ) -> dict[str, Any]:
     """One-row products over a model's worth of distinct weights, per build."""
     layer = ("qkv", "o", "gate_up", "down")
     shapes = [SHAPES[s] for s in layer] * 30 + [SHAPES["head"]]
     weights = [_weight(kind, n, k, rng) for n, k in shapes]
+    mine = _layouts(libs, set(packed), kind, weights)
     xs = {k: x_rows(1, k, rng) for k in (576, 1536)}
     outs = [np.empty((1, n), np.float32) for n, _ in shapes]
     times: dict[str, list[float]] = {n: [] for n in libs}
@@ -116,7 +159,7 @@ def decode_pass(libs: dict[str, ctypes.CDLL], kind: str, passes: int,
     for order in _orders(list(libs), passes):
         for name in order:
             t0 = time.perf_counter()
-            for (_, k), w, y in zip(shapes, weights, outs, strict=True):
+            for (_, k), w, y in zip(shapes, mine[name], outs, strict=True):
                 _call(libs[name], kind, xs[k], w, y)
             times[name].append((time.perf_counter() - t0) * 1e3)
             first.setdefault(name, [y.copy() for y in outs])
@@ -144,12 +187,14 @@ def shape_of(name: str) -> tuple[int, int] | None:
 
 
 def rows_pass(libs: dict[str, ctypes.CDLL], kind: str, shape: str, rows: list[int],
-              passes: int, rng: np.random.Generator) -> dict[str, Any]:
+              passes: int, rng: np.random.Generator, packed: frozenset[str] = frozenset()
+              ) -> dict[str, Any]:
     """Microseconds per product and rows x cost for M in ``rows``, per build."""
     n, k = shape_of(shape)  # type: ignore[misc]
     one = _weight(kind, n, k, rng)
     copies = max(2, (96 << 20) // _nbytes(one))
     weights = [one] + [_weight(kind, n, k, rng) for _ in range(copies - 1)]
+    mine = _layouts(libs, set(packed), kind, weights)
     xs = {m: x_rows(m, k, rng) for m in rows}
     us: dict[str, dict[int, list[float]]] = {name: {m: [] for m in rows} for name in libs}
     outs: dict[str, dict[int, np.ndarray]] = {name: {} for name in libs}
@@ -158,7 +203,7 @@ def rows_pass(libs: dict[str, ctypes.CDLL], kind: str, shape: str, rows: list[in
             for m in rows:
                 y = np.empty((m, n), np.float32)
                 t0 = time.perf_counter()
-                for w in weights:
+                for w in mine[name]:
                     _call(libs[name], kind, xs[m], w, y)
                 us[name][m].append((time.perf_counter() - t0) / len(weights) * 1e6)
                 outs[name].setdefault(m, y.copy())
@@ -194,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                          "N rows on its 256-bit tiles (0: none; exitlm_set_narrow_rows; "
                          "default: its choice for this CPU). A path named twice is loaded from "
                          "a copy, so each name keeps its own setting")
+    ap.add_argument("--packed", default="",
+                    help="comma-separated names from --libs whose q4 products take the weights "
+                         "packed in 16-row blocks (exitlm_gemm_q4p, ABI 7 and later)")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-rows", action="store_true")
     args = ap.parse_args(argv)
@@ -221,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
            for p in narrow):
         ap.error(f"--narrow-rows: expected name=N (N rows, 0 or more) for names in --libs "
                  f"{sorted(names)}")
+    packed = frozenset(p for p in args.packed.split(",") if p)
+    if packed - names:
+        ap.error(f"--packed: {sorted(packed - names)}: not names in --libs {sorted(names)}")
     libs = {}
     seen: set[str] = set()
     copies = tempfile.TemporaryDirectory(prefix="kernel_ab_")
@@ -232,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             real = shutil.copy(real, os.path.join(copies.name, f"{name}.so"))
         seen.add(os.path.realpath(path))
         libs[name] = ctypes.CDLL(real)
+        if name in packed and not hasattr(libs[name], "exitlm_gemm_q4p"):
+            ap.error(f"--packed: {name}: {path} has no exitlm_gemm_q4p (a build before ABI 7)")
     settings = {}
     for name, rows_n in narrow:
         fn = getattr(libs[name], "exitlm_set_narrow_rows", None)
@@ -242,20 +295,22 @@ def main(argv: list[str] | None = None) -> int:
         settings[name] = None if fn is None or fn(-1) < 0 else int(fn(-1))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {
-        "libs": dict(pairs), "narrow_rows": settings, "passes": args.passes, "threads": 1,
+        "libs": dict(pairs), "packed": sorted(packed), "narrow_rows": settings,
+        "passes": args.passes, "threads": 1,
         **machine(),
         "decode": {}, "rows": {},
     }
     for kind in kinds:
         if not args.no_decode:
             note(f"{kind}: decode-like pass")
-            out["decode"][kind] = decode_pass(libs, kind, args.passes, rng)
+            out["decode"][kind] = decode_pass(libs, kind, args.passes, rng, packed)
             note(f"  {json.dumps(out['decode'][kind])}")
         if not args.no_rows:
             out["rows"][kind] = {}
             for shape in shapes:
                 note(f"{kind} {shape}: rows {rows}")
-                out["rows"][kind][shape] = rows_pass(libs, kind, shape, rows, args.passes, rng)
+                out["rows"][kind][shape] = rows_pass(libs, kind, shape, rows, args.passes, rng,
+                                                     packed)
                 note(f"  {json.dumps(out['rows'][kind][shape])}")
     json.dump(out, sys.stdout, indent=1)
     print()

@@ -31,7 +31,7 @@ __all__ = [
 HEADER = Path(__file__).with_name("exitlm_native.h")
 """The C header this module mirrors (shipped with the package)."""
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 """``EXITLM_ABI_VERSION`` of the header: a library reporting another value is refused."""
 
 CPU_AVX2 = 1
@@ -87,6 +87,7 @@ STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
 _GEMM = (_P, _P, _P, _I64, _I64, _I64, _INT)
 _GEMM_Q8 = (_P, _P, _P, _P, _I64, _I64, _I64, _INT)
 _GEMM_Q4 = (_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT)
+_GEMM_Q4P = (_P, _P, _P, _P, _INT, _P, _I64, _I64, _I64, _INT)
 
 FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     # identity (kernels.c)
@@ -102,6 +103,8 @@ FUNCTIONS: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "exitlm_gemm_q4": (_INT, _GEMM_Q4),
     "exitlm_gemm_q8a8": (_INT, _GEMM_Q8),
     "exitlm_gemm_q4a8": (_INT, _GEMM_Q4),
+    "exitlm_gemm_q4p": (_INT, _GEMM_Q4P),
+    "exitlm_gemm_q4pa8": (_INT, _GEMM_Q4P),
     "exitlm_round_to_half": (None, (_P, _I64)),
     "exitlm_pool_workers": (_INT, ()),
     "exitlm_set_tile": (_INT, (_INT, _INT, _INT, _INT)),

@@ -51,6 +51,11 @@ static int weight_product(const exitlm_weight *w, const float *x, float *y, int6
     case 3:
         return (a8 ? exitlm_gemm_q4a8 : exitlm_gemm_q4)(x, (const uint8_t *)w->w, w->scales,
                                                         w->mins, y, M, w->n, w->k, nthreads);
+    case 4:
+    case 5:
+        return (a8 ? exitlm_gemm_q4pa8 : exitlm_gemm_q4p)(x, (const uint8_t *)w->w, w->scales,
+                                                          w->mins, w->fmt == 5, y, M, w->n, w->k,
+                                                          nthreads);
     default: return -3;
     }
 }

@@ -20,13 +20,14 @@
 
 #include <stdint.h>
 
-#define EXITLM_ABI_VERSION 6
+#define EXITLM_ABI_VERSION 7
 
 /* ------------------------------------------------------------------ shared structs */
 
 /* A weight of any format (block.c). */
 typedef struct exitlm_weight {
-    int64_t fmt; /* 0 f32, 1 f16, 2 q8, 3 q4 */
+    int64_t fmt; /* 0 f32, 1 f16, 2 q8, 3 q4; q4 in 16-row blocks (exitlm_gemm_q4p; products
+                  * only, not an embedding): 4 with float32 scales and mins, 5 float16 */
     int64_t n, k;
     const void *w; /* f32/f16 weight (n, k) or the quantized values */
     const float *scales;
@@ -108,6 +109,16 @@ int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float
                      int64_t N, int64_t K, int nthreads);
 int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
                      float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+/* q4 in 16-row blocks: W rows 16b .. 16b + 15 (past N, copies of row N - 1) form block b; per
+ * block and group g of 32, q holds 256 bytes at (b * G + g) * 256 whose bytes 64c + 4r + i are
+ * byte 4c + i (c < 4, i < 4) of the group's 16 plain bytes (exitlm_gemm_q4's layout) in row
+ * 16b + r, and scales (mins) the 16 values at (b * G + g) * 16, lane r row 16b + r: float32,
+ * or float16 when half != 0.  The same bits as exitlm_gemm_q4 / _q4a8 with the plain layout
+ * and those values as float32; -3 on builds without AVX2. */
+int exitlm_gemm_q4p(const float *x, const uint8_t *q, const void *scales, const void *mins,
+                    int half, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+int exitlm_gemm_q4pa8(const float *x, const uint8_t *q, const void *scales, const void *mins,
+                      int half, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
 void exitlm_round_to_half(float *x, int64_t n);
 int exitlm_pool_workers(void);
 int exitlm_set_tile(int kind, int rows, int nb, int mb);

@@ -88,6 +88,8 @@ typedef struct {
      * of K: x2 (P, K/8, 16) the two rows' chunks. */
     const float *x2;
     int64_t ldx; /* floats from one x row to the next (dense kinds; 0: K) */
+    int packed;  /* q4: w, scales and mins in 16-row blocks (lanes.c "q4 weights in 16-row
+                  * blocks"; AVX2 builds only): 1, scales and mins float32; 2, float16 */
 } job_t;
 
 /* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that

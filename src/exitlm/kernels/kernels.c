@@ -397,15 +397,19 @@ static int gemm_q8(const float *x, const int8_t *q, const float *scales, float *
 }
 
 static int gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
-                   float *y, int64_t M, int64_t N, int64_t K, int nthreads, int act8) {
+                   float *y, int64_t M, int64_t N, int64_t K, int nthreads, int act8,
+                   int packed) {
     if (K % 32 != 0) return -2;
+#ifndef __AVX2__
+    if (packed) return -3; /* the packed layout is read by lanes.c's tiles only */
+#endif
     if (M <= 0 || N <= 0) return 0;
     float stack_xg[STACK_FLOATS];
     const size_t need = (size_t)M * (size_t)(K / 32);
     float *xg = need <= STACK_FLOATS ? stack_xg : (float *)malloc(need * sizeof(float));
     if (xg == NULL) return -1;
     for (int64_t m = 0; m < M; m++) group_totals(x + m * K, K, xg + m * (K / 32));
-    job_t j = {K_Q4, x, q, scales, mins, xg, y, M, N, K, NULL, NULL, NULL, NULL};
+    job_t j = {K_Q4, x, q, scales, mins, xg, y, M, N, K, NULL, NULL, NULL, NULL, 0, packed};
     int rc = run_grouped(&j, nthreads, act8);
     if (xg != stack_xg) free(xg);
     return rc;
@@ -424,12 +428,25 @@ int exitlm_gemm_q8a8(const float *x, const int8_t *q, const float *scales, float
 
 int exitlm_gemm_q4(const float *x, const uint8_t *q, const float *scales, const float *mins,
                    float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 0);
+    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 0, 0);
 }
 
 int exitlm_gemm_q4a8(const float *x, const uint8_t *q, const float *scales, const float *mins,
                      float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 1);
+    return gemm_q4(x, q, scales, mins, y, M, N, K, nthreads, 1, 0);
+}
+
+/* q4 weights in 16-row blocks (exitlm_native.h), from exitlm/kernels/native.py's pack_q4. */
+int exitlm_gemm_q4p(const float *x, const uint8_t *q, const void *scales, const void *mins,
+                    int half, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    return gemm_q4(x, q, (const float *)scales, (const float *)mins, y, M, N, K, nthreads, 0,
+                   half ? 2 : 1);
+}
+
+int exitlm_gemm_q4pa8(const float *x, const uint8_t *q, const void *scales, const void *mins,
+                      int half, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    return gemm_q4(x, q, (const float *)scales, (const float *)mins, y, M, N, K, nthreads, 1,
+                   half ? 2 : 1);
 }
 
 /* ------------------------------------------------------------------ greedy screens

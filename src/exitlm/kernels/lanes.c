@@ -173,6 +173,63 @@ AI void a8_prefetch_next(const int kind, const job_t *j, int64_t n0, int64_t g) 
     }
 }
 
+/* ------------------------------------------------------------------ q4 weights in 16-row blocks
+ *
+ * The layout exitlm_gemm_q4p reads (exitlm_native.h; packed at load by exitlm/kernels/native.py
+ * pack_q4): W rows in blocks of 16 (the last block padded with copies of the last row), and per
+ * block b and group g the 256 bytes at (b * G + g) * 256 that a8_t16 would build in registers:
+ * bytes 64c + 4r .. 64c + 4r + 3 are bytes 4c .. 4c + 3 of the group in row 16b + r.  A 16-lane
+ * tile loads its group's T[c] as four straight 64-byte loads; an 8-lane tile on rows 8h .. 8h + 7
+ * of a block loads the 32 bytes at 64c + 32h.  Scales (and Q4_1 mins) the same way: the 16
+ * floats at (b * G + g) * 16 are group g of the block's rows, lane-major, so the tile reads them
+ * as they are instead of transposing them per tile (a8_scales).  Same operands, same
+ * operations, same bits as the plain layout; a tile's inputs are one forward stream. */
+
+/* Where tile n0's packed data start: its bytes (group 0, c = 0), scales and mins (or NULL):
+ * float32, or float16 with pk = 2 (job_t.packed; weights whose scales and mins are all exact
+ * in float16, as GGUF's are: the same floats in 10% fewer bytes). */
+typedef struct {
+    const uint8_t *w;
+    const char *s, *m;
+} q4p_t;
+
+AI q4p_t q4p_tile(const int pk, const job_t *j, int64_t n0) {
+    const int64_t G = j->K / 32, b = n0 / 16, h = (n0 / 8) & 1; /* A8_LANES 16: h = 0 */
+    const int64_t off = (b * G * 16 + 8 * h) * (pk == 2 ? 2 : 4);
+    q4p_t t = {(const uint8_t *)j->w + b * G * 256 + 32 * h, (const char *)j->scales + off,
+               j->mins != NULL ? (const char *)j->mins + off : NULL};
+    return t;
+}
+
+/* The tile's A8_LANES floats of group g at p (q4p_t's s or m). */
+#ifdef EXITLM_ZMM
+AI __m512 q4p_floats(const int pk, const char *p, int64_t g) {
+    if (pk == 2) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * g)));
+    return _mm512_loadu_ps((const float *)p + 16 * g);
+}
+#else
+AI __m256 q4p_floats(const int pk, const char *p, int64_t g) {
+    if (pk == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * g)));
+    return _mm256_loadu_ps((const float *)p + 16 * g);
+}
+#endif
+
+/* Prefetch group g of the block pf_q4_tiles tiles ahead of tile n0 (at least the next block):
+ * 16 lanes, its four lines of bytes and its line of scales (and mins); 8 lanes, half of that per
+ * tile (the block's two tiles read the same lines). */
+AI void q4p_prefetch(const int pk, const job_t *j, int64_t n0, int64_t g) {
+    if (!PF_Q_BYTES) return;
+    const int64_t G = j->K / 32, ahead = (pf_q4_tiles * A8_LANES + 15) / 16;
+    const int64_t b = n0 / 16 + ahead, h = (n0 / 8) & 1, es = pk == 2 ? 2 : 4;
+    const char *w = (const char *)j->w + (b * G + g) * 256;
+    const char *s = (const char *)j->scales + (b * G + g) * 16 * es;
+    const char *m = j->mins != NULL ? (const char *)j->mins + (b * G + g) * 16 * es : NULL;
+    const int first = A8_LANES == 16 ? 0 : 2 * (int)h, last = A8_LANES == 16 ? 4 : first + 2;
+    for (int l = first; l < last; l++) _mm_prefetch(w + 64 * l, _MM_HINT_T0);
+    if (A8_LANES == 16 || h == 0) _mm_prefetch(s, _MM_HINT_T0);
+    if (m != NULL && (A8_LANES == 16 || h == 1)) _mm_prefetch(m, _MM_HINT_T0);
+}
+
 #ifdef EXITLM_ZMM
 /* The 16 bytes at off of 16 rows, transposed: T[c] lane r = bytes off + 4c .. off + 4c + 3 of
  * row r (q4: group g at off = 16g, byte j holding element j in the low nibble, 16 + j in the
@@ -195,14 +252,24 @@ AI void a8_t16(const uint8_t *const rw[16], int64_t off, __m512i T[4]) {
 
 /* Group g of 16 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r (c < 4: low
  * nibbles of bytes 4c..4c+3; c >= 4: high nibbles of bytes 4(c-4)..). */
-AI void a8_w4(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
-    __m512i T[4];
-    a8_t16(rw, 16 * g, T);
+AI void a8_nibbles(const __m512i T[4], __m512i W[8]) {
     const __m512i m4 = _mm512_set1_epi8(15);
     _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
         W[c] = _mm512_and_si512(T[c], m4);
         W[c + 4] = _mm512_and_si512(_mm512_srli_epi16(T[c], 4), m4);
     }
+}
+
+AI void a8_w4(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
+    __m512i T[4];
+    a8_t16(rw, 16 * g, T);
+    a8_nibbles(T, W);
+}
+
+/* Group g's T[c] (a8_t16's registers) of a packed tile: four loads. */
+AI void q4p_t16(const q4p_t *P, int64_t g, __m512i T[4]) {
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+        T[c] = _mm512_loadu_si512((const void *)(P->w + g * 256 + 64 * c));
 }
 
 /* Group g of 16 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group. */
@@ -231,23 +298,32 @@ AI void a8_w8(const uint8_t *const rw[16], int64_t g, __m512i W[8]) {
     }
 }
 
-AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
-                int64_t m0) {
+AI void a8_tile(const int kind, const int pk, const int mb, const job_t *j, int64_t n0,
+                int64_t n1, int64_t m0) {
     const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[16];
     const float *sr[16], *mr[16];
-    a8_rows(kind, j, n0, n1, rw, sr, mr);
+    q4p_t P = {NULL, NULL, NULL};
+    if (pk)
+        P = q4p_tile(pk, j, n0);
+    else
+        a8_rows(kind, j, n0, n1, rw, sr, mr);
     const __m512i zero = _mm512_setzero_si512(), b80 = _mm512_set1_epi8((char)0x80);
     __m512 acc[MBMAX];
     _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     float scT[A8_GB * 16], mnT[A8_GB * 16];
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
-        a8_scales(sr, g0, gb, scT);
-        if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
+        if (!pk) {
+            a8_scales(sr, g0, gb, scT);
+            if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
+        }
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
-            a8_prefetch_next(kind, j, n0, g);
+            if (pk)
+                q4p_prefetch(pk, j, n0, g);
+            else
+                a8_prefetch_next(kind, j, n0, g);
             __m512i W[8], base = zero;
             if (kind == K_Q8) {
                 a8_w8(rw, g, W);
@@ -257,10 +333,19 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
                     s1 = _mm512_dpbusd_epi32(s1, b80, W[c + 1]);
                 }
                 base = _mm512_sub_epi32(zero, _mm512_add_epi32(s0, s1));
+            } else if (pk) {
+                __m512i T[4];
+                q4p_t16(&P, g, T);
+                a8_nibbles(T, W);
             } else {
                 a8_w4(rw, g, W);
             }
-            const __m512 sv = _mm512_loadu_ps(scT + gi * 16);
+            const __m512 sv = pk ? q4p_floats(pk, P.s, g) : _mm512_loadu_ps(scT + gi * 16);
+            __m512 mv = sv;
+            if (kind == K_Q4)
+                mv = !pk ? _mm512_loadu_ps(mnT + gi * 16)
+                         : P.m != NULL ? q4p_floats(pk, P.m, g)
+                                       : _mm512_mul_ps(_mm512_set1_ps(-8.0f), sv); /* q4_min */
             _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) {
                 const int64_t xm = (m0 + m) * K + 32 * g;
                 __m512i i0 = base, i1 = zero;
@@ -278,8 +363,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
                 const __m512 d = _mm512_mul_ps(sv, _mm512_set1_ps(j->xd[(m0 + m) * G + g]));
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), d, acc[m]);
                 if (kind == K_Q4)
-                    acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(j->xg[(m0 + m) * G + g]),
-                                             _mm512_loadu_ps(mnT + gi * 16), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(j->xg[(m0 + m) * G + g]), mv, acc[m]);
             }
         }
     }
@@ -295,14 +379,24 @@ AI void a8_t16(const uint8_t *const rw[8], int64_t off, __m256i T[4]) {
 }
 
 /* Group g of 8 q4 rows: W[c] lane r = the nibbles of elements 4c..4c+3 of row r. */
-AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
-    __m256i T[4];
-    a8_t16(rw, 16 * g, T);
+AI void a8_nibbles(const __m256i T[4], __m256i W[8]) {
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         W[c] = _mm256_and_si256(T[c], m4);
         W[c + 4] = _mm256_and_si256(_mm256_srli_epi16(T[c], 4), m4);
     }
+}
+
+AI void a8_w4(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
+    __m256i T[4];
+    a8_t16(rw, 16 * g, T);
+    a8_nibbles(T, W);
+}
+
+/* Group g's T[c] (a8_t16's registers) of a packed tile: four loads. */
+AI void q4p_t16(const q4p_t *P, int64_t g, __m256i T[4]) {
+    for (int c = 0; c < 4; c++)
+        T[c] = _mm256_loadu_si256((const __m256i *)(P->w + g * 256 + 64 * c));
 }
 
 /* Group g of 8 q8 rows: W[c] lane r = bytes 4c..4c+3 of row r's group (bytes 0-15, then 16-31). */
@@ -315,33 +409,51 @@ AI void a8_w8(const uint8_t *const rw[8], int64_t g, __m256i W[8]) {
     }
 }
 
-AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_t n1,
-                int64_t m0) {
+AI void a8_tile(const int kind, const int pk, const int mb, const job_t *j, int64_t n0,
+                int64_t n1, int64_t m0) {
     const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[8];
     const float *sr[8], *mr[8];
-    a8_rows(kind, j, n0, n1, rw, sr, mr);
+    q4p_t P = {NULL, NULL, NULL};
+    if (pk)
+        P = q4p_tile(pk, j, n0);
+    else
+        a8_rows(kind, j, n0, n1, rw, sr, mr);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MBMAX];
     for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
     float scT[A8_GB * 8], mnT[A8_GB * 8];
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
-        a8_scales(sr, g0, gb, scT);
-        if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
+        if (!pk) {
+            a8_scales(sr, g0, gb, scT);
+            if (kind == K_Q4) a8_mins(j, mr, g0, gb, scT, mnT);
+        }
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
-            a8_prefetch_next(kind, j, n0, g);
+            if (pk)
+                q4p_prefetch(pk, j, n0, g);
+            else
+                a8_prefetch_next(kind, j, n0, g);
             __m256i W[8];
             if (kind == K_Q8) {
                 a8_w8(rw, g, W);
+            } else if (pk) {
+                __m256i T[4];
+                q4p_t16(&P, g, T);
+                a8_nibbles(T, W);
             } else {
                 a8_w4(rw, g, W);
             }
             __m256i Wa[8];
             if (kind == K_Q8)
                 for (int c = 0; c < 8; c++) Wa[c] = _mm256_sign_epi8(W[c], W[c]); /* |w| */
-            const __m256 sv = _mm256_loadu_ps(scT + gi * 8);
+            const __m256 sv = pk ? q4p_floats(pk, P.s, g) : _mm256_loadu_ps(scT + gi * 8);
+            __m256 mv = sv;
+            if (kind == K_Q4)
+                mv = !pk ? _mm256_loadu_ps(mnT + gi * 8)
+                         : P.m != NULL ? q4p_floats(pk, P.m, g)
+                                       : _mm256_mul_ps(_mm256_set1_ps(-8.0f), sv); /* q4_min */
             for (int m = 0; m < mb; m++) {
                 const int8_t *xp = j->xq + (m0 + m) * K + 32 * g;
                 __m256i isum;
@@ -369,8 +481,7 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
                 const __m256 d = _mm256_mul_ps(sv, _mm256_set1_ps(j->xd[(m0 + m) * G + g]));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc[m]);
                 if (kind == K_Q4)
-                    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(j->xg[(m0 + m) * G + g]),
-                                             _mm256_loadu_ps(mnT + gi * 8), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(j->xg[(m0 + m) * G + g]), mv, acc[m]);
             }
         }
     }
@@ -378,18 +489,22 @@ AI void a8_tile(const int kind, const int mb, const job_t *j, int64_t n0, int64_
 }
 #endif
 
-#define A8_FN(KIND, MB)                                                                     \
-    static void a8_##KIND##_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {     \
-        a8_tile(KIND, MB, j, n0, n1, m0);                                                   \
+/* Tables by layout (variant V: 2 q8, 3 q4, 4 q4 packed, 5 q4 packed with float16 scales)
+ * and x rows. */
+#define A8_FN(V, MB)                                                                        \
+    static void a8_##V##_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {        \
+        a8_tile(V == 2 ? K_Q8 : K_Q4, V >= 4 ? V - 3 : 0, MB, j, n0, n1, m0);               \
     }
-#define A8_ALL(KIND) A8_FN(KIND, 1) A8_FN(KIND, 2) A8_FN(KIND, 3) A8_FN(KIND, 4) A8_FN(KIND, 5) \
-    A8_FN(KIND, 6) A8_FN(KIND, 7) A8_FN(KIND, 8)
+#define A8_ALL(V) A8_FN(V, 1) A8_FN(V, 2) A8_FN(V, 3) A8_FN(V, 4) A8_FN(V, 5) \
+    A8_FN(V, 6) A8_FN(V, 7) A8_FN(V, 8)
 A8_ALL(2)
 A8_ALL(3)
+A8_ALL(4)
+A8_ALL(5)
 typedef void (*a8_fn)(const job_t *, int64_t, int64_t, int64_t);
-#define A8_ROW(KIND) {a8_##KIND##_1, a8_##KIND##_2, a8_##KIND##_3, a8_##KIND##_4, a8_##KIND##_5, \
-                      a8_##KIND##_6, a8_##KIND##_7, a8_##KIND##_8}
-static const a8_fn A8_TABLE[2][MBMAX] = {A8_ROW(2), A8_ROW(3)};
+#define A8_ROW(V) {a8_##V##_1, a8_##V##_2, a8_##V##_3, a8_##V##_4, a8_##V##_5, \
+                   a8_##V##_6, a8_##V##_7, a8_##V##_8}
+static const a8_fn A8_TABLE[4][MBMAX] = {A8_ROW(2), A8_ROW(3), A8_ROW(4), A8_ROW(5)};
 
 /* ------------------------------------------------------------------ q4, float32 activations: W rows in lanes
  *
@@ -418,6 +533,7 @@ AI vf_t vf_zero(void) { return _mm512_setzero_ps(); }
 AI vf_t vf_set1(float a) { return _mm512_set1_ps(a); }
 AI vf_t vf_load(const float *p) { return _mm512_loadu_ps(p); }
 AI vf_t vf_add(vf_t a, vf_t b) { return _mm512_add_ps(a, b); }
+AI vf_t vf_mul(vf_t a, vf_t b) { return _mm512_mul_ps(a, b); }
 AI vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm512_fmadd_ps(a, b, c); }
 AI vf_t vi_float(vi_t v) { return _mm512_cvtepi32_ps(v); }
 AI vi_t vi_srli(vi_t v, const int n) { return _mm512_srli_epi32(v, n); }
@@ -430,6 +546,7 @@ AI vf_t vf_zero(void) { return _mm256_setzero_ps(); }
 AI vf_t vf_set1(float a) { return _mm256_set1_ps(a); }
 AI vf_t vf_load(const float *p) { return _mm256_loadu_ps(p); }
 AI vf_t vf_add(vf_t a, vf_t b) { return _mm256_add_ps(a, b); }
+AI vf_t vf_mul(vf_t a, vf_t b) { return _mm256_mul_ps(a, b); }
 AI vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm256_fmadd_ps(a, b, c); }
 AI vf_t vi_float(vi_t v) { return _mm256_cvtepi32_ps(v); }
 AI vi_t vi_srli(vi_t v, const int n) { return _mm256_srli_epi32(v, n); }
@@ -467,24 +584,39 @@ AI void qf_rows(const int nr, const job_t *j, int64_t row0, int64_t g, const vi_
     }
 }
 
-AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
+AI void qf_tile(const int pk, const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t K = j->K, G = K / 32;
     const uint8_t *rw[A8_LANES];
     const float *sr[A8_LANES], *mr[A8_LANES];
-    a8_rows(K_Q4, j, n0, n1, rw, sr, mr);
+    q4p_t P = {NULL, NULL, NULL};
+    if (pk)
+        P = q4p_tile(pk, j, n0);
+    else
+        a8_rows(K_Q4, j, n0, n1, rw, sr, mr);
     vf_t acc[MBMAX];
     _Pragma("GCC unroll 8") for (int m = 0; m < mb; m++) acc[m] = vf_zero();
     float scT[A8_GB * A8_LANES], mnT[A8_GB * A8_LANES];
     for (int64_t g0 = 0; g0 < G; g0 += A8_GB) {
         const int gb = G - g0 < A8_GB ? (int)(G - g0) : A8_GB;
-        a8_scales(sr, g0, gb, scT);
-        a8_mins(j, mr, g0, gb, scT, mnT);
+        if (!pk) {
+            a8_scales(sr, g0, gb, scT);
+            a8_mins(j, mr, g0, gb, scT, mnT);
+        }
         for (int gi = 0; gi < gb; gi++) {
             const int64_t g = g0 + gi;
-            a8_prefetch_next(K_Q4, j, n0, g);
             vi_t T[4];
-            a8_t16(rw, 16 * g, T);
-            const vf_t sv = vf_load(scT + gi * A8_LANES), mv = vf_load(mnT + gi * A8_LANES);
+            vf_t sv, mv;
+            if (pk) {
+                q4p_prefetch(pk, j, n0, g);
+                q4p_t16(&P, g, T);
+                sv = q4p_floats(pk, P.s, g);
+                mv = P.m != NULL ? q4p_floats(pk, P.m, g) : vf_mul(vf_set1(-8.0f), sv); /* q4_min */
+            } else {
+                a8_prefetch_next(K_Q4, j, n0, g);
+                a8_t16(rw, 16 * g, T);
+                sv = vf_load(scT + gi * A8_LANES);
+                mv = vf_load(mnT + gi * A8_LANES);
+            }
             if (mb <= QF_ROWS) { /* one pass: each weight vector converted as it is used */
                 qf_rows(mb, j, m0, g, T, NULL, sv, mv, acc);
             } else { /* converted once into wf (L1) for the passes of QF_ROWS rows */
@@ -499,12 +631,18 @@ AI void qf_tile(const int mb, const job_t *j, int64_t n0, int64_t n1, int64_t m0
     lanes_store(j, acc, mb, n0, n1, m0);
 }
 
-#define QF_FN(MB)                                                                           \
-    static void qf_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {              \
-        qf_tile(MB, j, n0, n1, m0);                                                         \
+#define QF_FN(PK, MB)                                                                       \
+    static void qf_##PK##_##MB(const job_t *j, int64_t n0, int64_t n1, int64_t m0) {       \
+        qf_tile(PK, MB, j, n0, n1, m0);                                                     \
     }
-QF_FN(1) QF_FN(2) QF_FN(3) QF_FN(4) QF_FN(5) QF_FN(6) QF_FN(7) QF_FN(8)
-static const a8_fn QF_TABLE[MBMAX] = {qf_1, qf_2, qf_3, qf_4, qf_5, qf_6, qf_7, qf_8};
+#define QF_ALL(PK) QF_FN(PK, 1) QF_FN(PK, 2) QF_FN(PK, 3) QF_FN(PK, 4) QF_FN(PK, 5) \
+    QF_FN(PK, 6) QF_FN(PK, 7) QF_FN(PK, 8)
+QF_ALL(0)
+QF_ALL(1)
+QF_ALL(2)
+#define QF_ROW(PK) {qf_##PK##_1, qf_##PK##_2, qf_##PK##_3, qf_##PK##_4, qf_##PK##_5, \
+                    qf_##PK##_6, qf_##PK##_7, qf_##PK##_8}
+static const a8_fn QF_TABLE[3][MBMAX] = {QF_ROW(0), QF_ROW(1), QF_ROW(2)};
 
 /* x rows per q4 float32-activation tile (1..8) per tile_rows(M). */
 static int qf_cfg[3] = {1, 4, 8};
@@ -515,7 +653,8 @@ void lanes_range(const job_t *j, int64_t n0, int64_t n1) {
     const int a8 = j->xq != NULL, q4 = j->kind == K_Q4, r = tile_rows(j->M);
     const int64_t M = j->M;
     const int mbt = a8 ? a8_cfg[q4][r] : qf_cfg[r];
-    const a8_fn *table = a8 ? A8_TABLE[q4] : QF_TABLE;
+    const int pk = q4 ? j->packed : 0;
+    const a8_fn *table = a8 ? A8_TABLE[q4 + pk] : QF_TABLE[pk];
     for (int64_t n = n0; n < n1; n += A8_LANES)
         for (int64_t m = 0; m < M;) {
             const int mb = M - m >= mbt ? mbt : (int)(M - m);

@@ -30,16 +30,20 @@ __all__ = [
     "BoundGemm",
     "available",
     "bind",
+    "bind_q4_packed",
     "forget",
     "gemm_f16",
     "gemm_f32",
     "gemm_q4",
+    "gemm_q4_packed",
     "gemm_q8",
     "int8_activations",
     "kernel_path",
     "library",
     "library_path",
     "narrow_rows",
+    "pack_q4",
+    "packs_q4",
     "set_int8_activations",
     "set_narrow_rows",
     "unavailable_reason",
@@ -128,9 +132,9 @@ def _load() -> ctypes.CDLL | None:
 def forget() -> None:
     """Forget the loaded library, so that the next call finds and loads it again under the
     environment of that moment (tests switching ``EXITLM_NATIVE``)."""
-    global _f32, _f16, _q8, _q4, _q8a8, _q4a8
+    global _f32, _f16, _q8, _q4, _q8a8, _q4a8, _q4p, _q4pa8
     loader.reset()
-    _f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = None
+    _f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = _q4p = _q4pa8 = None
 
 
 def available() -> bool:
@@ -163,15 +167,16 @@ def library_path() -> Path | None:
 
 
 # Bound C functions (set by _bind_fast) - module globals keep the per-call lookups minimal.
-_f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = None
+_f32 = _f16 = _q8 = _q4 = _q8a8 = _q4a8 = _q4p = _q4pa8 = None
 
 
 def _bind_fast(lib: ctypes.CDLL) -> None:
     """Publish the bound functions as module globals (one global lookup per call)."""
-    global _f32, _f16, _q8, _q4, _q8a8, _q4a8
+    global _f32, _f16, _q8, _q4, _q8a8, _q4a8, _q4p, _q4pa8
     _f32, _f16, _q8, _q4 = lib.exitlm_gemm_f32, lib.exitlm_gemm_f16, lib.exitlm_gemm_q8, \
         lib.exitlm_gemm_q4
     _q8a8, _q4a8 = lib.exitlm_gemm_q8a8, lib.exitlm_gemm_q4a8
+    _q4p, _q4pa8 = lib.exitlm_gemm_q4p, lib.exitlm_gemm_q4pa8
 
 
 _F32, _F16, _I8, _U8 = torch.float32, torch.float16, torch.int8, torch.uint8
@@ -309,6 +314,90 @@ def gemm_q4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.
     return y
 
 
+Q4_BLOCK = 16
+"""W rows per block of the packed q4 layout (:func:`pack_q4`)."""
+
+Q4Packed = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""A q4 weight in :func:`pack_q4`'s layout: ``(q, scales, mins or None)``."""
+
+
+def packs_q4() -> bool:
+    """Whether the loaded library reads q4 weights in 16-row blocks (:func:`pack_q4`; the
+    builds with AVX2, whose W-rows-in-lanes tiles read them)."""
+    lib = _load()
+    return lib is not None and bool(lib.exitlm_has_avx2())
+
+
+def pack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> Q4Packed:
+    """A q4 weight (:func:`gemm_q4`'s layout) in the layout ``exitlm_gemm_q4p`` reads: rows in
+    blocks of :data:`Q4_BLOCK` (the last padded with copies of row N - 1); per block and group,
+    its 16 rows' bytes ``4c .. 4c + 3`` side by side for c = 0..3 (uint8 ``(B, G, 4, 16, 4)``)
+    and its 16 rows' scales (mins) side by side (``(B, G, 16)``): float16 when every scale and
+    min is exactly a float16 (GGUF's are; the kernels widen them back to the same float32),
+    else float32. Decoding one token streams every weight once, so on a core whose memory
+    bandwidth bounds it the 10% fewer bytes of float16 scales are 10% less time.
+
+    What the W-rows-in-lanes tiles build in registers from the plain layout (a 4 x 4
+    transposition of dwords per group and tile, one of the scales per tile; lanes.c) is done
+    once here, so that a tile reads one forward stream with plain loads
+    (docs/measurements/q4_packed_2026-12-03.md). The same operands meet in the same
+    operations, so the products give the same bits as on the plain layout. It is a second
+    copy of the weight: the plain one stays for lookups, saving and the torch paths."""
+    n, kh = q.shape
+    g = kh // 16
+    blocks = -(-n // Q4_BLOCK)
+    pad = blocks * Q4_BLOCK - n
+
+    def in_blocks(t: torch.Tensor) -> torch.Tensor:
+        if pad:
+            t = torch.cat([t, t[-1:].expand(pad, -1)])
+        return t.reshape(blocks, Q4_BLOCK, t.shape[1])
+
+    qp = in_blocks(q).reshape(blocks, Q4_BLOCK, g, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    floats = [scales] if mins is None else [scales, mins]
+    if all(torch.equal(t.half().float(), t) for t in floats):
+        floats = [t.half() for t in floats]
+    sp, *mp = (in_blocks(t).permute(0, 2, 1).contiguous() for t in floats)
+    return qp, sp, (mp[0] if mp else None)
+
+
+def _packed_k(packed: Q4Packed, n: int, name: str) -> int:
+    """K of a :func:`pack_q4` weight of ``n`` rows, its tensors checked."""
+    qp, sp, mp = packed
+    if qp.dtype != _U8 or qp.dim() != 5 or tuple(qp.shape[2:]) != (4, Q4_BLOCK, 4):
+        raise ValueError(f"{name}: q must be pack_q4's uint8 (B, G, 4, {Q4_BLOCK}, 4), got "
+                         f"{qp.dtype} {tuple(qp.shape)}")
+    blocks, g = qp.shape[0], qp.shape[1]
+    if not (blocks - 1) * Q4_BLOCK < n <= blocks * Q4_BLOCK:
+        raise ValueError(f"{name}: n={n} rows do not fit the {blocks} blocks of q")
+    for what, t in (("q", qp), ("scales", sp), ("mins", mp)):
+        if t is None:
+            continue
+        if ((t is not qp and (t.dtype not in (_F32, _F16) or t.dtype != sp.dtype
+                             or tuple(t.shape) != (blocks, g, Q4_BLOCK)))
+                or not t.is_contiguous() or not t.is_cpu):
+            raise ValueError(f"{name}: {what} must be pack_q4's contiguous CPU tensor")
+    return 32 * g
+
+
+def gemm_q4_packed(x: torch.Tensor, packed: Q4Packed, n: int, threads: int = 1, *,
+                   int8_activations: bool = False) -> torch.Tensor:
+    """:func:`gemm_q4` of a weight of ``n`` rows packed by :func:`pack_q4`: the same bits.
+    Needs a library that :func:`packs_q4`."""
+    k = _packed_k(packed, n, "gemm_q4_packed")
+    m = _rows(x, k, "gemm_q4_packed")
+    _threads(threads, "gemm_q4_packed")
+    if not packs_q4():
+        raise RuntimeError("gemm_q4_packed: the native library that reads packed q4 weights "
+                           f"is not loaded ({unavailable_reason() or 'a build without AVX2'})")
+    qp, sp, mp = packed
+    y = _out(x, m, n)
+    (_q4pa8 if int8_activations else _q4p)(x.data_ptr(), qp.data_ptr(), sp.data_ptr(),
+                                           0 if mp is None else mp.data_ptr(),
+                                           int(sp.dtype is _F16), y.data_ptr(), m, n, k, threads)
+    return y
+
+
 class BoundGemm:
     """One of the ``gemm_*`` products with its weight checked and its pointers taken once.
 
@@ -364,6 +453,21 @@ def bind(kind: str, *weights: torch.Tensor | None) -> BoundGemm:
             _aux(weights[2], n, g, "bind('q4')", "mins")
         return BoundGemm(kind, weights, n, 2 * kh, gemm_q4)
     raise ValueError(f"bind: kind must be 'f32', 'f16', 'q8' or 'q4', got {kind!r}")
+
+
+def bind_q4_packed(packed: Q4Packed, n: int) -> BoundGemm:
+    """:func:`bind` for a weight of ``n`` rows packed by :func:`pack_q4` (the same bits as
+    ``bind("q4", ...)`` of the plain weight); needs a library that :func:`packs_q4`."""
+    k = _packed_k(packed, n, "bind_q4_packed")
+
+    def ref(x: torch.Tensor, *_: object, threads: int = 1) -> torch.Tensor:
+        return gemm_q4_packed(x, packed, n, threads)
+
+    bound = BoundGemm("q4p", packed, n, k, ref)
+    qp, sp, mp = packed
+    bound._ptrs = (qp.data_ptr(), sp.data_ptr(), 0 if mp is None else mp.data_ptr(),
+                   int(sp.dtype is _F16))
+    return bound
 
 
 def q4_nibbles(q: torch.Tensor) -> torch.Tensor:

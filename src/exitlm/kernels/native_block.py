@@ -35,19 +35,31 @@ MAX_ROWS = 16
 """The most positions one native block call takes (verification of up to 15 drafts)."""
 
 _FORMATS = {"int8": 2, "int4": 3}
+# exitlm_weight.fmt of int4 in 16-row blocks (exitlm_gemm_q4p); + 1 with float16 scales
+_FORMAT_Q4_PACKED = 4
 
 
 _Weight, _Dims, _Layer = abi.Weight, abi.BlockDims, abi.Layer
 
 
-def weight_struct(w: Any) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
+def weight_struct(w: Any, *, lookup: bool = False
+                  ) -> tuple[_Weight, tuple[torch.Tensor, ...]] | None:
     """The native description of a linear weight (and the tensors it points into), or None
-    for a layout the kernels do not take."""
+    for a layout the kernels do not take. int4 weights as their copy in 16-row blocks
+    (:meth:`QuantizedWeight.kernel_packed`, format 4) where there is one, unless ``lookup``:
+    an embedding whose rows the call reads (the plain layout)."""
     if isinstance(w, QuantizedWeight):
         parts = (w.q, w.scales) + (() if w.mins is None else (w.mins,))
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in parts):
             return None
         n, k = w.shape
+        packed = None if lookup else w.kernel_packed()
+        if packed is not None:
+            qp, sp, mp = packed
+            fmt = _FORMAT_Q4_PACKED + (sp.dtype is torch.float16)
+            return _Weight(fmt, n, k, qp.data_ptr(), sp.data_ptr(),
+                           0 if mp is None else mp.data_ptr()), tuple(
+                               t for t in packed if t is not None)
         mins = w.kernel_mins()  # (None for int8 and Q4_0: the kernels compute -8 * scales)
         mins = 0 if mins is None else mins.data_ptr()
         return _Weight(_FORMATS[w.kind], n, k, w.q.data_ptr(), w.scales.data_ptr(),

@@ -61,6 +61,10 @@ class QuantizedWeight:
     _bound: native.BoundGemm | None = field(default=None, init=False, repr=False, compare=False)
     # whether mins == -8 * scales exactly (Q4_0), found on first kernel_mins()
     _q4_0: bool | None = field(default=None, init=False, repr=False, compare=False)
+    # int4: the copy in 16-row blocks the native kernels read (native.pack_q4), made on first
+    # kernel_packed(); () where they read the plain layout (never pickled)
+    _packed: native.Q4Packed | tuple[()] | None = field(default=None, init=False, repr=False,
+                                                        compare=False)
 
     def __post_init__(self) -> None:
         """Check kind, dtypes and shapes (K a multiple of 32) once, at construction."""
@@ -89,6 +93,7 @@ class QuantizedWeight:
         """Pickle the tensors only (the bound kernel holds this process's pointers)."""
         state = dict(self.__dict__)
         state["_bound"] = None
+        state["_packed"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -102,8 +107,11 @@ class QuantizedWeight:
         if b is None:
             if not (self.q.is_cpu and native.available()):
                 return None
+            packed = self.kernel_packed()
             if self.kind == "int8":
                 b = native.bind("q8", self.q, self.scales)
+            elif packed is not None:
+                b = native.bind_q4_packed(packed, self.shape[0])
             else:
                 b = native.bind("q4", self.q, self.scales, self.kernel_mins())
             object.__setattr__(self, "_bound", b)
@@ -125,6 +133,19 @@ class QuantizedWeight:
             object.__setattr__(self, "_q4_0", q4_0)
         return None if q4_0 else self.mins
 
+    def kernel_packed(self) -> native.Q4Packed | None:
+        """int4 on a native build that reads them: this weight in 16-row blocks
+        (:func:`exitlm.kernels.native.pack_q4`: the same products, the same bits, one forward
+        stream per tile), made once and kept beside the plain tensors; else None."""
+        got = self._packed
+        if got is None:
+            got = ()
+            if (self.kind == "int4" and self.q.is_cpu and self.q.is_contiguous()
+                    and self.scales.is_contiguous() and native.packs_q4()):
+                got = native.pack_q4(self.q, self.scales, self.kernel_mins())
+            object.__setattr__(self, "_packed", got)
+        return got or None
+
     @property
     def shape(self) -> torch.Size:
         """``(N, K)`` of the dequantized weight."""
@@ -145,8 +166,17 @@ class QuantizedWeight:
         """Output rows ``rows`` (a step-1 slice) as views of the same storage."""
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise ValueError(f"QuantizedWeight: index with a step-1 slice of rows, got {rows!r}")
-        return QuantizedWeight(self.kind, self.q[rows], self.scales[rows],
+        part = QuantizedWeight(self.kind, self.q[rows], self.scales[rows],
                                None if self.mins is None else self.mins[rows])
+        start, stop, _ = rows.indices(self.shape[0])
+        packed = self._packed
+        if packed and start % native.Q4_BLOCK == 0 and stop > start:
+            # whole blocks of this weight's packed copy (its rows past stop: outputs dropped)
+            b0, b1 = start // native.Q4_BLOCK, -(-stop // native.Q4_BLOCK)
+            object.__setattr__(part, "_q4_0", self._q4_0)
+            object.__setattr__(part, "_packed", tuple(None if t is None else t[b0:b1]
+                                                      for t in packed))
+        return part
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Output rows ``index`` (a 1-D tensor of row numbers, in that order) as a weight of

@@ -427,6 +427,8 @@ class NativeRunner(Runner):
         if w_norm.dtype is torch.float16:
             w_norm = w_norm.detach().float()
         weight = model.output_embedding()
+        if isinstance(weight, QuantizedWeight):
+            weight.kernel_packed()  # (made once: its slices below are views of it)
         # a ranked draft vocabulary gathers its rows; the first ids are a view of them
         ranked = model.draft_ids(vocab) is not None
         head = weight_struct(self._head_rows(weight, vocab) if ranked else weight[:vocab])
@@ -487,7 +489,7 @@ class NativeRunner(Runner):
             if shared is None:
                 return None
             w_norm, eps, head = shared
-        embed = weight_struct(model.embed_tokens.weight)
+        embed = weight_struct(model.embed_tokens.weight, lookup=True)
         if embed is None or (embed[0].fmt == 1) != (self.dtype is torch.float16):
             return None  # (the call rounds its stream to float16 after a float16 embedding)
         if model.embed_tokens._forward_hooks or model.embed_tokens._forward_pre_hooks:
