@@ -21,6 +21,7 @@ row-invariant.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,30 @@ GROUP = 32
 ROW_THRESHOLD = 96
 
 
+_PACKED: dict[int, tuple[weakref.ref, tuple, native.Q4Packed]] = {}
+"""The packed copies of int4 weights (:meth:`QuantizedWeight.kernel_packed`) by the ``id`` of
+their ``q`` tensor, for as long as it lives, with the storage and version of ``q``, ``scales``
+and ``mins`` they were made from: a quantized module builds a new ``QuantizedWeight`` from its
+buffers on every access, and packing a weight takes milliseconds."""
+
+
+def _packed_copy(w: QuantizedWeight, make: bool = True) -> native.Q4Packed | tuple[()]:
+    """``w``'s packed copy from :data:`_PACKED`, made (when ``make``) if it has none or its
+    tensors changed since; else ``()``."""
+    anchor = w.q
+    key = tuple((t.data_ptr(), t._version) for t in (w.q, w.scales, w.mins) if t is not None)
+    got = _PACKED.get(id(anchor))
+    if got is not None and got[0]() is anchor and got[1] == key:
+        return got[2]
+    if not make:
+        return ()
+    packed = native.pack_q4(w.q, w.scales, w.kernel_mins())
+    if got is None or got[0]() is not anchor:
+        weakref.finalize(anchor, _PACKED.pop, id(anchor), None)
+    _PACKED[id(anchor)] = (weakref.ref(anchor), key, packed)
+    return packed
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """(N, K) weight in groups of 32 along K (int8: Q8_0-like, int4: Q4_1-like)."""
@@ -61,8 +86,8 @@ class QuantizedWeight:
     _bound: native.BoundGemm | None = field(default=None, init=False, repr=False, compare=False)
     # whether mins == -8 * scales exactly (Q4_0), found on first kernel_mins()
     _q4_0: bool | None = field(default=None, init=False, repr=False, compare=False)
-    # int4: the copy in 16-row blocks the native kernels read (native.pack_q4), made on first
-    # kernel_packed(); () where they read the plain layout (never pickled)
+    # int4: the copy in 16-row blocks the native kernels read (native.pack_q4; _PACKED), found
+    # on first kernel_packed(); () where they read the plain layout (never pickled)
     _packed: native.Q4Packed | tuple[()] | None = field(default=None, init=False, repr=False,
                                                         compare=False)
 
@@ -142,7 +167,7 @@ class QuantizedWeight:
             got = ()
             if (self.kind == "int4" and self.q.is_cpu and self.q.is_contiguous()
                     and self.scales.is_contiguous() and native.packs_q4()):
-                got = native.pack_q4(self.q, self.scales, self.kernel_mins())
+                got = _packed_copy(self)
             object.__setattr__(self, "_packed", got)
         return got or None
 
@@ -170,6 +195,8 @@ class QuantizedWeight:
                                None if self.mins is None else self.mins[rows])
         start, stop, _ = rows.indices(self.shape[0])
         packed = self._packed
+        if packed is None and self.kind == "int4":
+            packed = _packed_copy(self, make=False)
         if packed and start % native.Q4_BLOCK == 0 and stop > start:
             # whole blocks of this weight's packed copy (its rows past stop: outputs dropped)
             b0, b1 = start // native.Q4_BLOCK, -(-stop // native.Q4_BLOCK)

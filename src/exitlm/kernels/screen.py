@@ -295,6 +295,8 @@ class QuantizedScreen:
         mins = weight.kernel_mins()
         if rows is not None:
             q, sc, mins = q[rows], sc[rows], None if mins is None else mins[rows]
+        elif (packed := weight.kernel_packed()) is not None:  # (the same bits, fewer bytes)
+            return native.gemm_q4_packed(x, packed, self.n, threads, int8_activations=act8)
         return native.gemm_q4(x, q, sc, mins, threads, int8_activations=act8)
 
     def argmax(self, x: torch.Tensor, weight: QuantizedWeight, threads: int = 1
