@@ -3,7 +3,8 @@
 For each weight shape (N x K) and M = 1, 2, 4, 8, 16 rows, one thread: microseconds per call
 and GB/s of weight streamed (bytes of the weight in that format, scales included) for
 ``gemm_f32``, ``gemm_f16``, ``gemm_q8``, ``gemm_q4`` (also with ``int8_activations``: q8a8,
-q4a8), numpy's ``np.dot(x, W.T)`` on a row-major
+q4a8; q4p / q4pa8: the q4 weight in the 16-row blocks the runtime reads, native.pack_q4), numpy's
+``np.dot(x, W.T)`` on a row-major
 fp32 W (OpenBLAS; the project's batch-1 path) and ``torch.nn.functional.linear`` fp32. Each
 method cycles through a stack of distinct weight copies (>= 48 MB per format) so every call
 streams its weight from memory, as in real decoding; methods are interleaved, medians of
@@ -76,9 +77,14 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool,
                                                                 dtype=torch.uint8),
                                           base4.scales.clone(), base4.mins.clone())
                     for _ in range(c4 - 1)]
+    # the layout the runtime's int4 products read where the build has AVX2 (native.pack_q4)
+    q4p = [native.pack_q4(w.q, w.scales, w.kernel_mins()) for w in q4] if native.packs_q4() \
+        else []
+    q4p_bytes = sum(t.numel() * t.element_size() for t in q4p[0] if t is not None) if q4p else 0
     nbytes = {"numpy_f32": f32_bytes, "torch_f32": f32_bytes, "f32": f32_bytes,
               "f16": f32_bytes // 2, "q8": base8.nbytes(), "q4": base4.nbytes(),
-              "q8a8": base8.nbytes(), "q4a8": base4.nbytes()}
+              "q8a8": base8.nbytes(), "q4a8": base4.nbytes(), "q4p": q4p_bytes,
+              "q4pa8": q4p_bytes}
     out: dict = {"N": n, "K": k, "weight_bytes": nbytes, "copies": {"f32": c32, "f16": c16,
                                                                     "q8": c8, "q4": c4}}
     # every (M, method) cell timed once per pass, cells of one pass interleaved, so that the
@@ -100,6 +106,12 @@ def bench_shape(name: str, n: int, k: int, repeats: int, threads2: bool,
             "q4a8": (lambda i, x=x: native.gemm_q4(x, q4[i].q, q4[i].scales, q4[i].mins,
                                                    int8_activations=True), c4),
         }
+        if q4p:  # 16-row blocks: the same bits as q4 / q4a8
+            methods.update({
+                "q4p": (lambda i, x=x: native.gemm_q4_packed(x, q4p[i], n), c4),
+                "q4pa8": (lambda i, x=x: native.gemm_q4_packed(x, q4p[i], n,
+                                                               int8_activations=True), c4),
+            })
         if threads2 and m in (1, 8):
             methods.update({
                 "f32_t2": (lambda i, x=x: native.gemm_f32(x, w32[i], threads=2), c32),
@@ -151,7 +163,7 @@ def rows_x_cost(times: dict[tuple[int, str], list[float]], rows: tuple[int, ...]
 def cost_table(shapes: dict[str, dict]) -> str:
     """The rows x cost table as text: one line per precision and shape, median (best)."""
     lines = ["rows x cost = time(M rows) / time(1 row), median over passes (best passes):"]
-    kinds = ("f32", "f16", "q8", "q8a8", "q4", "q4a8", "numpy_f32", "torch_f32")
+    kinds = ("f32", "f16", "q8", "q8a8", "q4", "q4a8", "q4p", "q4pa8", "numpy_f32", "torch_f32")
     for kind in kinds:
         for shape, res in shapes.items():
             cost = res["rows_x_cost"].get(kind)
@@ -228,7 +240,8 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="comma-separated row counts, 1 first (default %(default)s)")
     ap.add_argument("--methods", default="",
-                    help="comma-separated subset of f32,f16,q8,q4,q8a8,q4a8,numpy_f32,torch_f32")
+                    help="comma-separated subset of f32,f16,q8,q4,q8a8,q4a8,q4p,q4pa8 (q4 in "
+                         "16-row blocks, native.pack_q4),numpy_f32,torch_f32")
     ap.add_argument("--no-threads", action="store_true", help="skip the two-thread cells")
     ap.add_argument("--no-crossover", action="store_true", help="skip the crossover")
     args = ap.parse_args()
