@@ -66,9 +66,11 @@ NATIVE_ROWS = ROW_THRESHOLD - 1
 row-invariantly (fewer than :data:`~exitlm.kernels.quant.ROW_THRESHOLD` rows), so that
 verification of up to 64 drafts and long KV recomputations round exactly like plain steps,
 int8 activations included (:func:`~exitlm.kernels.native.int8_activations`)."""
-NATIVE_PREFILL = {0: 16, 1: 24, 2: ROW_THRESHOLD, 3: ROW_THRESHOLD}
+NATIVE_PREFILL = {0: 16, 1: 24, 2: ROW_THRESHOLD, 3: ROW_THRESHOLD, 4: ROW_THRESHOLD,
+                  5: ROW_THRESHOLD}
 """Prompts of fewer rows than this (prompts x padded length; by the blocks' weight format:
-fp32, fp16, int8, int4) are prefilled through the native blocks in one call
+fp32, fp16, int8, int4; 4, 5: int4 in 16-row blocks) are prefilled through the native blocks in
+one call
 (:meth:`NativeRunner._prefill_walk`), longer ones through torch, whose GEMMs read each weight
 once for all rows (one long prompt of quantized blocks: :data:`NATIVE_CHUNKED_PREFILL`).
 Measured on a 2-core Sapphire Rapids VM, one thread, prefill time through the blocks against
