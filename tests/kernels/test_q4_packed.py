@@ -193,3 +193,25 @@ def test_a_bound_product_of_a_packed_weight_has_the_plain_bits() -> None:
 def test_int8_weights_have_no_packed_copy() -> None:
     w = QuantizedWeight("int8", torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1), None)
     assert w.kernel_packed() is None
+
+
+@needs_packing
+def test_a_weight_made_in_inference_mode_packs_and_repacks_after_a_change() -> None:
+    """Inference tensors keep no version counter (a tensor-parallel rank pads its vocabulary
+    rows under ``torch.inference_mode``); a weight quantized in place of an old one (same
+    ``q`` storage, new contents) is packed again."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 64, generator=gen)
+    with torch.inference_mode():
+        w = quantize(torch.randn(40, 64, generator=gen), "int4").padded(48)
+        assert w.q.is_inference()
+        torch.testing.assert_close(qlinear(x, w), x @ w.dequantize().T, rtol=1e-4,
+                                   atol=1e-4)
+        assert w.kernel_packed()
+    v = quantize(torch.randn(16, 64, generator=gen), "int4")
+    first = v.kernel_packed()
+    v.q.copy_(torch.randint(0, 256, v.q.shape, generator=gen, dtype=torch.uint8))
+    again = QuantizedWeight(v.kind, v.q, v.scales, v.mins)
+    assert again.kernel_packed() is not first
+    torch.testing.assert_close(qlinear(x, again), x @ again.dequantize().T,
+                               rtol=1e-4, atol=1e-4)
