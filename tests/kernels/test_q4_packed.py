@@ -215,3 +215,15 @@ def test_a_weight_made_in_inference_mode_packs_and_repacks_after_a_change() -> N
     assert again.kernel_packed() is not first
     torch.testing.assert_close(qlinear(x, again), x @ again.dequantize().T,
                                rtol=1e-4, atol=1e-4)
+
+
+@needs_packing
+def test_the_packed_copy_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXITLM_Q4_PACKED", "0")
+    assert not native.packs_q4()
+    w = quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(9)), "int4")
+    assert w.kernel_packed() is None
+    desc, _ = weight_struct(w)
+    assert desc.fmt == 3 and desc.w == w.q.data_ptr()  # the fused blocks read the plain rows
+    monkeypatch.setenv("EXITLM_Q4_PACKED", "1")
+    assert native.packs_q4()
