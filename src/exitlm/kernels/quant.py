@@ -285,8 +285,9 @@ def quantize(w: torch.Tensor, kind: str) -> QuantizedWeight:
     """Quantize a float ``(N, K)`` weight (K a multiple of 32) in groups of 32 along K.
 
     int8: ``d = absmax / 127``, ``q = round(w / d)``; int4: ``d = (max - min) / 15``,
-    ``q = round((w - min) / d)`` clamped to [0, 15], ``mins = min``. Groups with ``d = 0``
-    (all zero, or constant for int4) get ``q = 0`` and reproduce exactly (no NaN).
+    ``q = round((w - min) / d)`` clamped to [0, 15], ``mins = min``, with ``min`` and ``d``
+    on float16 values (:func:`_half_exact`). Groups with ``d = 0`` (all zero, or constant for
+    int4) get ``q = 0`` and reproduce exactly (no NaN) where their value is a float16.
     """
     if kind not in QUANT_KINDS:
         raise ValueError(f"quantize: kind must be one of {QUANT_KINDS}, got {kind!r}")
@@ -303,12 +304,32 @@ def quantize(w: torch.Tensor, kind: str) -> QuantizedWeight:
         return QuantizedWeight("int8", q.view(n, k).contiguous(), d.contiguous(), None)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     d = (hi - lo) / 15.0
+    lo, d = _half_exact(lo, d)
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round((g - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
     q = torch.where((d > 0).unsqueeze(-1), q, torch.zeros_like(q))
     packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j (low), j + 16 (high)
     return QuantizedWeight("int4", packed.reshape(n, k // 2).contiguous(), d.contiguous(),
                            lo.contiguous())
+
+
+def _half_exact(lo: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 mins and scales moved onto float16 values, as GGUF's Q4_1 stores them: each min
+    rounded down and each scale up to the nearest float16 (the groups' ranges stay covered;
+    the reconstruction error stays within half a step plus a float16 ulp). The native kernels
+    then read the scales as float16 (a tenth fewer bytes; :func:`~exitlm.kernels.native.
+    pack_q4`). Unchanged when a value lies outside float16's range or a constant group's
+    value is no float16 (it would no longer reproduce exactly)."""
+    lim = 65504.0  # float16's largest finite value
+    if not lo.numel() or not (lo.abs().max() <= lim and d.max() * 1.001 <= lim):
+        return lo, d  # (also NaN)
+    lo16 = lo.half()
+    if bool(((d == 0) & (lo16.float() != lo)).any()):
+        return lo, d
+    lo16 = torch.where(lo16.float() > lo, torch.nextafter(lo16, lo16.new_tensor(-lim)), lo16)
+    d16 = d.half()
+    d16 = torch.where(d16.float() < d, torch.nextafter(d16, d16.new_tensor(lim)), d16)
+    return lo16.float(), d16.float()
 
 
 def _rows(x: torch.Tensor) -> int:
