@@ -40,6 +40,32 @@ def test_int4_round_trip_bound_and_nibble_order() -> None:
     assert torch.equal(qr.q.view(2, 16), expect)
 
 
+def test_int4_scales_and_mins_are_float16_values_where_they_fit() -> None:
+    """As GGUF's Q4_1 (the native kernels then read them as float16): mins rounded down,
+    scales up, so every group's range stays covered; a constant group's value that is no
+    float16, or values beyond float16's range, keep the float32 scales and mins."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 128, generator=gen) * 0.03
+    qw = quantize(w, "int4")
+    assert qw.scales.dtype == torch.float32 and qw.mins is not None
+    for t in (qw.scales, qw.mins):
+        assert torch.equal(t.half().float(), t)
+    g = w.view(40, 4, 32)
+    assert (qw.mins <= g.amin(-1)).all() and (qw.scales >= (g.amax(-1) - g.amin(-1)) / 15).all()
+    err = (qw.dequantize() - w).abs().view(40, 4, 32)
+    assert (err <= qw.scales.unsqueeze(-1) * 0.5 * (1 + 1e-3) + 1e-7).all()
+    packed = native.pack_q4(qw.q, qw.scales, qw.kernel_mins()) if native.packs_q4() else None
+    assert packed is None or packed[1].dtype == torch.float16
+    constant = torch.full((1, 32), 0.1)  # 0.1 is no float16
+    kept = quantize(torch.cat([w[:1, :32], constant]), "int4")
+    assert torch.equal(kept.dequantize()[1], constant[0]) and kept.mins[1, 0] == 0.1
+    for big in (w * 1e7, w.clone().index_fill_(1, torch.tensor([3]), -7e4)):
+        wide = quantize(big, "int4")
+        assert not torch.equal(wide.scales.half().float(), wide.scales)  # float32 as computed
+        torch.testing.assert_close(wide.scales, (big.view(40, 4, 32).amax(-1)
+                                                 - big.view(40, 4, 32).amin(-1)) / 15)
+
+
 def test_degenerate_groups_have_no_nan() -> None:
     w = torch.zeros(3, 64)
     w[1, 32:] = 0.25  # a constant group
