@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from exitlm.kernels.blas import PLAIN_TENSORS
+from exitlm.kernels.versions import version_of
 
 PACKED_ROWS = (2, 32)
 """Row counts (inclusive) of the fp32 products that use a pre-packed weight: oneDNN with the
@@ -46,14 +47,14 @@ class Packed:
 
     def __init__(self, weight: torch.Tensor, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = weight._version
+        self.version = version_of(weight)
         self.ptr = weight.data_ptr()
         self.dtype = weight.dtype
         self.every_product = weight.dtype != torch.float32
 
     def valid(self, weight: torch.Tensor) -> bool:
         """Whether this copy still holds ``weight``'s values."""
-        return (weight._version == self.version and weight.dtype is self.dtype
+        return (version_of(weight) == self.version and weight.dtype is self.dtype
                 and weight.data_ptr() == self.ptr)
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -93,11 +94,14 @@ def restride(weight: torch.Tensor, *, row_major: bool = False) -> None:
     if not _plain_2d(weight):
         return
     is_cm = weight.shape[0] > 1 and weight.stride() == (1, weight.shape[0])
-    if wants_column_major(weight) and not row_major:
-        if not is_cm:
-            weight.data = column_major(weight.data)
-    elif not weight.is_contiguous():
-        weight.data = weight.data.contiguous()
+    # the new storage is an inference tensor where the weight is one (a model made under
+    # torch.inference_mode): a normal tensor under one loses its version counter
+    with torch.inference_mode(weight.is_inference()):
+        if wants_column_major(weight) and not row_major:
+            if not is_cm:
+                weight.data = column_major(weight.data)
+        elif not weight.is_contiguous():
+            weight.data = weight.data.contiguous()
 
 
 def can_pack(weight: torch.Tensor, rows: bool) -> bool:

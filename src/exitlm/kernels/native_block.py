@@ -185,8 +185,9 @@ class NativeBlock:
             storage=((m._buffers, "q", m._buffers["q"].data_ptr()) if "q" in m._buffers
                      else (m._parameters, "weight", m._parameters["weight"].data_ptr())
                      for m in (*lins, n1, n2)),
+            # (an inference tensor keeps no version counter: its storage is all there is)
             versions=((n.weight, n.weight._version) for n in (n1, n2)
-                      if n.weight.dtype != torch.float32))
+                      if n.weight.dtype != torch.float32 and not n.weight.is_inference()))
         self.head_dim = dims.head_dim
         self.scratch = scratch
         self._args = (ctypes.byref(dims), self.norms[0].data_ptr(), self.norms[1].data_ptr(),

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from exitlm.kernels import native
+from exitlm.kernels.versions import version_of
 
 __all__ = [
     "GROUP",
@@ -57,18 +58,11 @@ and ``mins`` they were made from: a quantized module builds a new ``QuantizedWei
 buffers on every access, and packing a weight takes milliseconds."""
 
 
-def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter; -1 for an inference tensor (made under
-    ``torch.inference_mode``, e.g. a tensor-parallel rank's padded vocabulary rows), which
-    keeps none."""
-    return -1 if t.is_inference() else t._version
-
-
 def _packed_copy(w: QuantizedWeight, make: bool = True) -> native.Q4Packed | tuple[()]:
     """``w``'s packed copy from :data:`_PACKED`, made (when ``make``) if it has none or its
     tensors changed since; else ``()``."""
     anchor = w.q
-    key = tuple((t.data_ptr(), _version(t)) for t in (w.q, w.scales, w.mins) if t is not None)
+    key = tuple((t.data_ptr(), version_of(t)) for t in (w.q, w.scales, w.mins) if t is not None)
     got = _PACKED.get(id(anchor))
     if got is not None and got[0]() is anchor and got[1] == key:
         return got[2]

@@ -44,6 +44,7 @@ from exitlm.kernels.quant import (
     qlinear,
     quantize,
 )
+from exitlm.kernels.versions import version_of
 
 TIED_HEAD = "tied_head"
 """The module name of a tied input embedding's quantized output copy (its buffers are
@@ -82,8 +83,8 @@ class _Quantized(nn.Module):
         w = QuantizedWeight(self.kind, self.q, self.scales, self.mins)
         if self.mins is not None and self.mins.is_cpu:  # whether they are Q4_0's (kernel_mins,
             # for the CPU kernels), found once per buffers
-            key = (self.mins.data_ptr(), self.mins._version, self.scales.data_ptr(),
-                   self.scales._version)
+            key = (self.mins.data_ptr(), version_of(self.mins), self.scales.data_ptr(),
+                   version_of(self.scales))
             known = getattr(self, "_q4_0", None)
             if known is not None and known[0] == key:
                 object.__setattr__(w, "_q4_0", known[1])
@@ -220,7 +221,8 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
         if p.dtype != torch.float32 and p.is_floating_point():
-            p.data = p.data.float()
+            with torch.inference_mode(p.is_inference()):  # (see layout.restride)
+                p.data = p.data.float()
     return model.eval()
 
 

@@ -54,6 +54,7 @@ import torch
 from exitlm.env import switched_off
 from exitlm.kernels import native
 from exitlm.kernels.quant import GROUP, QuantizedWeight, quantize
+from exitlm.kernels.versions import version_of
 
 MAX_CANDIDATES = 256
 """More candidates than this, and than a sixteenth of the head's rows (SmolLM2: 3,072), and the
@@ -95,13 +96,13 @@ class GreedyScreen:
         self.norms = (copy.sqrt() * 1.0001).float()
         """Per row, ``||q s||_2``: the activations' int8 rounding's error per unit of
         ``||x^ - x||_2``."""
-        self.version = (weight.data_ptr(), weight._version)
+        self.version = (weight.data_ptr(), version_of(weight))
         self.candidates: list[int] = []
         """The rows recomputed exactly for each row of the last :meth:`argmax` (benchmarks)."""
 
     def current(self, weight: torch.Tensor) -> bool:
         """Whether this screen was made from ``weight`` as it is now."""
-        return (weight.data_ptr(), weight._version) == self.version
+        return (weight.data_ptr(), version_of(weight)) == self.version
 
     def argmax(self, x: torch.Tensor, weight: torch.Tensor, threads: int = 1
                ) -> list[int] | None:
@@ -343,7 +344,7 @@ def _quantized_version(weight: QuantizedWeight) -> tuple[int, ...]:
     :class:`~exitlm.kernels.quantized.QuantizedEmbedding` builds a new ``QuantizedWeight`` per
     access from the same buffers)."""
     return tuple(v for t in (weight.q, weight.scales, weight.mins) if t is not None
-                 for v in (t.data_ptr(), t._version))
+                 for v in (t.data_ptr(), version_of(t)))
 
 
 def screen_for(weight: torch.Tensor | QuantizedWeight) -> GreedyScreen | QuantizedScreen:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from exitlm.kernels.argmax import argmax
+from exitlm.kernels.versions import version_of
 from exitlm.model.kv_cache import KVCache
 from exitlm.model.transformer import EarlyExitLM, StepContext
 from exitlm.runtime.products import Products
@@ -432,12 +433,12 @@ class Runner:
         got = self._sliced.get(key)
         if not isinstance(weight, torch.Tensor):
             tag = 0 if ids is None else ids.data_ptr()
-            source = (weight.q.data_ptr(), weight.q._version, tag)
+            source = (weight.q.data_ptr(), version_of(weight.q), tag)
             if got is None or got.source != source:
                 got = _SlicedHead(weight[:vocab] if ids is None else weight.rows(ids), source)
                 self._sliced[key] = got
             return got.weight
-        source = (weight.data_ptr(), weight._version, 0 if ids is None else ids.data_ptr())
+        source = (weight.data_ptr(), version_of(weight), 0 if ids is None else ids.data_ptr())
         if got is None or got.source != source:
             with torch.inference_mode(False):  # a normal tensor: packed copies track versions
                 w = weight.detach()
