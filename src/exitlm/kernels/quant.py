@@ -281,7 +281,7 @@ def quantize(w: torch.Tensor, kind: str) -> QuantizedWeight:
     int8: ``d = absmax / 127``, ``q = round(w / d)``; int4: ``d = (max - min) / 15``,
     ``q = round((w - min) / d)`` clamped to [0, 15], ``mins = min``, with ``min`` and ``d``
     on float16 values (:func:`_half_exact`). Groups with ``d = 0`` (all zero, or constant for
-    int4) get ``q = 0`` and reproduce exactly (no NaN) where their value is a float16.
+    int4) get ``q = 0`` and reproduce exactly (no NaN).
     """
     if kind not in QUANT_KINDS:
         raise ValueError(f"quantize: kind must be one of {QUANT_KINDS}, got {kind!r}")
@@ -311,9 +311,9 @@ def _half_exact(lo: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.
     """int4 mins and scales moved onto float16 values, as GGUF's Q4_1 stores them: each min
     rounded down and each scale up to the nearest float16 (the groups' ranges stay covered;
     the reconstruction error stays within half a step plus a float16 ulp). The native kernels
-    then read the scales as float16 (a tenth fewer bytes; :func:`~exitlm.kernels.native.
-    pack_q4`). Unchanged when a value lies outside float16's range or a constant group's
-    value is no float16 (it would no longer reproduce exactly)."""
+    then read the scales as float16 (a tenth fewer bytes; see
+    :func:`exitlm.kernels.native.pack_q4`). Unchanged when a value lies outside float16's
+    range or a constant group's value is no float16 (it would no longer reproduce exactly)."""
     lim = 65504.0  # float16's largest finite value
     if not lo.numel() or not (lo.abs().max() <= lim and d.max() * 1.001 <= lim):
         return lo, d  # (also NaN)
