@@ -26,7 +26,7 @@ def test_on_when_unset_or_anything_else(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("name", ["EXITLM_COST_CACHE", "EXITLM_HUGE_PAGES", "EXITLM_CUDA_GRAPHS",
-                                  "EXITLM_SCREEN", "EXITLM_SHM"])
+                                  "EXITLM_SCREEN", "EXITLM_SHM", "EXITLM_Q4_PACKED"])
 def test_unknown_spelling_warns_once_and_stays_on(monkeypatch: pytest.MonkeyPatch,
                                                   name: str) -> None:
     import warnings

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from exitlm.env import OFF
+from exitlm.env import OFF, switched_off
 from exitlm.errors import warn
 from exitlm.kernels import loader
 
@@ -325,7 +325,7 @@ def packs_q4() -> bool:
     """Whether the loaded library reads q4 weights in 16-row blocks (:func:`pack_q4`; the
     builds with AVX2, whose W-rows-in-lanes tiles read them) and ``EXITLM_Q4_PACKED`` is not
     off (``0``: keep int4 weights in one copy, the plain layout)."""
-    if os.environ.get("EXITLM_Q4_PACKED", "1").strip().lower() in OFF:
+    if switched_off("EXITLM_Q4_PACKED"):
         return False  # (the plain layout only: no second copy of the int4 weights)
     lib = _load()
     return lib is not None and bool(lib.exitlm_has_avx2())
