@@ -150,7 +150,7 @@ class Intact:
             return False
 
     def __call__(self) -> bool:
-        return (self.same_children() and not any(map(len, self.hooks))
+        return (self.same_children() and not any(self.hooks)
                 and self.in_place() and list(map(_VERSION, self.tensors)) == self.versions)
 
 
