@@ -198,8 +198,8 @@ def test_int8_weights_have_no_packed_copy() -> None:
 @needs_packing
 def test_a_weight_made_in_inference_mode_packs_and_repacks_after_a_change() -> None:
     """Inference tensors keep no version counter (a tensor-parallel rank pads its vocabulary
-    rows under ``torch.inference_mode``); a weight quantized in place of an old one (same
-    ``q`` storage, new contents) is packed again."""
+    rows under ``torch.inference_mode``); a weight whose ``q`` is overwritten in place (same
+    storage, new contents) is packed again."""
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 64, generator=gen)
     with torch.inference_mode():

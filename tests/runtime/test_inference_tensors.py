@@ -14,9 +14,11 @@ import torch
 from _byte_models import sharp_model
 from exitlm.config import ExitConfig, ModelConfig
 from exitlm.infer import generate
+from exitlm.kernels import native
 from exitlm.kernels.quantized import quantize_model
 from exitlm.kernels.versions import INFERENCE, version_of
 from exitlm.model.transformer import EarlyExitLM
+from exitlm.runtime import prepare
 
 # a head of 4096 rows: greedy steps read its screen (screen.MIN_ROWS) once 32 tokens are ahead
 CFG = ModelConfig(vocab_size=4096, dim=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -68,9 +70,6 @@ def test_preparing_keeps_inference_weights_inference_tensors(backend: str) -> No
     """Re-strided (column-major fp32 for OpenBLAS' GEMV) or moved weights stay inference
     tensors: a normal tensor put under an inference tensor's ``.data`` loses its version
     counter, and every later op on it raises."""
-    from exitlm.kernels import native
-    from exitlm.runtime import prepare
-
     if backend == "native" and native.library() is None:
         pytest.skip("no native library")
     with torch.inference_mode():

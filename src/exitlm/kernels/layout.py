@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from exitlm.kernels.blas import PLAIN_TENSORS
-from exitlm.kernels.versions import version_of
+from exitlm.kernels.versions import replace_data, version_of
 
 PACKED_ROWS = (2, 32)
 """Row counts (inclusive) of the fp32 products that use a pre-packed weight: oneDNN with the
@@ -94,14 +94,11 @@ def restride(weight: torch.Tensor, *, row_major: bool = False) -> None:
     if not _plain_2d(weight):
         return
     is_cm = weight.shape[0] > 1 and weight.stride() == (1, weight.shape[0])
-    # the new storage is an inference tensor where the weight is one (a model made under
-    # torch.inference_mode): a normal tensor under one loses its version counter
-    with torch.inference_mode(weight.is_inference()):
-        if wants_column_major(weight) and not row_major:
-            if not is_cm:
-                weight.data = column_major(weight.data)
-        elif not weight.is_contiguous():
-            weight.data = weight.data.contiguous()
+    if wants_column_major(weight) and not row_major:
+        if not is_cm:
+            replace_data(weight, column_major)
+    elif not weight.is_contiguous():
+        replace_data(weight, torch.Tensor.contiguous)
 
 
 def can_pack(weight: torch.Tensor, rows: bool) -> bool:

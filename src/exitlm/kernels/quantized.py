@@ -44,7 +44,7 @@ from exitlm.kernels.quant import (
     qlinear,
     quantize,
 )
-from exitlm.kernels.versions import version_of
+from exitlm.kernels.versions import replace_data, version_of
 
 TIED_HEAD = "tied_head"
 """The module name of a tied input embedding's quantized output copy (its buffers are
@@ -221,8 +221,7 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
         if p.dtype != torch.float32 and p.is_floating_point():
-            with torch.inference_mode(p.is_inference()):  # (see layout.restride)
-                p.data = p.data.float()
+            replace_data(p, torch.Tensor.float)
     return model.eval()
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from exitlm.env import switched_off
 from exitlm.kernels.blas import PLAIN_TENSORS
+from exitlm.kernels.versions import replace_data
 
 HUGE_PAGE = 2 << 20
 """The size of an x86-64 / aarch64 transparent huge page (the arena's alignment)."""
@@ -156,11 +157,9 @@ def place_weights(model: nn.Module, *, min_bytes: int = MIN_BYTES) -> bool:
         old = torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage(), lo, (hi - lo,))
         arena[at:at + hi - lo].copy_(old)
         for t in ts:
-            offset = start + at + t.storage_offset() * t.element_size() - lo
-            with torch.inference_mode(t.is_inference()):
-                new = torch.empty(0, dtype=t.dtype).set_(
-                    storage, offset // t.element_size(), t.shape, t.stride())
-                t.data = new
+            first = (start + at + t.storage_offset() * t.element_size() - lo) // t.element_size()
+            replace_data(t, lambda data, first=first: torch.empty(0, dtype=data.dtype).set_(
+                storage, first, data.shape, data.stride()))
     _arenas[model] = arena
     return True
 
