@@ -376,8 +376,9 @@ gen = torch.Generator().manual_seed(5)
 kinds = {"f32": 0, "f16": 1, "q8": 2, "q4": 3, "q8a8": 4, "q4a8": 5}
 checked = 0
 for name, tk in kinds.items():
-    # 1000: x rows past L1 for nb > 1 tiles; 1536: for one W row, fp16 then in passes
-    for k in ((61, 120, 1000, 1536) if tk < 2 else (96,)):
+    # 1000, 1536, 1541: x rows past L1, so that one-W-row tiles run K in parts (dense_kparts:
+    # fp32 from 4 rows of 1536, fp16 from 7; 1541 with a tail past the last 8 columns)
+    for k in ((61, 120, 1000, 1536, 1541) if tk < 2 else (96,)):
         # dense: tiles of 4 W rows, then 2, then 1; grouped: 16 (AVX-512) or 8 W rows a tile
         n = 11 if tk < 2 else 37
         if tk == 0:

@@ -127,19 +127,46 @@ AI __m512 load_wz(int kind, const void *w, int64_t off) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
 }
 
-AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
-                    float *y, int64_t K, int64_t ldx, int64_t ldy) {
+/* Prefetch the 32-element block at element off of a dense weight into L1 (dense_zspan's parts). */
+AI void prefetch_dense_at(const int kind, const void *w, int64_t off) {
+    const char *p = kind == K_F32 ? (const char *)((const float *)w + off)
+                                  : (const char *)((const uint16_t *)w + off);
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (kind == K_F32) _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
+/* Columns k0 .. k1 of the tile (k0, and k1 unless it is K, multiples of 32), for K in parts
+ * (dense_kparts): st, when not NULL, carries each pair's two chains from the part before
+ * (k0 > 0) and to the next (k1 < K), so that every chain performs the operations of the whole
+ * tile in the same order; the part that ends at K adds the chunks of K % 32 and writes y.
+ * pfo > 0: each weight block is prefetched pfo elements on (the same columns some rows on,
+ * which the parts read next) rather than pf_near bytes on along its row. */
+AI void dense_zspan(const int kind, const int nb, const int mb, const float *x, const void *w,
+                    float *y, int64_t K, int64_t ldx, int64_t ldy, int64_t k0, int64_t k1,
+                    __m512 *st, int64_t pfo) {
     __m512 a01[NBMAX][MBMAX], a23[NBMAX][MBMAX];
+    const int resume = st != NULL && k0 > 0;
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) a01[i][j] = a23[i][j] = _mm512_setzero_ps();
-    const int64_t K8 = K & ~(int64_t)7;
-    int64_t k = 0;
-    for (; k + 32 <= K8; k += 32) {
+        _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
+            a01[i][j] = resume ? st[2 * (i * mb + j)] : _mm512_setzero_ps();
+            a23[i][j] = resume ? st[2 * (i * mb + j) + 1] : _mm512_setzero_ps();
+        }
+    const int64_t K8 = K & ~(int64_t)7, ke = k1 < K ? k1 : K8;
+    int64_t k = k0;
+    for (; k + 32 <= ke; k += 32) {
         __m512 w01[NBMAX], w23[NBMAX];
-        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) prefetch_dense(kind, w, i * K + k);
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
+            if (pfo > 0)
+                prefetch_dense_at(kind, w, i * K + k + pfo);
+            else
+                prefetch_dense(kind, w, i * K + k);
+        }
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
             w01[i] = load_wz(kind, w, i * K + k);
             w23[i] = load_wz(kind, w, i * K + k + 16);
+            /* in registers: GCC otherwise reloads the weight vectors of odd mb tiles for every
+             * x row (3 rows of SmolLM2's fp32 products took 1.4-2.0x one row, 1.0-1.2x so) */
+            __asm__("" : "+v"(w01[i]), "+v"(w23[i]));
         }
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
             __m512 x01 = _mm512_loadu_ps(x + j * ldx + k);
@@ -149,6 +176,14 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
                 a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
             }
         }
+    }
+    if (k1 < K) { /* a part before the last: hand the chains on */
+        _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
+                st[2 * (i * mb + j)] = a01[i][j];
+                st[2 * (i * mb + j) + 1] = a23[i][j];
+            }
+        return;
     }
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
@@ -165,6 +200,11 @@ AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, 
                 s = fmaf(x[j * ldx + t], scalar_w(kind, w, i * K + t), s);
             y[j * ldy + i] = s;
         }
+}
+
+AI void dense_ztile(const int kind, const int nb, const int mb, const float *x, const void *w,
+                    float *y, int64_t K, int64_t ldx, int64_t ldy) {
+    dense_zspan(kind, nb, mb, x, w, y, K, ldx, ldy, 0, K, NULL, 0);
 }
 
 /* q8 with float32 activations, M > 1: two x rows per 16-lane register (the x rows interleaved
@@ -227,6 +267,21 @@ typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t, in
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
+/* One weight row x mb x rows over columns k0 .. k1 (dense_zspan), for dense_kparts. */
+#define DZP_FN(KIND, NB, MB)                                                                    \
+    static void dzp_##KIND##_##MB(const float *x, const void *w, float *y, int64_t K,           \
+                                  int64_t ldx, int64_t ldy, int64_t k0, int64_t k1, __m512 *st,  \
+                                  int64_t pfo) {                                                \
+        dense_zspan(KIND, 1, MB, x, w, y, K, ldx, ldy, k0, k1, st, pfo);                        \
+    }
+MB8Z(DZP_FN, 0, 1)
+MB8Z(DZP_FN, 1, 1)
+typedef void (*dzp_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, __m512 *, int64_t);
+#define ROWP(KIND)                                                                          \
+    {dzp_##KIND##_1, dzp_##KIND##_2, dzp_##KIND##_3, dzp_##KIND##_4, dzp_##KIND##_5,         \
+     dzp_##KIND##_6, dzp_##KIND##_7, dzp_##KIND##_8}
+static const dzp_fn DZP_TABLE[2][MBMAX] = {ROWP(0), ROWP(1)};
 #define Q8Z_FN(NB, MP)                                                                        \
     static void q8z_##NB##_##MP(int rows, const float *x2, const int8_t *q, const float *sc, \
                                 float *y, int64_t K, int64_t ldy) {                           \
@@ -337,28 +392,34 @@ __attribute__((constructor)) static void tiles_init(void) {
  * conversion shared by all x rows.  q8 with 5-8 x rows: four weight rows per tile (8 rows:
  * 1.60-1.69x one row against 1.47-2.29 with two, the head 1.68 against 2.29). */
 /* Dense 512-bit tiles of one weight row whose x rows (the first tile's: min(M, mb) rows of K
- * floats) exceed this many bytes share each x load between several weight rows instead - fp32
- * four weight rows x mb, fp16 two x four x rows - because the x rows, reread for every weight
- * vector, would not stay in a 48 KB L1d next to the weight stream.  SmolLM2's down projection
- * (K = 1536), x rows on 64-byte lines, Zen 5 (docs/measurements/multirow_zen5_2026-11-28.md):
- * 8 rows (48 KB) fp32 2.05x one row against 2.7-2.9x with one weight row, fp16 2.3-2.4x
- * against 3.0-3.3x with four x eight; 5-6 rows (30-36 KB) keep one weight row: fp32 1.7-2.1x,
- * fp16 1.3-1.5x against 2.0-2.5x and 2.3-2.8x with four (the former threshold, 24 KB, on all
- * 8 rows whatever M; the measurements behind it, on a Sapphire Rapids core, had x rows off a
- * line). */
+ * floats) exceed ZX_L1_BYTES (fp16) or ZX_F32_PART_FROM (fp32) bytes run with K in parts of at
+ * most ZX_PART_BYTES (fp16) or ZX_F32_PART_BYTES (fp32) of x rows (dense_kparts), because the
+ * x rows, reread for every weight vector, would not stay in a 48 KB L1d next to the weight
+ * stream.  Measured on a Zen 5 core (one thread, weights streaming from memory, x rows on
+ * 64-byte lines; docs/measurements/kparts_zen5_2026-12-04.md), rows x cost of 8 rows: SmolLM2's
+ * down projection (576 x 1536) fp32 1.7-1.9x against 3.1-3.4x for the former rule (four weight
+ * rows per x load, whose 64 accumulators spill), a 2048 x 5632 product fp16 2.0-2.1x against
+ * 4.4-4.9x (the former rule: passes of x rows over weight chunks reread from L2); fp32 4-6 rows
+ * of SmolLM2's down projection (24-36 KB) 1.4-1.7x against 1.5-2.0x in one part, while 8 rows
+ * of its 576-column products (18 KB) are faster in one part (1.35-1.4x).  fp16 in parts from
+ * 20 KB took 1.5x where one part took 1.1x (3 rows of the down projection): its conversions
+ * keep its loops busier than fp32's. */
 #ifndef ZX_L1_BYTES
 #define ZX_L1_BYTES 40960
 #endif
-/* fp16 products whose x rows exceed ZX_L1_BYTES run instead in passes of at most
- * ZX_PASS_BYTES of x rows over chunks of ZW_CHUNK_BYTES of weights (dense_passes): 8 rows of
- * SmolLM2's down projection 1.96x one row against 2.23x with two weight rows x four x rows
- * (Zen 5, docs/measurements/multirow_passes_2026-11-28.md).  fp32 keeps four weight rows: in
- * passes its 8 rows took 2.09x against 1.95x.  ZX_PASS_BYTES=0 builds the former rule. */
-#ifndef ZX_PASS_BYTES
-#define ZX_PASS_BYTES 24576
+#ifndef ZX_PART_BYTES
+#define ZX_PART_BYTES 24576
 #endif
-#ifndef ZW_CHUNK_BYTES
-#define ZW_CHUNK_BYTES 262144
+#ifndef ZX_F32_PART_FROM
+#define ZX_F32_PART_FROM 20480
+#endif
+#ifndef ZX_F32_PART_BYTES
+#define ZX_F32_PART_BYTES 16384
+#endif
+/* Weight rows of each part before the next part (dense_kparts): their chains wait in a stack
+ * buffer of ZK_ROWS KB (8 x rows). */
+#ifndef ZK_ROWS
+#define ZK_ROWS 16
 #endif
 static int ztile_cfg[3][3][2] = {
     /*                  M == 1    M 2-4     M > 4 */
@@ -379,26 +440,35 @@ static int even_passes(int kind, int64_t M, int mbt) {
 }
 #endif
 
-#if defined(EXITLM_ZMM) && ZX_PASS_BYTES > 0
-/* fp16 products whose x rows exceed L1 (ZX_L1_BYTES): passes of at most ZX_PASS_BYTES of x
- * rows (spread evenly) over chunks of ZW_CHUNK_BYTES of weight rows, one weight row x the
- * pass's rows per tile: a pass's x rows stay in L1 while the chunk's weights stream, from memory
- * in the first pass and from L2 in the others.  Every output is the same tile's chains, so the
- * bits are those of any other tile. */
-static void dense_passes(const job_t *j, int64_t n0, int64_t n1, int64_t ldx) {
+#ifdef EXITLM_ZMM
+/* Dense products whose tile of one weight row would reread too many bytes of x rows per weight
+ * vector (ZX_L1_BYTES, ZX_F32_PART_FROM): K in parts of at most ZX_PART_BYTES (fp16) or
+ * ZX_F32_PART_BYTES (fp32) of x rows (multiples of 32 columns, spread evenly), in passes of at
+ * most mbt x rows, each part over ZK_ROWS weight rows before the next, every pair's chains
+ * carried between parts in st (dense_zspan).  A part's x rows stay in L1 while the weights
+ * stream once from memory, each weight block prefetched in the part some rows ahead; every
+ * output has the bits of the one-part tile. */
+static void dense_kparts(const job_t *j, int64_t n0, int64_t n1, int64_t ldx, int mbt) {
     const int64_t K = j->K, M = j->M, N = j->N, es = j->kind == K_F32 ? 4 : 2;
-    int64_t g = ZX_PASS_BYTES / (K * 4);
-    g = g < 1 ? 1 : (g > MBMAX ? MBMAX : g);
-    const int64_t passes = (M + g - 1) / g, per = (M + passes - 1) / passes;
-    int64_t chunk = ZW_CHUNK_BYTES / (K * es);
-    chunk = chunk < 1 ? 1 : chunk;
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-        const int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1;
-        for (int64_t m = 0; m < M; m += per) {
-            const int mb = (int)(M - m >= per ? per : M - m);
-            for (int64_t n = c0; n < c1; n++)
-                DZ_TABLE[j->kind][0][mb - 1](j->x + m * ldx, (const char *)j->w + n * K * es,
-                                             j->y + m * N + n, K, ldx, N);
+    __m512 st[ZK_ROWS][2 * MBMAX];
+    for (int64_t m = 0; m < M; m += mbt) {
+        const int mb = (int)(M - m >= mbt ? mbt : M - m);
+        const int64_t part = j->kind == K_F32 ? ZX_F32_PART_BYTES : ZX_PART_BYTES;
+        int64_t kb = (part / (4 * mb)) & ~(int64_t)31;
+        kb = kb < 32 ? 32 : kb;
+        const int64_t parts = (K + kb - 1) / kb;
+        kb = ((K + parts - 1) / parts + 31) & ~(int64_t)31;
+        /* rows ahead whose part blocks make up pf_near bytes (at least one row) */
+        const int64_t ahead = (pf_near + kb * es - 1) / (kb * es), pfo = (ahead < 1 ? 1 : ahead) * K;
+        for (int64_t c0 = n0; c0 < n1; c0 += ZK_ROWS) {
+            const int64_t c1 = c0 + ZK_ROWS < n1 ? c0 + ZK_ROWS : n1;
+            for (int64_t k0 = 0; k0 < K; k0 += kb) {
+                const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+                for (int64_t n = c0; n < c1; n++)
+                    DZP_TABLE[j->kind][mb - 1](j->x + m * ldx, (const char *)j->w + n * K * es,
+                                               j->y + m * N + n, K, ldx, N, k0, k1, st[n - c0],
+                                               pfo);
+            }
         }
     }
 }
@@ -420,20 +490,14 @@ void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t ldx = j->ldx > 0 ? j->ldx : K;
 #ifdef EXITLM_ZMM
     const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
-#if ZX_PASS_BYTES > 0
-    if (kind == K_F16 && ztile_cfg[kind][r][0] == 1 && M > 1 &&
-        (int64_t)(M < ztile_cfg[kind][r][1] ? M : ztile_cfg[kind][r][1]) * K * 4 > ZX_L1_BYTES) {
-        dense_passes(j, n0, n1, ldx);
+    if (z && kind != K_Q8 && ztile_cfg[kind][r][0] == 1 && M > 1 &&
+        (int64_t)(M < ztile_cfg[kind][r][1] ? M : ztile_cfg[kind][r][1]) * K * 4 >
+            (kind == K_F32 ? ZX_F32_PART_FROM : ZX_L1_BYTES)) {
+        dense_kparts(j, n0, n1, ldx, ztile_cfg[kind][r][1]);
         return;
     }
-#endif
-    int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
-    int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
-    if (z && kind != K_Q8 && nbt == 1 && (int64_t)(M < mbt ? M : mbt) * K * 4 > ZX_L1_BYTES) {
-        /* the tile's x rows would not stay in L1: each x load serves several W rows */
-        nbt = kind == K_F32 ? 4 : 2;
-        mbt = kind == K_F32 ? mbt : 4;
-    }
+    const int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
+    const int mbt = (z ? ztile_cfg : tile_cfg)[kind][r][1];
 #else
     const int nbt = tile_cfg[kind][r][0];
     const int mbt = even_passes(kind, M, tile_cfg[kind][r][1]);
