@@ -136,8 +136,8 @@ AI void prefetch_dense_at(const int kind, const void *w, int64_t off) {
 }
 
 /* Columns k0 .. k1 of the tile (k0, and k1 unless it is K, multiples of 32), for K in parts
- * (dense_kparts): st, when not NULL, carries each pair's two chains from the part before
- * (k0 > 0) and to the next (k1 < K), so that every chain performs the operations of the whole
+ * (dense_kparts): st, when not NULL, carries each pair's two chains (pair i, j at
+ * st[2 * (i * MBMAX + j)]) from the part before (k0 > 0) and to the next (k1 < K), so that every chain performs the operations of the whole
  * tile in the same order; the part that ends at K adds the chunks of K % 32 and writes y.
  * pfo > 0: each weight block is prefetched pfo elements on (the same columns some rows on,
  * which the parts read next) rather than pf_near bytes on along its row. */
@@ -148,8 +148,8 @@ AI void dense_zspan(const int kind, const int nb, const int mb, const float *x, 
     const int resume = st != NULL && k0 > 0;
     _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
-            a01[i][j] = resume ? st[2 * (i * mb + j)] : _mm512_setzero_ps();
-            a23[i][j] = resume ? st[2 * (i * mb + j) + 1] : _mm512_setzero_ps();
+            a01[i][j] = resume ? st[2 * (i * MBMAX + j)] : _mm512_setzero_ps();
+            a23[i][j] = resume ? st[2 * (i * MBMAX + j) + 1] : _mm512_setzero_ps();
         }
     const int64_t K8 = K & ~(int64_t)7, ke = k1 < K ? k1 : K8;
     int64_t k = k0;
@@ -171,6 +171,8 @@ AI void dense_zspan(const int kind, const int nb, const int mb, const float *x, 
         _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
             __m512 x01 = _mm512_loadu_ps(x + j * ldx + k);
             __m512 x23 = _mm512_loadu_ps(x + j * ldx + k + 16);
+            /* in registers: GCC otherwise folds each x load into every weight row's FMA */
+            if (nb > 1) __asm__("" : "+v"(x01), "+v"(x23));
             _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++) {
                 a01[i][j] = _mm512_fmadd_ps(w01[i], x01, a01[i][j]);
                 a23[i][j] = _mm512_fmadd_ps(w23[i], x23, a23[i][j]);
@@ -180,8 +182,8 @@ AI void dense_zspan(const int kind, const int nb, const int mb, const float *x, 
     if (k1 < K) { /* a part before the last: hand the chains on */
         _Pragma("GCC unroll 8") for (int i = 0; i < nb; i++)
             _Pragma("GCC unroll 8") for (int j = 0; j < mb; j++) {
-                st[2 * (i * mb + j)] = a01[i][j];
-                st[2 * (i * mb + j) + 1] = a23[i][j];
+                st[2 * (i * MBMAX + j)] = a01[i][j];
+                st[2 * (i * MBMAX + j) + 1] = a23[i][j];
             }
         return;
     }
@@ -267,21 +269,18 @@ typedef void (*dz_fn)(const float *, const void *, float *, int64_t, int64_t, in
      P##KIND##_##NB##_5, P##KIND##_##NB##_6, P##KIND##_##NB##_7, P##KIND##_##NB##_8}
 #define TABLEZ(P, KIND) {ROW8Z(P, KIND, 1), ROW8Z(P, KIND, 2), ROW8Z(P, KIND, 4)}
 static const dz_fn DZ_TABLE[2][3][MBMAX] = {TABLEZ(dz_, 0), TABLEZ(dz_, 1)};
-/* One weight row x mb x rows over columns k0 .. k1 (dense_zspan), for dense_kparts. */
+/* nb weight rows x mb x rows over columns k0 .. k1 (dense_zspan), for dense_kparts. */
 #define DZP_FN(KIND, NB, MB)                                                                    \
-    static void dzp_##KIND##_##MB(const float *x, const void *w, float *y, int64_t K,           \
-                                  int64_t ldx, int64_t ldy, int64_t k0, int64_t k1, __m512 *st,  \
-                                  int64_t pfo) {                                                \
-        dense_zspan(KIND, 1, MB, x, w, y, K, ldx, ldy, k0, k1, st, pfo);                        \
+    static void dzp_##KIND##_##NB##_##MB(const float *x, const void *w, float *y, int64_t K,    \
+                                         int64_t ldx, int64_t ldy, int64_t k0, int64_t k1,      \
+                                         __m512 *st, int64_t pfo) {                             \
+        dense_zspan(KIND, NB, MB, x, w, y, K, ldx, ldy, k0, k1, st, pfo);                       \
     }
-MB8Z(DZP_FN, 0, 1)
-MB8Z(DZP_FN, 1, 1)
+ALL_ZTILES(DZP_FN, 0)
+ALL_ZTILES(DZP_FN, 1)
 typedef void (*dzp_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t, int64_t,
                        int64_t, __m512 *, int64_t);
-#define ROWP(KIND)                                                                          \
-    {dzp_##KIND##_1, dzp_##KIND##_2, dzp_##KIND##_3, dzp_##KIND##_4, dzp_##KIND##_5,         \
-     dzp_##KIND##_6, dzp_##KIND##_7, dzp_##KIND##_8}
-static const dzp_fn DZP_TABLE[2][MBMAX] = {ROWP(0), ROWP(1)};
+static const dzp_fn DZP_TABLE[2][3][MBMAX] = {TABLEZ(dzp_, 0), TABLEZ(dzp_, 1)};
 #define Q8Z_FN(NB, MP)                                                                        \
     static void q8z_##NB##_##MP(int rows, const float *x2, const int8_t *q, const float *sc, \
                                 float *y, int64_t K, int64_t ldy) {                           \
@@ -441,20 +440,20 @@ static int even_passes(int kind, int64_t M, int mbt) {
 #endif
 
 #ifdef EXITLM_ZMM
-/* Dense products whose tile of one weight row would reread too many bytes of x rows per weight
- * vector (ZX_L1_BYTES, ZX_F32_PART_FROM): K in parts of at most ZX_PART_BYTES (fp16) or
- * ZX_F32_PART_BYTES (fp32) of x rows (multiples of 32 columns, spread evenly), in passes of at
- * most mbt x rows, each part over ZK_ROWS weight rows before the next, every pair's chains
- * carried between parts in st (dense_zspan).  A part's x rows stay in L1 while the weights
- * stream once from memory, each weight block prefetched in the part some rows ahead; every
- * output has the bits of the one-part tile. */
-static void dense_kparts(const job_t *j, int64_t n0, int64_t n1, int64_t ldx, int mbt) {
+/* Dense products whose x rows, reread for every weight tile, exceed ZX_L1_BYTES (fp16) or
+ * ZX_F32_PART_FROM (fp32) bytes: the x rows in groups of at most MBMAX, each group's K in parts
+ * of at most ZX_PART_BYTES (fp16) or ZX_F32_PART_BYTES (fp32) of its x rows (multiples of 32
+ * columns, spread evenly); each part runs the tiles (nbt x mbt) over ZK_ROWS weight rows
+ * before the next part, every pair's chains carried between parts in st (dense_zspan).  A
+ * part's x rows stay in L1 while the weights stream once from memory, each weight block
+ * prefetched in the part some rows ahead; every output has the bits of the one-part tile. */
+static void dense_kparts(const job_t *j, int64_t n0, int64_t n1, int64_t ldx, int nbt, int mbt) {
     const int64_t K = j->K, M = j->M, N = j->N, es = j->kind == K_F32 ? 4 : 2;
-    __m512 st[ZK_ROWS][2 * MBMAX];
-    for (int64_t m = 0; m < M; m += mbt) {
-        const int mb = (int)(M - m >= mbt ? mbt : M - m);
-        const int64_t part = j->kind == K_F32 ? ZX_F32_PART_BYTES : ZX_PART_BYTES;
-        int64_t kb = (part / (4 * mb)) & ~(int64_t)31;
+    const int64_t part = j->kind == K_F32 ? ZX_F32_PART_BYTES : ZX_PART_BYTES;
+    __m512 st[ZK_ROWS * MBMAX * 2];
+    for (int64_t g0 = 0; g0 < M; g0 += MBMAX) {
+        const int64_t gm = M - g0 < MBMAX ? M - g0 : MBMAX;
+        int64_t kb = (part / (4 * gm)) & ~(int64_t)31;
         kb = kb < 32 ? 32 : kb;
         const int64_t parts = (K + kb - 1) / kb;
         kb = ((K + parts - 1) / parts + 31) & ~(int64_t)31;
@@ -464,10 +463,18 @@ static void dense_kparts(const job_t *j, int64_t n0, int64_t n1, int64_t ldx, in
             const int64_t c1 = c0 + ZK_ROWS < n1 ? c0 + ZK_ROWS : n1;
             for (int64_t k0 = 0; k0 < K; k0 += kb) {
                 const int64_t k1 = k0 + kb < K ? k0 + kb : K;
-                for (int64_t n = c0; n < c1; n++)
-                    DZP_TABLE[j->kind][mb - 1](j->x + m * ldx, (const char *)j->w + n * K * es,
-                                               j->y + m * N + n, K, ldx, N, k0, k1, st[n - c0],
-                                               pfo);
+                for (int64_t n = c0; n < c1;) {
+                    const int nb = c1 - n >= nbt ? nbt : (c1 - n >= 2 && nbt >= 2 ? 2 : 1);
+                    const int nbi = nb == 4 ? 2 : nb - 1;
+                    for (int64_t m = g0; m < g0 + gm;) {
+                        const int mb = (int)(g0 + gm - m >= mbt ? mbt : g0 + gm - m);
+                        DZP_TABLE[j->kind][nbi][mb - 1](
+                            j->x + m * ldx, (const char *)j->w + n * K * es, j->y + m * N + n, K,
+                            ldx, N, k0, k1, st + ((n - c0) * MBMAX + (m - g0)) * 2, pfo);
+                        m += mb;
+                    }
+                    n += nb;
+                }
             }
         }
     }
@@ -490,10 +497,9 @@ void run_range(const job_t *j, int64_t n0, int64_t n1) {
     const int64_t ldx = j->ldx > 0 ? j->ldx : K;
 #ifdef EXITLM_ZMM
     const int z = kind != K_Q8 || j->x2 != NULL; /* the 512-bit tiles */
-    if (z && kind != K_Q8 && ztile_cfg[kind][r][0] == 1 && M > 1 &&
-        (int64_t)(M < ztile_cfg[kind][r][1] ? M : ztile_cfg[kind][r][1]) * K * 4 >
-            (kind == K_F32 ? ZX_F32_PART_FROM : ZX_L1_BYTES)) {
-        dense_kparts(j, n0, n1, ldx, ztile_cfg[kind][r][1]);
+    if (z && kind != K_Q8 && M > 1 &&
+        (M < MBMAX ? M : MBMAX) * K * 4 > (kind == K_F32 ? ZX_F32_PART_FROM : ZX_L1_BYTES)) {
+        dense_kparts(j, n0, n1, ldx, ztile_cfg[kind][r][0], ztile_cfg[kind][r][1]);
         return;
     }
     const int nbt = (z ? ztile_cfg : tile_cfg)[kind][r][0];
