@@ -127,3 +127,36 @@ def test_q4_0_weights_read_no_mins_and_keep_their_bits(
         outs.append([_call(nb, model, h, 0, model.new_cache(1, 96), threads=t) for t in (1, 2)])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 4, 2), (40, 2, 2), (12, 3, 1)])
+@torch.no_grad()
+def test_rows_after_a_cache_attend_with_each_rows_bits(
+        head_dim: int, heads: int, kv_heads: int) -> None:
+    """Every row of a call of 1-9 rows (verifying drafts) after a cache of 37 positions has
+    the bits of that row called alone: the attention's four-position blocks of scores, their
+    tails and the value sums, for a head_dim of 64 (attention_values' one pass), 40 (a pass of
+    32 and 8 values one by one) and 12 (not a multiple of 8: dot products one by one)."""
+    dim = heads * head_dim
+    model = sharp_model(ModelConfig(
+        vocab_size=48, dim=dim, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, hidden_dim=96, max_seq_len=64,
+        exits=ExitConfig(every_layer=True, norm="final")), 3)
+    nb = build_native_block(native.library(), model.layers[0], Scratch())
+    assert nb is not None
+    gen = torch.Generator().manual_seed(head_dim)
+    prefix = torch.randn(1, 37, dim, generator=gen)
+    cache = model.new_cache(1, 64)
+    _call(nb, model, prefix, 0, cache)
+    for m in range(1, 10):
+        h = torch.randn(1, m, dim, generator=gen)
+        together = model.new_cache(1, 64)
+        together.keys[0].copy_(cache.keys[0])
+        together.values[0].copy_(cache.values[0])
+        rows = _call(nb, model, h, 37, together)
+        alone = model.new_cache(1, 64)
+        alone.keys[0].copy_(cache.keys[0])
+        alone.values[0].copy_(cache.values[0])
+        one_by_one = torch.cat([_call(nb, model, h[:, i:i + 1], 37 + i, alone)
+                                for i in range(m)], 1)
+        assert torch.equal(rows, one_by_one), (head_dim, m)

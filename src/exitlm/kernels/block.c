@@ -23,6 +23,9 @@
 #include <string.h>
 
 #include "exitlm_native.h" /* the products of kernels.c, the reduce of reduce.c */
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 #include "half.h"
 
 /* Whether the blocks' int8 / int4 products round their activations to int8 first (kernels.c:
@@ -134,11 +137,23 @@ typedef float v4u __attribute__((vector_size(16), aligned(4))); /* unaligned sto
  * same adds in the same order ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)), on four
  * lanes instead of one. */
 static inline v4f tree8x4(v8f a, v8f b, v8f c, v8f d) {
+#ifdef __AVX__
+    /* each vector's x_c = lane c + lane c + 4 in one add, a 4 x 4 transposition, then the same
+     * two levels of adds (of the element-wise code below GCC makes ~60 scalar instructions:
+     * with these, 8 rows' attention over 768 positions took 0.9x the time) */
+    __m128 u0 = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+    __m128 u1 = _mm_add_ps(_mm256_castps256_ps128((__m256)b), _mm256_extractf128_ps((__m256)b, 1));
+    __m128 u2 = _mm_add_ps(_mm256_castps256_ps128((__m256)c), _mm256_extractf128_ps((__m256)c, 1));
+    __m128 u3 = _mm_add_ps(_mm256_castps256_ps128((__m256)d), _mm256_extractf128_ps((__m256)d, 1));
+    _MM_TRANSPOSE4_PS(u0, u1, u2, u3); /* u_c: x_c of a, b, c, d */
+    return (v4f)_mm_add_ps(_mm_add_ps(u0, u1), _mm_add_ps(u2, u3));
+#else
     const v4f x0 = {a[0] + a[4], b[0] + b[4], c[0] + c[4], d[0] + d[4]};
     const v4f x1 = {a[1] + a[5], b[1] + b[5], c[1] + c[5], d[1] + d[5]};
     const v4f x2 = {a[2] + a[6], b[2] + b[6], c[2] + c[6], d[2] + d[6]};
     const v4f x3 = {a[3] + a[7], b[3] + b[7], c[3] + c[7], d[3] + d[7]};
     return (x0 + x1) + (x2 + x3);
+#endif
 }
 
 /* The largest of x[0..n) (NaNs ignored, -inf for none); the maximum does not depend on the
