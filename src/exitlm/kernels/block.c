@@ -83,6 +83,17 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8f splat8(float c) { return (v8f){c, c, c, c, c, c, c, c}; }
 
+/* Sixteen lanes, for the loops whose lanes are independent (softmax, value sums). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) { return *(const v16u *)p; }
+
+static inline v16f splat16(float c) {
+    return (v16f){c, c, c, c, c, c, c, c, c, c, c, c, c, c, c, c};
+}
+
 /* e^x in eight lanes, the same bits in every build (and for one value in lane 0 as for it
  * among seven others): Cephes' expf - n = floor(x log2 e + 1/2), r = x - n ln 2 in two
  * parts (Cody-Waite), a degree-7 polynomial in r (relative error ~1e-7), times 2^n built in
@@ -90,28 +101,34 @@ static inline v8f splat8(float c) { return (v8f){c, c, c, c, c, c, c, c}; }
  * SiLU keeps); above 88 it saturates at e^88; a NaN stays NaN. libm's expf is a scalar call
  * per value, the attention's softmax and the MLP's SiLU call it for every position and every
  * hidden unit. */
-static inline v8f exp8(v8f x) {
-    const v8i tiny = x < splat8(-87.0f);
-    const v8i big = x > splat8(88.0f);
-    x = (v8f)(((v8i)x & ~big) | ((v8i)splat8(88.0f) & big));
-    x = (v8f)(((v8i)x & ~tiny) | ((v8i)splat8(-87.0f) & tiny));
-    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
-    v8i n = __builtin_convertvector(fx, v8i); /* truncation; floor below */
-    n += (v8i)(__builtin_convertvector(n, v8f) > fx);  /* -1 where truncation rounded up */
-    const v8f fn = __builtin_convertvector(n, v8f);
-    x = x - fn * splat8(0.693359375f);
-    x = x - fn * splat8(-2.12194440e-4f);
-    const v8f z = x * x;
-    v8f y = splat8(1.9875691500e-4f);
-    y = y * x + splat8(1.3981999507e-3f);
-    y = y * x + splat8(8.3334519073e-3f);
-    y = y * x + splat8(4.1665795894e-2f);
-    y = y * x + splat8(1.6666665459e-1f);
-    y = y * x + splat8(5.0000001201e-1f);
-    y = y * z + x + splat8(1.0f);
-    const v8f scale = (v8f)((n + 127) << 23);
-    return (v8f)((v8i)(y * scale) & ~tiny);
-}
+/* The function body, for eight lanes (exp8) and sixteen (exp16: the same operations per
+ * lane, in one 512-bit register each in AVX-512 builds, two of 256 bits in the others). */
+#define EXP_LANES(NAME, VF, VI)                                                                \
+    static inline VF NAME(VF x) {                                                              \
+        const VF lo = (VF){0} - 87.0f, hi = (VF){0} + 88.0f;                                   \
+        const VI tiny = x < lo;                                                                \
+        const VI big = x > hi;                                                                 \
+        x = (VF)(((VI)x & ~big) | ((VI)hi & big));                                             \
+        x = (VF)(((VI)x & ~tiny) | ((VI)lo & tiny));                                           \
+        VF fx = x * 1.44269504088896341f + 0.5f;                                               \
+        VI n = __builtin_convertvector(fx, VI); /* truncation; floor below */                 \
+        n += (VI)(__builtin_convertvector(n, VF) > fx); /* -1 where truncation rounded up */  \
+        const VF fn = __builtin_convertvector(n, VF);                                          \
+        x = x - fn * 0.693359375f;                                                             \
+        x = x - fn * -2.12194440e-4f;                                                          \
+        const VF z = x * x;                                                                    \
+        VF y = (VF){0} + 1.9875691500e-4f;                                                     \
+        y = y * x + 1.3981999507e-3f;                                                          \
+        y = y * x + 8.3334519073e-3f;                                                          \
+        y = y * x + 4.1665795894e-2f;                                                          \
+        y = y * x + 1.6666665459e-1f;                                                          \
+        y = y * x + 5.0000001201e-1f;                                                          \
+        y = y * z + x + 1.0f;                                                                  \
+        const VF scale = (VF)((n + 127) << 23);                                                \
+        return (VF)((VI)(y * scale) & ~tiny);                                                  \
+    }
+EXP_LANES(exp8, v8f, v8i)
+EXP_LANES(exp16, v16f, v16i)
 
 /* exp8 of one value. */
 static inline float exp1(float x) { return exp8(splat8(x))[0]; }
@@ -209,28 +226,20 @@ static float attention_scores(const float *q, const float *k, int64_t n, int64_t
  * over v for 64 values a position (eight accumulators), else 32 at a time. */
 static void attention_values(const float *p, const float *v, int64_t n, int64_t hd, float *o) {
     int64_t i = 0;
-    if (hd == 64) {
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    if (hd == 64) { /* sixteen lanes a vector: the lanes' sums are independent */
+        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t t = 0; t < n; t++) {
             const float *vt = v + t * 64;
-            const v8f pt = splat8(p[t]);
-            a0 += pt * load8(vt);
-            a1 += pt * load8(vt + 8);
-            a2 += pt * load8(vt + 16);
-            a3 += pt * load8(vt + 24);
-            a4 += pt * load8(vt + 32);
-            a5 += pt * load8(vt + 40);
-            a6 += pt * load8(vt + 48);
-            a7 += pt * load8(vt + 56);
+            const v16f pt = splat16(p[t]);
+            a0 += pt * load16(vt);
+            a1 += pt * load16(vt + 16);
+            a2 += pt * load16(vt + 32);
+            a3 += pt * load16(vt + 48);
         }
-        *(v8u *)(o) = a0;
-        *(v8u *)(o + 8) = a1;
-        *(v8u *)(o + 16) = a2;
-        *(v8u *)(o + 24) = a3;
-        *(v8u *)(o + 32) = a4;
-        *(v8u *)(o + 40) = a5;
-        *(v8u *)(o + 48) = a6;
-        *(v8u *)(o + 56) = a7;
+        *(v16u *)(o) = a0;
+        *(v16u *)(o + 16) = a1;
+        *(v16u *)(o + 32) = a2;
+        *(v16u *)(o + 48) = a3;
         return;
     }
     for (; i + 32 <= hd; i += 32) {
@@ -335,6 +344,8 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
             const float *vh = vc + o + (hh / group) * head_stride;
             const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
             int64_t t = 0;
+            for (; t + 16 <= n_pos; t += 16)
+                *(v16u *)(scores + t) = exp16(load16(scores + t) - splat16(mx));
             for (; t + 8 <= n_pos; t += 8)
                 *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
             for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
@@ -353,6 +364,10 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
         const float *g = gu + m * 2 * F, *u = g + F;
         float *a = act + m * F;
         int64_t j = 0;
+        for (; j + 16 <= F; j += 16) {
+            const v16f gj = load16(g + j);
+            *(v16u *)(a + j) = gj / (splat16(1.0f) + exp16(-gj)) * load16(u + j);
+        }
         for (; j + 8 <= F; j += 8) {
             const v8f gj = load8(g + j);
             *(v8u *)(a + j) = gj / (splat8(1.0f) + exp8(-gj)) * load8(u + j);
