@@ -131,32 +131,44 @@ def test_q4_0_weights_read_no_mins_and_keep_their_bits(
 
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 4, 2), (40, 2, 2), (12, 3, 1)])
 @torch.no_grad()
-def test_rows_after_a_cache_attend_with_each_rows_bits(
+def test_rows_after_a_cache_attend_with_each_rows_bits_on_any_threads(
         head_dim: int, heads: int, kv_heads: int) -> None:
-    """Every row of a call of 1-9 rows (verifying drafts) after a cache of 37 positions has
-    the bits of that row called alone: the attention's four-position blocks of scores, their
-    tails and the value sums, for a head_dim of 64 (attention_values' one pass), 40 (a pass of
-    32 and 8 values one by one) and 12 (not a multiple of 8: dot products one by one)."""
+    """Every row of a call of 1-9 rows (verifying drafts) after a cache of 37 or 300 positions
+    has the bits of that row called alone on one thread, with 1, 2 or 3 threads (block.c runs
+    the attention's (head, row) items on the pool from 1024 (head, row, position) triples):
+    the attention's four-position blocks of scores, their tails and the value sums, for a
+    head_dim of 64 (attention_values' one pass), 40 (a pass of 32 and 8 values one by one)
+    and 12 (not a multiple of 8: dot products one by one)."""
     dim = heads * head_dim
     model = sharp_model(ModelConfig(
         vocab_size=48, dim=dim, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, hidden_dim=96, max_seq_len=64,
+        head_dim=head_dim, hidden_dim=96, max_seq_len=320,
         exits=ExitConfig(every_layer=True, norm="final")), 3)
     nb = build_native_block(native.library(), model.layers[0], Scratch())
     assert nb is not None
     gen = torch.Generator().manual_seed(head_dim)
-    prefix = torch.randn(1, 37, dim, generator=gen)
-    cache = model.new_cache(1, 64)
-    _call(nb, model, prefix, 0, cache)
-    for m in range(1, 10):
-        h = torch.randn(1, m, dim, generator=gen)
-        together = model.new_cache(1, 64)
-        together.keys[0].copy_(cache.keys[0])
-        together.values[0].copy_(cache.values[0])
-        rows = _call(nb, model, h, 37, together)
-        alone = model.new_cache(1, 64)
-        alone.keys[0].copy_(cache.keys[0])
-        alone.values[0].copy_(cache.values[0])
-        one_by_one = torch.cat([_call(nb, model, h[:, i:i + 1], 37 + i, alone)
-                                for i in range(m)], 1)
-        assert torch.equal(rows, one_by_one), (head_dim, m)
+    for before in (37, 300):
+        prefix = torch.randn(1, before, dim, generator=gen)
+        cache = model.new_cache(1, 320)
+        _call(nb, model, prefix, 0, cache)
+
+        def fresh(cache=cache):  # a copy of the cache after the prefix
+            c = model.new_cache(1, 320)
+            c.keys[0].copy_(cache.keys[0])
+            c.values[0].copy_(cache.values[0])
+            return c
+
+        for m in (1, 2, 3, 5, 8, 9):
+            h = torch.randn(1, m, dim, generator=gen)
+            alone = fresh()
+            one_by_one = torch.cat([_call(nb, model, h[:, i:i + 1], before + i, alone)
+                                    for i in range(m)], 1)
+            for threads in (1, 2, 3):
+                rows = _call(nb, model, h, before, fresh(), threads=threads)
+                assert torch.equal(rows, one_by_one), (head_dim, before, m, threads)
+                if m == 1:
+                    continue
+                steps = fresh()
+                singles = torch.cat([_call(nb, model, h[:, i:i + 1], before + i, steps,
+                                           threads=threads) for i in range(m)], 1)
+                assert torch.equal(singles, one_by_one), (head_dim, before, m, threads)

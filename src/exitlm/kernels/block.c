@@ -17,12 +17,7 @@
  * order computed.
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "exitlm_native.h" /* the products of kernels.c, the reduce of reduce.c */
+#include "gemm.h" /* run_tasks (pool.c); the products of kernels.c, the reduce of reduce.c */
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
@@ -281,6 +276,16 @@ static void rope(float *v, const float *cos_t, const float *ssin, int64_t d) {
     }
 }
 
+/* A block's attention runs on several threads (nthreads > 1) in at most ATT_PARTS parts, when
+ * its (head, row, position) triples reach ATT_PARALLEL_FROM (below, the hand-off costs more than
+ * it saves: a triple is ~15-60 cycles). */
+#ifndef ATT_PARTS
+#define ATT_PARTS 16
+#endif
+#ifndef ATT_PARALLEL_FROM
+#define ATT_PARALLEL_FROM 1024
+#endif
+
 /* Bytes of scratch a block over M rows attending to at most `positions` positions needs. */
 int64_t exitlm_block_scratch(const exitlm_block_dims *d, int64_t M, int64_t positions) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
@@ -290,8 +295,59 @@ int64_t exitlm_block_scratch(const exitlm_block_dims *d, int64_t M, int64_t posi
                      + M * d->dim          /* product output */
                      + M * 2 * d->hidden   /* gate and up */
                      + M * d->hidden       /* silu(gate) * up */
-                     + positions;          /* scores of one head */
+                     + ATT_PARTS * positions; /* scores of one head, for each part */
     return floats * (int64_t)sizeof(float);
+}
+
+/* The most positions a row of a block call attends to (the scores each part needs). */
+static int64_t positions_of(int64_t M, int64_t start, const int64_t *pos) {
+    if (pos == NULL) return start + M;
+    int64_t mx = 0;
+    for (int64_t m = 0; m < M; m++) mx = pos[m] + 1 > mx ? pos[m] + 1 : mx;
+    return mx;
+}
+
+/* Attention of a block's rows (block_rows): the (head, row) items, head by head, then row by
+ * row - the rows of one sequence read the same keys and values of a head, which then stay in
+ * the caches from one row to the next (verifying d drafts: d + 1 rows; a head's keys and values
+ * at a context of n positions: 2 n head_dim floats). Each item is computed whole by one thread
+ * of a call (run_tasks), each part with its own scores, so the bits do not depend on the
+ * thread count. */
+typedef struct {
+    const float *qkv;
+    const float *kc, *vc;
+    float *att, *scores;
+    int64_t ss; /* floats of each part's scores: the most positions a row attends to */
+    int64_t M, H, hd, QKV, group, head_stride, start;
+    const int64_t *pos, *off;
+    float scale;
+} att_ctx;
+
+static void attend_items(const void *c, int64_t i0, int64_t i1, int part) {
+    const att_ctx *a = (const att_ctx *)c;
+    const int64_t M = a->M, H = a->H, hd = a->hd;
+    float *scores = a->scores + part * a->ss;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t hh = i / M, m = i % M;
+        /* attends to positions 0 .. its own of its cache row */
+        const int64_t n_pos = (a->pos != NULL ? a->pos[m] : a->start + m) + 1;
+        const int64_t o = a->off != NULL ? a->off[m] : 0;
+        const float *row = a->qkv + m * a->QKV;
+        const float *kh = a->kc + o + (hh / a->group) * a->head_stride;
+        const float *vh = a->vc + o + (hh / a->group) * a->head_stride;
+        const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, a->scale, scores);
+        int64_t t = 0;
+        for (; t + 16 <= n_pos; t += 16)
+            *(v16u *)(scores + t) = exp16(load16(scores + t) - splat16(mx));
+        for (; t + 8 <= n_pos; t += 8)
+            *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
+        for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
+        const float total = sum_of(scores, n_pos);
+        float *out = a->att + m * H * hd + hh * hd;
+        attention_values(scores, vh, n_pos, hd, out);
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < hd; j++) out[j] *= inv;
+    }
 }
 
 /* h (M, dim) <- block(h) for M rows: row m at position pos[m] of the cache row that starts
@@ -331,30 +387,12 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
                    hd * sizeof(float));
         }
     }
-    /* head by head, then row by row: the rows of one sequence read the same keys and values of
-     * a head, which then stay in the caches from one row to the next (verifying d drafts: d + 1
-     * rows; a head's keys and values at a context of n positions: 2 n head_dim floats) */
-    for (int64_t hh = 0; hh < H; hh++)
-        for (int64_t m = 0; m < M; m++) {
-            /* attends to positions 0 .. its own of its cache row */
-            const int64_t n_pos = (pos != NULL ? pos[m] : start + m) + 1;
-            const int64_t o = off != NULL ? off[m] : 0;
-            const float *row = qkv + m * QKV;
-            const float *kh = kc + o + (hh / group) * head_stride;
-            const float *vh = vc + o + (hh / group) * head_stride;
-            const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, d->attn_scale, scores);
-            int64_t t = 0;
-            for (; t + 16 <= n_pos; t += 16)
-                *(v16u *)(scores + t) = exp16(load16(scores + t) - splat16(mx));
-            for (; t + 8 <= n_pos; t += 8)
-                *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
-            for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
-            const float total = sum_of(scores, n_pos);
-            float *out = att + m * H * hd + hh * hd;
-            attention_values(scores, vh, n_pos, hd, out);
-            const float inv = 1.0f / total;
-            for (int64_t i = 0; i < hd; i++) out[i] *= inv;
-        }
+    const att_ctx ac = {qkv, kc, vc, att, scores, positions_of(M, start, pos), M, H, hd, QKV,
+                        group, head_stride, start, pos, off, d->attn_scale};
+    if (nthreads > 1 && H * M * ac.ss >= ATT_PARALLEL_FROM)
+        run_tasks(attend_items, &ac, H * M, ATT_PARTS, nthreads);
+    else
+        attend_items(&ac, 0, H * M, 0);
     if ((rc = product(wo, att, tmp, M, nthreads)) != 0) return rc;
     if (red != NULL && (rc = exitlm_reduce_sum(red, tmp, M * D)) != 0) return rc;
     for (int64_t i = 0; i < M * D; i++) h[i] += tmp[i];

@@ -90,6 +90,10 @@ typedef struct {
     int64_t ldx; /* floats from one x row to the next (dense kinds; 0: K) */
     int packed;  /* q4: w, scales and mins in 16-row blocks (lanes.c "q4 weights in 16-row
                   * blocks"; AVX2 builds only): 1, scales and mins float32; 2, float16 */
+    /* Not a product but a task over N items (run_tasks): task(ctx, i0, i1, part) computes
+     * items i0 .. i1 - 1 as part `part` of the call. */
+    void (*task)(const void *ctx, int64_t i0, int64_t i1, int part);
+    const void *ctx;
 } job_t;
 
 /* Group g's min of a q4 row: mn[g], or without a mins array (Q4_0) -8 * sc[g] - the float that
@@ -165,5 +169,9 @@ INTERNAL int cpu_zen4(void);
 INTERNAL void run_range(const job_t *j, int64_t n0, int64_t n1);
 /* Run j on up to nthreads threads, each output element computed by one of them (pool.c). */
 INTERNAL void run_job(const job_t *j, int nthreads);
+/* task(ctx, i0, i1, part) over items 0 .. n - 1 in at most min(nthreads, max_parts) contiguous
+ * parts on the pool's threads, part 0 on the caller's (pool.c; block.c's attention). */
+INTERNAL void run_tasks(void (*task)(const void *, int64_t, int64_t, int), const void *ctx,
+                        int64_t n, int max_parts, int nthreads);
 
 #endif

@@ -24,10 +24,18 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Items n0 .. n1 - 1 of j: a product's output rows, or a task's items. */
+static void run_items(const job_t *j, int64_t n0, int64_t n1, int part) {
+    if (j->task != NULL)
+        j->task(j->ctx, n0, n1, part);
+    else
+        run_range(j, n0, n1);
+}
+
 static void run_part(const job_t *j, int64_t chunk, int part) {
     int64_t n0 = part * chunk, n1 = n0 + chunk;
     if (n1 > j->N) n1 = j->N;
-    if (n0 < n1) run_range(j, n0, n1);
+    if (n0 < n1) run_items(j, n0, n1, part);
 }
 
 static void *worker_main(void *arg) {
@@ -88,23 +96,24 @@ static int pool_ensure(int want) {
 }
 
 void run_job(const job_t *j, int nthreads) {
-    /* Below ~32 output rows per thread the hand-off costs more than it saves. */
-    int64_t maxparts = j->N / 32;
+    /* Below ~32 output rows per thread the hand-off costs more than it saves (a task's items
+     * are each worth a part). */
+    int64_t maxparts = j->task != NULL ? j->N : j->N / 32;
     int parts = nthreads;
     if (parts > maxparts) parts = (int)maxparts;
     if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
     if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
         /* single thread, or another thread holds the pool: same arithmetic, run here */
-        run_range(j, 0, j->N);
+        run_items(j, 0, j->N, 0);
         return;
     }
     int have = pool_ensure(parts - 1);
     if (parts > have + 1) parts = have + 1;
     int64_t chunk = (j->N + parts - 1) / parts;
-    chunk = (chunk + 15) & ~(int64_t)15; /* whole int8-activation tiles (16 W rows) */
+    if (j->task == NULL) chunk = (chunk + 15) & ~(int64_t)15; /* whole int8-activation tiles */
     if (parts <= 1) {
         pthread_mutex_unlock(&call_mu);
-        run_range(j, 0, j->N);
+        run_items(j, 0, j->N, 0);
         return;
     }
     pool_job = j;
@@ -125,6 +134,16 @@ void run_job(const job_t *j, int nthreads) {
     pthread_mutex_unlock(&call_mu);
 }
 
+
+void run_tasks(void (*task)(const void *, int64_t, int64_t, int), const void *ctx, int64_t n,
+               int max_parts, int nthreads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.N = n;
+    j.task = task;
+    j.ctx = ctx;
+    run_job(&j, nthreads < max_parts ? nthreads : max_parts);
+}
 
 int exitlm_pool_workers(void) { return n_workers; }
 
