@@ -8,9 +8,12 @@ interleaved, each cost as ``time(P positions) / time(1 position)`` (the median o
 that ratio within a pass, and the ratio of the best passes), with the milliseconds per call.
 
 Run it once per checkout to compare kernels before and after a change (the same command on a
-checkout of another branch, alternating), e.g.::
+checkout of another branch, alternating; with an editable install, whose import hook comes
+before ``PYTHONPATH``, install the other checkout in a second virtual environment), e.g.::
 
     python benchmarks/verify_rows.py --model default --precisions float32,int8
+    python benchmarks/verify_rows.py --model layerskip-code --precisions float16 --prompt 768 \
+        --threads 2
     PYTHONPATH=/path/to/other/checkout/src python benchmarks/verify_rows.py ...
 """
 
@@ -38,6 +41,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="verification widths d + 1 (default 2,5,8)")
     p.add_argument("--prompt", type=int_at_least(1), default=64, help="positions before")
     p.add_argument("--repeats", type=int_at_least(1), default=15, help="passes")
+    p.add_argument("--threads", type=int_at_least(1), default=1,
+                   help="threads of the native calls (default 1)")
     p.add_argument("--narrow-rows", type=int_list, default=None,
                    help="comma-separated settings of the avx512 build's narrow_rows (products "
                         "of up to N rows on its 256-bit tiles), each timed in every pass, e.g. "
@@ -128,11 +133,15 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     import torch
 
+    from exitlm.kernels.blas import thread_split
+
     torch.set_num_threads(1)
-    out = {"model": args.model, "prompt": args.prompt, "repeats": args.repeats, "threads": 1,
-           "precisions": {d: _precision(args.model, d, args.positions, args.prompt, args.repeats,
-                                        args.narrow_rows)
-                          for d in args.precisions.split(",")}}
+    with thread_split(1, args.threads):
+        precisions = {d: _precision(args.model, d, args.positions, args.prompt, args.repeats,
+                                    args.narrow_rows)
+                      for d in args.precisions.split(",")}
+    out = {"model": args.model, "prompt": args.prompt, "repeats": args.repeats,
+           "threads": args.threads, "precisions": precisions}
     print(json.dumps(out, indent=1))
     return 0
 
