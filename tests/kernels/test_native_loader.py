@@ -71,7 +71,7 @@ def _supported_builds() -> list[str]:
 @pytest.mark.skipif(INSTALLED is None, reason="a source tree that was never installed: no "
                     "installed builds to compare (pip install -e . builds them)")
 def test_every_installed_build_the_cpu_runs_gives_the_same_bits(tmp_path: Path) -> None:
-    """Products of every format and row count, and a whole Llama block over 11 positions,
+    """Products of every format and row count, and a whole Llama block over 11 and 40 positions,
     are bit-identical across the baseline, avx2 and avx512 builds (whichever this CPU runs),
     the avx512 build's products on its 512-bit tiles and on its 256-bit ones alike
     (``exitlm_set_narrow_rows``: the setting this CPU got, and copies of the library that run
@@ -97,18 +97,22 @@ def test_every_installed_build_the_cpu_runs_gives_the_same_bits(tmp_path: Path) 
             for isa, lib in builds.items():
                 for threads in (1, 2):
                     assert torch.equal(_product(lib, kind, x, args, threads), ref), (isa, kind)
-    model = sharp_model(ModelConfig(
-        vocab_size=48, dim=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=96,
-        max_seq_len=32, exits=ExitConfig(every_layer=True, norm="final")), 3)
-    h = torch.randn(1, 11, 64, generator=gen)
-    rope = model.context(torch.arange(11)[None]).rope
-    outs = {}
-    for isa, lib in builds.items():
-        cache = model.new_cache(1, 32)
-        nb = build_native_block(lib, model.layers[0], Scratch())
-        outs[isa] = nb(h, rope, cache.keys[0][0], cache.values[0][0], 0, 1)
-    for isa, out in outs.items():
-        assert torch.equal(out, outs["baseline"]), isa
+    # head_dim 16 over 11 positions; head_dim 64 over 40 (the 16-lane softmax and value sums)
+    for heads, head_dim, t in ((4, 16, 11), (2, 64, 40)):
+        dim = heads * head_dim
+        model = sharp_model(ModelConfig(
+            vocab_size=48, dim=dim, num_layers=1, num_heads=heads, num_kv_heads=heads // 2,
+            head_dim=head_dim, hidden_dim=96, max_seq_len=48,
+            exits=ExitConfig(every_layer=True, norm="final")), 3)
+        h = torch.randn(1, t, dim, generator=gen)
+        rope = model.context(torch.arange(t)[None]).rope
+        outs = {}
+        for isa, lib in builds.items():
+            cache = model.new_cache(1, 48)
+            nb = build_native_block(lib, model.layers[0], Scratch())
+            outs[isa] = nb(h, rope, cache.keys[0][0], cache.values[0][0], 0, 1)
+        for isa, out in outs.items():
+            assert torch.equal(out, outs["baseline"]), (isa, head_dim)
 
 
 def _edge_rows(k: int, gen: torch.Generator) -> torch.Tensor:
