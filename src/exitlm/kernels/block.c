@@ -78,16 +78,14 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8f splat8(float c) { return (v8f){c, c, c, c, c, c, c, c}; }
 
-/* Sixteen lanes, for the loops whose lanes are independent (softmax, value sums). */
+/* Sixteen lanes, for the loops whose lanes are independent (softmax, SiLU, value sums): one
+ * 512-bit register in AVX-512 builds, two of 256 bits in the others. Macros, not functions: no
+ * function takes or returns such a vector (GCC notes an ABI change for those without AVX-512). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16f load16(const float *p) { return *(const v16u *)p; }
-
-static inline v16f splat16(float c) {
-    return (v16f){c, c, c, c, c, c, c, c, c, c, c, c, c, c, c, c};
-}
+#define LOAD16(p) (*(const v16u *)(p))
+#define SPLAT16(c) ((v16f){(c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c), (c)})
 
 /* e^x in eight lanes, the same bits in every build (and for one value in lane 0 as for it
  * among seven others): Cephes' expf - n = floor(x log2 e + 1/2), r = x - n ln 2 in two
@@ -96,34 +94,39 @@ static inline v16f splat16(float c) {
  * SiLU keeps); above 88 it saturates at e^88; a NaN stays NaN. libm's expf is a scalar call
  * per value, the attention's softmax and the MLP's SiLU call it for every position and every
  * hidden unit. */
-/* The function body, for eight lanes (exp8) and sixteen (exp16: the same operations per
- * lane, in one 512-bit register each in AVX-512 builds, two of 256 bits in the others). */
-#define EXP_LANES(NAME, VF, VI)                                                                \
-    static inline VF NAME(VF x) {                                                              \
-        const VF lo = (VF){0} - 87.0f, hi = (VF){0} + 88.0f;                                   \
-        const VI tiny = x < lo;                                                                \
-        const VI big = x > hi;                                                                 \
-        x = (VF)(((VI)x & ~big) | ((VI)hi & big));                                             \
-        x = (VF)(((VI)x & ~tiny) | ((VI)lo & tiny));                                           \
-        VF fx = x * 1.44269504088896341f + 0.5f;                                               \
-        VI n = __builtin_convertvector(fx, VI); /* truncation; floor below */                 \
-        n += (VI)(__builtin_convertvector(n, VF) > fx); /* -1 where truncation rounded up */  \
-        const VF fn = __builtin_convertvector(n, VF);                                          \
-        x = x - fn * 0.693359375f;                                                             \
-        x = x - fn * -2.12194440e-4f;                                                          \
-        const VF z = x * x;                                                                    \
-        VF y = (VF){0} + 1.9875691500e-4f;                                                     \
-        y = y * x + 1.3981999507e-3f;                                                          \
-        y = y * x + 8.3334519073e-3f;                                                          \
-        y = y * x + 4.1665795894e-2f;                                                          \
-        y = y * x + 1.6666665459e-1f;                                                          \
-        y = y * x + 5.0000001201e-1f;                                                          \
-        y = y * z + x + 1.0f;                                                                  \
-        const VF scale = (VF)((n + 127) << 23);                                                \
-        return (VF)((VI)(y * scale) & ~tiny);                                                  \
-    }
-EXP_LANES(exp8, v8f, v8i)
-EXP_LANES(exp16, v16f, v16i)
+/* The operations, on vectors of eight lanes (exp8) or sixteen (EXP_LANES(v16f, v16i, ...)):
+ * the same per lane. OUT = e^X. */
+#define EXP_LANES(VF, VI, X, OUT)                                                              \
+    do {                                                                                       \
+        VF x_ = (X);                                                                           \
+        const VF lo_ = (VF){0} - 87.0f, hi_ = (VF){0} + 88.0f;                                 \
+        const VI tiny_ = x_ < lo_;                                                             \
+        const VI big_ = x_ > hi_;                                                              \
+        x_ = (VF)(((VI)x_ & ~big_) | ((VI)hi_ & big_));                                        \
+        x_ = (VF)(((VI)x_ & ~tiny_) | ((VI)lo_ & tiny_));                                      \
+        VF fx_ = x_ * 1.44269504088896341f + 0.5f;                                             \
+        VI n_ = __builtin_convertvector(fx_, VI); /* truncation; floor below */               \
+        n_ += (VI)(__builtin_convertvector(n_, VF) > fx_); /* -1 where it rounded up */       \
+        const VF fn_ = __builtin_convertvector(n_, VF);                                        \
+        x_ = x_ - fn_ * 0.693359375f;                                                          \
+        x_ = x_ - fn_ * -2.12194440e-4f;                                                       \
+        const VF z_ = x_ * x_;                                                                 \
+        VF y_ = (VF){0} + 1.9875691500e-4f;                                                    \
+        y_ = y_ * x_ + 1.3981999507e-3f;                                                       \
+        y_ = y_ * x_ + 8.3334519073e-3f;                                                       \
+        y_ = y_ * x_ + 4.1665795894e-2f;                                                       \
+        y_ = y_ * x_ + 1.6666665459e-1f;                                                       \
+        y_ = y_ * x_ + 5.0000001201e-1f;                                                       \
+        y_ = y_ * z_ + x_ + 1.0f;                                                              \
+        const VF scale_ = (VF)((n_ + 127) << 23);                                              \
+        (OUT) = (VF)((VI)(y_ * scale_) & ~tiny_);                                              \
+    } while (0)
+
+static inline v8f exp8(v8f x) {
+    v8f out;
+    EXP_LANES(v8f, v8i, x, out);
+    return out;
+}
 
 /* exp8 of one value. */
 static inline float exp1(float x) { return exp8(splat8(x))[0]; }
@@ -225,11 +228,12 @@ static void attention_values(const float *p, const float *v, int64_t n, int64_t 
         v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t t = 0; t < n; t++) {
             const float *vt = v + t * 64;
-            const v16f pt = splat16(p[t]);
-            a0 += pt * load16(vt);
-            a1 += pt * load16(vt + 16);
-            a2 += pt * load16(vt + 32);
-            a3 += pt * load16(vt + 48);
+            const float pv = p[t];
+            const v16f pt = SPLAT16(pv);
+            a0 += pt * LOAD16(vt);
+            a1 += pt * LOAD16(vt + 16);
+            a2 += pt * LOAD16(vt + 32);
+            a3 += pt * LOAD16(vt + 48);
         }
         *(v16u *)(o) = a0;
         *(v16u *)(o + 16) = a1;
@@ -337,8 +341,11 @@ static void attend_items(const void *c, int64_t i0, int64_t i1, int part) {
         const float *vh = a->vc + o + (hh / a->group) * a->head_stride;
         const float mx = attention_scores(row + hh * hd, kh, n_pos, hd, a->scale, scores);
         int64_t t = 0;
-        for (; t + 16 <= n_pos; t += 16)
-            *(v16u *)(scores + t) = exp16(load16(scores + t) - splat16(mx));
+        for (; t + 16 <= n_pos; t += 16) {
+            v16f e;
+            EXP_LANES(v16f, v16i, LOAD16(scores + t) - SPLAT16(mx), e);
+            *(v16u *)(scores + t) = e;
+        }
         for (; t + 8 <= n_pos; t += 8)
             *(v8u *)(scores + t) = exp8(load8(scores + t) - splat8(mx));
         for (; t < n_pos; t++) scores[t] = exp1(scores[t] - mx);
@@ -403,8 +410,10 @@ static int block_rows(float *h, int64_t M, const exitlm_block_dims *d, const flo
         float *a = act + m * F;
         int64_t j = 0;
         for (; j + 16 <= F; j += 16) {
-            const v16f gj = load16(g + j);
-            *(v16u *)(a + j) = gj / (splat16(1.0f) + exp16(-gj)) * load16(u + j);
+            const v16f gj = LOAD16(g + j);
+            v16f e;
+            EXP_LANES(v16f, v16i, -gj, e);
+            *(v16u *)(a + j) = gj / (SPLAT16(1.0f) + e) * LOAD16(u + j);
         }
         for (; j + 8 <= F; j += 8) {
             const v8f gj = load8(g + j);
