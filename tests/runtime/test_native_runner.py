@@ -420,6 +420,32 @@ def test_a_batch_steps_through_the_blocks_with_each_sequences_bits(
 
 
 @torch.no_grad()
+def test_a_batch_over_long_caches_on_two_threads_keeps_each_sequences_bits() -> None:
+    """Rows of a batch at 70-86 cached positions, on two threads: the blocks then share the
+    attention's (head, row) items between the threads (block.c, from 1024 head x row x
+    position triples); each row's hidden states are still those of its sequence alone on one
+    thread, bit for bit."""
+    from exitlm.kernels.blas import thread_split
+
+    runner = _runner(None)
+    dim = runner.model.config.dim
+    gen = torch.Generator().manual_seed(8)
+    starts, t = [70, 77, 83], 3
+    alone = [_caches(runner, s, seed=s)[0] for s in starts]
+    pool = runner.new_cache(len(starts), 96)
+    for b, c in enumerate(alone):
+        for u, v in zip((*pool.keys, *pool.values), (*c.keys, *c.values), strict=True):
+            u[b] = v[0]
+    h = torch.randn(len(starts), t, dim, generator=gen)
+    pos = torch.tensor([[s + j for j in range(t)] for s in starts])
+    with thread_split(1, 2):
+        got = runner.layers(h, 0, 4, pos, pool)
+    for b, c in enumerate(alone):
+        want = runner.layers(h[b : b + 1], 0, 4, pos[b : b + 1], c)
+        assert torch.equal(got[b], want[0]), b
+
+
+@torch.no_grad()
 def test_a_prepared_run_notices_changes_between_steps() -> None:
     """A step reuses the run of native calls made for its layers after one check of the whole
     run (``_intact_run``); a hook added, a weight's storage replaced, a layer swapped for
