@@ -126,6 +126,22 @@ def test_compare_repeats_short_runs_only_and_keeps_the_fastest() -> None:
     assert not odd["identical"]
 
 
+def test_compare_with_nothing_decoded_after_the_first_token_says_so(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-new-tokens 1: the first token comes from the prompt, nothing is decoded, so
+    there is no speed to compare: the line says so (no "nanx as fast"), the JSON's speedup is
+    null (valid JSON, no NaN)."""
+    base = ["generate", "Hello there", "--model", str(saved), "--max-new-tokens", "1",
+            "--threads", "1", "--compare", "--strategy", "self-spec", "--exit-layer", "1"]
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    assert "stopped after the first token" in err and "nan" not in err
+    assert "identical to plain decoding" in err
+    assert main([*base, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and json.loads(out)["compare_ar"]["speedup"] is None
+
+
 @pytest.mark.parametrize("make", [
     lambda d: Path("/dev/zero"),  # endless: stat() says 0 bytes
     lambda d: d,  # a directory

@@ -309,9 +309,13 @@ def run(args: argparse.Namespace) -> int:
         same = "identical to" if compared["identical"] else "different from"
         runs = compared["runs"]
         best = f" (the fastest of {runs} runs each)" if runs > 1 else ""
-        print(f"[plain decoding {compared['ar_decode_tokens_per_s']:.1f} tokens/s: "
-              f"{args.strategy} decodes {compared['speedup']:.2f}x as fast{best}; its output "
-              f"is {same} plain decoding's]", file=sys.stderr)
+        if compared["speedup"] is None:  # nothing decoded after the first token (its end)
+            print(f"[{args.strategy} and plain decoding stopped after the first token: no "
+                  f"decoding to time; its output is {same} plain decoding's]", file=sys.stderr)
+        else:
+            print(f"[plain decoding {compared['ar_decode_tokens_per_s']:.1f} tokens/s: "
+                  f"{args.strategy} decodes {compared['speedup']:.2f}x as fast{best}; its "
+                  f"output is {same} plain decoding's]", file=sys.stderr)
     return 0
 
 
@@ -338,7 +342,7 @@ def comparison(result: GenerationResult, again: Callable[[], GenerationResult],
     b = max(r.timings.decode_tokens_per_s for r in plains)
     ref = plains[0].token_ids
     return {"ar_decode_tokens_per_s": b, "decode_tokens_per_s": a,
-            "speedup": a / b if b > 0 else float("nan"), "runs": len(runs),
+            "speedup": a / b if a > 0 and b > 0 else None, "runs": len(runs),
             "identical": all(r.token_ids == ref for r in (*runs, *plains))}
 
 
