@@ -137,8 +137,9 @@ AI void prefetch_dense_at(const int kind, const void *w, int64_t off) {
 
 /* Columns k0 .. k1 of the tile (k0, and k1 unless it is K, multiples of 32), for K in parts
  * (dense_kparts): st, when not NULL, carries each pair's two chains (pair i, j at
- * st[2 * (i * MBMAX + j)]) from the part before (k0 > 0) and to the next (k1 < K), so that every chain performs the operations of the whole
- * tile in the same order; the part that ends at K adds the chunks of K % 32 and writes y.
+ * st[2 * (i * MBMAX + j)]) from the part before (k0 > 0) and to the next (k1 < K), so that
+ * every chain performs the operations of the whole tile in the same order; the part that ends
+ * at K adds the chunks of K % 32 and writes y.
  * pfo > 0: each weight block is prefetched pfo elements on (the same columns some rows on,
  * which the parts read next) rather than pf_near bytes on along its row. */
 AI void dense_zspan(const int kind, const int nb, const int mb, const float *x, const void *w,
@@ -395,14 +396,14 @@ __attribute__((constructor)) static void tiles_init(void) {
  * most ZX_PART_BYTES (fp16) or ZX_F32_PART_BYTES (fp32) of x rows (dense_kparts), because the
  * x rows, reread for every weight vector, would not stay in a 48 KB L1d next to the weight
  * stream.  Measured on a Zen 5 core (one thread, weights streaming from memory, x rows on
- * 64-byte lines; docs/measurements/kparts_zen5_2026-12-04.md), rows x cost of 8 rows: SmolLM2's
- * down projection (576 x 1536) fp32 1.7-1.9x against 3.1-3.4x for the former rule (four weight
- * rows per x load, whose 64 accumulators spill), a 2048 x 5632 product fp16 2.0-2.1x against
- * 4.4-4.9x (the former rule: passes of x rows over weight chunks reread from L2); fp32 4-6 rows
- * of SmolLM2's down projection (24-36 KB) 1.4-1.7x against 1.5-2.0x in one part, while 8 rows
- * of its 576-column products (18 KB) are faster in one part (1.35-1.4x).  fp16 in parts from
- * 20 KB took 1.5x where one part took 1.1x (3 rows of the down projection): its conversions
- * keep its loops busier than fp32's. */
+ * 64-byte lines, the installed build's flags; docs/measurements/kparts_zen5_2026-12-04.md),
+ * rows x cost of 8 rows: SmolLM2's down projection (576 x 1536) fp32 1.58x against 2.06x for
+ * the former rule (four weight rows per x load, whose 64 accumulators spill), a 2048 x 5632
+ * fp16 product 1.96x against 4.28x (the former rule: passes of x rows over weight chunks
+ * reread from L2).  The thresholds: fp32 4-6 rows of the down projection (24-36 KB) gained
+ * from parts, 8 rows of SmolLM2's 576-column products (18 KB) lost (1.35x one row in one
+ * part, 1.52x in parts); fp16 in parts from 20 KB took 1.5x where one part took 1.1x (3 rows
+ * of the down projection): its conversions keep its loops busier than fp32's. */
 #ifndef ZX_L1_BYTES
 #define ZX_L1_BYTES 40960
 #endif
