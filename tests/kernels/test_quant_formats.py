@@ -133,6 +133,28 @@ def test_qlinear_exact_below_threshold_and_close_above() -> None:
         quant.dense_linear(x, w.double())
 
 
+@needs_native
+def test_qlinear_with_int8_activations_is_the_integer_product() -> None:
+    """``int8_activations=True``: the gemm_* product of the same name with int8 activations
+    (q8a8, q4a8 for Q4_1 and Q4_0, packed or not), row-invariant, not the float32-x one."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(80, 128, generator=gen) * 0.1
+    x = torch.randn(7, 128, generator=gen)
+    q4_0 = quantize(w, "int4")
+    q4_0 = QuantizedWeight("int4", q4_0.q, q4_0.scales, -8 * q4_0.scales)  # GGUF Q4_0 mins
+    for qw in (quantize(w, "int8"), quantize(w, "int4"), q4_0):
+        got = qlinear(x, qw, int8_activations=True)
+        if qw.kind == "int8":
+            want = native.gemm_q8(x, qw.q, qw.scales, int8_activations=True)
+        else:
+            want = native.gemm_q4(x, qw.q, qw.scales, qw.kernel_mins(), int8_activations=True)
+        assert torch.equal(got, want)
+        assert torch.equal(qlinear(x[3:4], qw, 2, int8_activations=True)[0], got[3])
+        assert torch.equal(qw.linear(x, int8_activations=True), got)
+        assert not torch.equal(got, qlinear(x, qw))  # the float32-x product differs
+        assert torch.allclose(got, qlinear(x, qw), atol=0.05)
+
+
 def test_qlinear_without_native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "available", lambda: False)
     w = torch.randn(10, 64)

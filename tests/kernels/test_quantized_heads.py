@@ -129,6 +129,26 @@ def test_lossless_strategies_are_exact_with_own_int8_exit_matrices() -> None:
     assert ss.token_ids == ar and ss.stats.drafted > 0
 
 
+@pytest.mark.parametrize("int8_activations", [True, False], indirect=True)
+@torch.no_grad()
+def test_the_native_runners_heads_follow_int8_activations(int8_activations: bool) -> None:
+    """The native runner's quantized heads (an int8 head of a float model, an int4 model's
+    tied head; final and early) take the product with int8 activations while the blocks do,
+    float32 ones otherwise; greedy tokens are the argmax of those logits."""
+    for model in (quantize_heads(_model()), quantize_model(_model(), "int4")):
+        runner = prepare(model, backend="native")
+        head = model.output_embedding()
+        assert isinstance(head, QuantizedWeight)
+        h = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(3))
+        for layer in (2, model.num_layers):
+            got = runner.logits(h, layer)
+            want = qlinear(model.norm(h), head, int8_activations=int8_activations)
+            assert torch.equal(got, want)
+            other = qlinear(model.norm(h), head, int8_activations=not int8_activations)
+            assert not torch.equal(got, other)
+            assert runner.greedy(h, layer) == got[:, -1].argmax(-1).tolist()
+
+
 def test_head_dtype_reaches_the_model_from_the_commands(capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
     with pytest.raises(ConfigError, match="quantizes the heads already"):

@@ -58,7 +58,9 @@ static int weight_product(const exitlm_weight *w, const float *x, float *y, int6
     }
 }
 
-/* A block's product: int8 activations as the process setting says. */
+/* A block's or a head's product: int8 activations as the process setting says (for quantized
+ * weights; a float head ignores it), as NativeRunner.project takes the heads on the Python
+ * side. */
 static int product(const exitlm_weight *w, const float *x, float *y, int64_t M, int nthreads) {
     return weight_product(w, x, y, M, nthreads, act8);
 }
@@ -518,12 +520,6 @@ static int embed_row(const exitlm_weight *e, int64_t id, float *out) {
     }
 }
 
-/* An output embedding's logits with float32 activations: the products exitlm's Python side
- * uses for heads (decoding backend, quantized_project), never int8 activations. */
-static int head_product(const exitlm_weight *w, const float *x, float *y, int nthreads) {
-    return weight_product(w, x, y, 1, nthreads, 0);
-}
-
 /* Index of the largest of y[0..n-1], the first one on ties, a NaN before any number (what
  * torch.argmax returns). */
 static int64_t argmax(const float *y, int64_t n) {
@@ -581,7 +577,7 @@ int exitlm_chain(int64_t token, int64_t n, int64_t n_layers, const exitlm_layer 
             return 0;
         }
         rms_norm(h, norm, eps, xn, D);
-        if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
+        if ((rc = product(head, xn, logits, 1, nthreads)) != 0) return rc;
         int64_t col;
         if (min_conf > 0.0f) {  /* an unsure draft is the last one */
             const float conf = confidence(logits, head->n, &col);
@@ -642,7 +638,7 @@ int exitlm_segments(float *hidden, int64_t q, const int64_t *starts, const int64
         out[0] = i + 1;
         if (!probe || e >= L) continue;
         rms_norm(hidden + q * D, norm, eps, xn, D);
-        if ((rc = head_product(head, xn, logits, nthreads)) != 0) return rc;
+        if ((rc = product(head, xn, logits, 1, nthreads)) != 0) return rc;
         int64_t top;
         if (confidence(logits, head->n, &top) >= stop_prob) {
             out[1] = e;

@@ -70,10 +70,13 @@ def int8_activations() -> bool:
     activations rounded to int8 in groups of 32 (:func:`gemm_q8` / :func:`gemm_q4` with
     ``int8_activations=True``), as llama.cpp does for Q8_0/Q4_x weights. On by default;
     ``EXITLM_INT8_ACTIVATIONS=0`` or :func:`set_int8_activations` turn it off (float32
-    activations: slower, closer to the dequantized weights). The products called from Python
-    (batches, exit heads and the LM head) keep float32 activations: their inputs are not
-    computed row-invariantly everywhere, and rounding would magnify a last-bit difference into
-    a quantization step. False without the library."""
+    activations: slower, closer to the dequantized weights). The native runtime's heads follow
+    it too (its exit heads and LM head, ``block.c``'s draft chains and segments:
+    :meth:`exitlm.runtime.native.NativeRunner.project`), since their inputs come from the
+    row-invariant native blocks; :func:`exitlm.kernels.quant.qlinear` called without
+    ``int8_activations`` (the eager model's quantized layers, whose inputs torch computes)
+    keeps float32 activations, where rounding would magnify a last-bit difference into a
+    quantization step. False without the library."""
     lib = _load()
     return bool(lib is not None and lib.exitlm_int8_activations())
 
@@ -405,11 +408,13 @@ class BoundGemm:
     """One of the ``gemm_*`` products with its weight checked and its pointers taken once.
 
     ``bound(x, threads=1)`` returns the same bits as the ``gemm_*`` call it stands for, with only
-    ``x`` checked per call (the per-call Python work of a decoding step's many small products).
-    It keeps references to the weight tensors, so their storage stays valid; do not resize them.
+    ``x`` checked per call (the per-call Python work of a decoding step's many small products);
+    ``int8_activations=True`` stands for the call with ``int8_activations=True`` (quantized
+    kinds only; the float kinds have no such product and ignore it). It keeps references to
+    the weight tensors, so their storage stays valid; do not resize them.
     """
 
-    __slots__ = ("_fn", "_keep", "_ptrs", "_ref", "k", "kind", "n")
+    __slots__ = ("_fn", "_fn8", "_keep", "_ptrs", "_ref", "k", "kind", "n")
 
     def __init__(self, kind: str, tensors: tuple[torch.Tensor | None, ...], n: int, k: int,
                  ref: Callable[..., torch.Tensor]) -> None:
@@ -418,16 +423,21 @@ class BoundGemm:
         self._ref = ref
         lib = _load()
         self._fn = None if lib is None else getattr(lib, f"exitlm_gemm_{kind}")
+        # the same product with int8 activations (q8a8, q4a8, q4pa8: the same signatures)
+        self._fn8 = (None if lib is None or kind in ("f32", "f16")
+                     else getattr(lib, f"exitlm_gemm_{kind}a8"))
         self._ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
 
-    def __call__(self, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, threads: int = 1,
+                 int8_activations: bool = False) -> torch.Tensor:
         """``x (..., K) float32 -> (..., N) float32`` (``threads`` a positive int)."""
         if self._fn is None:
             return self._ref(x, *self._keep, threads=threads)
         n, k = self.n, self.k
         m = _rows(x, k, self.kind)
         y = torch.empty(m, n) if x.dim() == 2 else _out(x, m, n)
-        self._fn(x.data_ptr(), *self._ptrs, y.data_ptr(), m, n, k, threads)
+        fn = self._fn8 if int8_activations and self._fn8 is not None else self._fn
+        fn(x.data_ptr(), *self._ptrs, y.data_ptr(), m, n, k, threads)
         return y
 
 

@@ -9,8 +9,9 @@
   load as ``mins = -8 * scales``; the native kernels then read no mins (they compute them,
   :meth:`QuantizedWeight.kernel_mins`).
 
-The products here take float32 activations (the fused native blocks round theirs to int8,
-see :func:`exitlm.kernels.native.int8_activations`). :func:`qlinear` and :func:`dense_linear`
+The products here take float32 activations, rounded to int8 in groups of 32 only where the
+caller asks (``int8_activations``: the fused native blocks and the native runtime's heads, see
+:func:`exitlm.kernels.native.int8_activations`). :func:`qlinear` and :func:`dense_linear`
 use the native kernels of :mod:`exitlm.kernels.native` for fewer than :data:`ROW_THRESHOLD`
 rows: there every output is a fixed function of its row of ``x`` and row of ``W`` (same bits
 for 1 row or 16, for 1 thread or 2), which is what makes plain decoding and draft verification
@@ -260,11 +261,13 @@ class QuantizedWeight:
         assert self.mins is not None
         return native.unpack_q4(self.q, self.scales, self.mins, dtype)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, threads: int = 1, *,
+               int8_activations: bool = False) -> torch.Tensor:
         """``x @ W.T`` (float32 out) for activations of any float dtype: the product
         :meth:`~exitlm.model.transformer.EarlyExitLM.project` asks a weight that is not a
-        tensor for (:func:`qlinear`)."""
-        return qlinear(x if x.dtype == torch.float32 else x.float(), self)
+        tensor for (:func:`qlinear`, whose ``threads`` and ``int8_activations`` these are)."""
+        return qlinear(x if x.dtype == torch.float32 else x.float(), self, threads,
+                       int8_activations=int8_activations)
 
     def nbytes(self) -> int:
         """Bytes of ``q``, ``scales`` and ``mins``."""
@@ -331,12 +334,15 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
-def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1, *,
+            int8_activations: bool = False) -> torch.Tensor:
     """``x (..., K) float32 @ W.T -> (..., N) float32`` for a quantized ``W``.
 
     Fewer than :data:`ROW_THRESHOLD` rows on the CPU: the native per-row kernel (row-invariant,
-    exact per (row, output) arithmetic). Otherwise, or without the native library: dequantize +
-    ``F.linear`` (not row-invariant).
+    exact per (row, output) arithmetic), with each row of ``x`` rounded to int8 in groups of 32
+    when ``int8_activations`` (:func:`~exitlm.kernels.native.gemm_q8`'s integer products, the
+    fused blocks' arithmetic). Otherwise, or without the native library: dequantize +
+    ``F.linear`` with float32 ``x`` (not row-invariant).
     """
     if not isinstance(w, QuantizedWeight):
         raise ValueError(f"qlinear: w must be a QuantizedWeight, got {type(w).__name__}")
@@ -346,7 +352,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, threads: int = 1) -> torch.Tens
     if x.is_cpu and _rows(x) < ROW_THRESHOLD:
         kernel = w._kernel()
         if kernel is not None:
-            return kernel(x if x.is_contiguous() else x.contiguous(), threads)
+            return kernel(x if x.is_contiguous() else x.contiguous(), threads,
+                          int8_activations)
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"qlinear: x must have shape (..., {w.shape[1]}), got {tuple(x.shape)}")
     return F.linear(x, w.dequantize())

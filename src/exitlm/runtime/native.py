@@ -362,11 +362,14 @@ class NativeRunner(Runner):
         """Output products through exitlm's kernels: fp32/fp16 embeddings read row after row
         (SmolLM2's tied 49152 x 576: fp32 ~39 GB/s against ~34 for OpenBLAS' GEMV, fp16 ~40
         against ~24 for torch's), every row the same bits whatever the number of rows;
-        quantized ones through theirs; longer products through the packed kernels."""
+        quantized ones through theirs, with int8 activations when the native blocks take them
+        (:func:`~exitlm.kernels.native.int8_activations`: every head of this runner rounds as
+        ``block.c``'s draft chains and segments do, and plain steps as verification rows);
+        longer products through the packed kernels."""
         if self.model.output_layout is not None:
             return self.model.output_layout.project(h, weight)
         if isinstance(weight, QuantizedWeight):
-            return weight.linear(h)
+            return weight.linear(h, _threads(), int8_activations=native.int8_activations())
         if (weight.dtype in _NATIVE_HEADS and h.dtype is weight.dtype and h.is_cpu
                 and weight.is_cpu and weight.is_contiguous() and not torch.is_grad_enabled()
                 and h.numel() <= NATIVE_HEAD_ROWS * h.shape[-1]):
@@ -386,9 +389,10 @@ class NativeRunner(Runner):
         """The exit's argmax tokens through a :class:`~exitlm.kernels.screen.GreedyScreen` of
         its fp32 or fp16 output embedding (an int8 copy and an error bound: the same tokens as the
         argmax of :meth:`logits`, a quarter of the head's bytes read) or a
-        :class:`~exitlm.kernels.screen.QuantizedScreen` of an int4 one (its integer product
-        with int8 activations and an error bound); other heads, and rows the screens
-        cannot decide, through the logits."""
+        :class:`~exitlm.kernels.screen.QuantizedScreen` of an int4 one while int8 activations
+        are off (its integer product with int8 activations and an error bound; with them on,
+        that integer product is the head's own and its argmax is taken directly); other heads,
+        and rows the screens cannot decide, through the logits."""
         model = self.model
         if (not screens_enabled() or model.output_layout is not None or not h.is_cpu
                 or torch.is_grad_enabled() or h.shape[0] > NATIVE_HEAD_ROWS):
@@ -398,7 +402,8 @@ class NativeRunner(Runner):
         plain = (type(weight) in PLAIN_TENSORS and screens_head(weight)
                  and feats.dtype is weight.dtype and weight.is_cpu and weight.is_contiguous()
                  and weight.shape[0] >= MIN_SCREEN_ROWS and weight.shape[1] % GROUP == 0)
-        quantized = (isinstance(weight, QuantizedWeight) and screens_head(weight)
+        quantized = (isinstance(weight, QuantizedWeight) and not native.int8_activations()
+                     and screens_head(weight)
                      and feats.dtype is torch.float32 and weight.q.is_cpu
                      and weight.shape[0] >= MIN_SCREEN_ROWS)
         screen = _screen_of(weight, make=ahead >= BUILD_TOKENS) if plain or quantized else None
