@@ -8,7 +8,8 @@ computes its own product when the model's one output product
 (:meth:`~exitlm.model.transformer.EarlyExitLM.project`) meets it. Norms and rotary tables stay
 fp32. The fused native blocks round the activations of their int8/int4 products to int8 in
 groups of 32 (as llama.cpp does; :func:`exitlm.kernels.native.int8_activations`); the products
-called from here (batches, prefills of 96+ positions, exit heads, the LM head) keep them fp32.
+called from the eager model (batches, prefills of 96+ positions) keep them fp32; the native
+runtime's heads (exit heads, LM head, draft chains) follow the same switch as its blocks.
 
 The quantized buffers are ordinary module buffers named ``<module>.q``, ``<module>.scales``
 and ``<module>.mins``, so ``state_dict()`` / :func:`~exitlm.io.native.save_native` write a

@@ -35,7 +35,9 @@ against 1.13 ms with the avx512 build, 1.83 against 1.19 with the avx2 one (Zen 
 many candidates, returns None: the caller takes the full head.
 
 Quantized heads have their own screen, :class:`QuantizedScreen`: no copy, their own integer
-product. Greedy steps take it for int4 heads, where that product is much the faster one.
+product. Greedy steps take it for int4 heads when int8 activations are off
+(``EXITLM_INT8_ACTIVATIONS=0``); with them on, the native runtime's heads are that integer
+product already and need no screen.
 
 A step's arithmetic around the product - rounding the activations, the bound's terms, the
 candidates - is one native call each (``exitlm_screen_round``, ``exitlm_screen_candidates``:
