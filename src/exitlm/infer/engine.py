@@ -373,6 +373,11 @@ class Engine:
         return len(self.running) - (self.filling is not None)
 
     def _admit(self, updates: list[Update]) -> None:
+        if not self._waiting:  # most steps: nothing to admit, at most a prompt filling
+            if self.filling is not None:
+                assert self.prefill_chunk is not None
+                self._fill(updates, self.prefill_chunk)
+            return
         held = self._held_prompts()
         with self._lock:
             new, long, used = self._take(held)

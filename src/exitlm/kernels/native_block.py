@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from exitlm.kernels import abi
 from exitlm.kernels.quant import QuantizedWeight
@@ -102,9 +103,16 @@ class Intact:
     (``storage``: ``(dict, name, data_ptr)``) and fp16 norm weights not updated in place
     (``versions``: ``(tensor, _version)``). The checks of several blocks add up into one
     (``a + b``) that a decoding step runs in a few passes of C-level ``map`` (~1 us a layer
-    instead of ~9 us for the same checks written as Python loops)."""
+    instead of ~9 us for the same checks written as Python loops).
 
-    __slots__ = (
+    The hook dicts are read again only after a hook was registered anywhere in the process:
+    every ``register_forward_hook`` / ``register_forward_pre_hook`` makes a
+    :class:`~torch.utils.hooks.RemovableHandle`, whose class counts them (``next_id``), so an
+    unchanged count since a check that found none means there are still none (a hook written
+    into a module's private hook dict by hand is not seen). Each weight's ``data_ptr`` is read
+    every time: ``tensor.data = other`` moves a weight without any such trace."""
+
+    _LISTS = (
         "dicts",
         "fields",
         "hooks",
@@ -115,6 +123,7 @@ class Intact:
         "tensors",
         "versions",
     )
+    __slots__ = (*_LISTS, "hooks_mark")
 
     def __init__(self, children: Iterable[tuple[dict, str, Any]] = (),
                  hooked: Iterable[torch.nn.Module] = (),
@@ -130,12 +139,23 @@ class Intact:
         self.ptrs = [p for _, _, p in storage]
         self.tensors = [t for t, _ in versions]
         self.versions = [v for _, v in versions]
+        self.hooks_mark: int | None = None  # RemovableHandle.next_id when none were found
 
     def __add__(self, other: Intact) -> Intact:
         out = Intact()
-        for name in Intact.__slots__:
+        for name in Intact._LISTS:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
+
+    def no_hooks(self) -> bool:
+        """Whether none of the modules has a forward (pre-)hook."""
+        mark = RemovableHandle.next_id
+        if mark == self.hooks_mark:
+            return True
+        if any(self.hooks):
+            return False
+        self.hooks_mark = mark
+        return True
 
     def same_children(self) -> bool:
         # list comparison tests identity first; modules compare equal only to themselves
@@ -150,7 +170,7 @@ class Intact:
             return False
 
     def __call__(self) -> bool:
-        return (self.same_children() and not any(self.hooks)
+        return (self.same_children() and self.no_hooks()
                 and self.in_place() and list(map(_VERSION, self.tensors)) == self.versions)
 
 
